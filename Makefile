@@ -1,0 +1,31 @@
+# Set-up: a virtualenv in the checkout, installed with the pinned constraints.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test opinfo bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/mlp.py --dump aotc_dump/mlp
+	@echo "graphs written under aotc_dump/mlp"
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+opinfo: $(STAMP)
+	$(BIN)/python -m pytest -m opinfo tests/opinfo -p no:cacheprovider
+
+bench: $(STAMP)
+	$(BIN)/python bench/run_all.py
+
+clean:
+	rm -rf $(VENV) aotc_dump *.egg-info

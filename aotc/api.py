@@ -1,0 +1,219 @@
+"""Public API: `aotc.compile` (decorator or wrapper, functions and nn.Modules) and `aotc.inspect`.
+
+A compiled function flattens its arguments, appends the tensors it lifted (closures, globals,
+module parameters and buffers), and hands the leaves to a `Dispatcher`, which finds or compiles the
+entry for their signature. See aotc/pipeline.py for what a compilation does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect as pyinspect
+from collections.abc import Callable
+from typing import Any, overload
+
+import torch
+import torch.utils._pytree as pytree
+
+from aotc.lifting import Access, find_free_tensors, module_accesses, module_training_flags, swapped
+from aotc.options import CompileOptions
+from aotc.pipeline import CompiledRecord, compile_signature
+from runtime.errors import UnsupportedError
+from runtime.wrappers import CompiledEntry, Dispatcher
+
+Tensor = torch.Tensor
+
+
+class CompiledFunction:
+    """A function compiled by aotc. Call it like the original."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        options: CompileOptions,
+        accesses: tuple[Access, ...],
+        name: str,
+        extra_key: Callable[[], object] | None = None,
+    ) -> None:
+        self._fn = fn
+        self._options = options
+        self._accesses = accesses
+        self._lifted_names = [a.name for a in accesses]
+        self._extra_key = extra_key
+        self._name = name
+        self._dispatch = Dispatcher(
+            self._compile, name, options.recompile_warn_limit, options.max_signatures
+        )
+        functools.update_wrapper(self, fn, updated=())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs and all(type(a) is Tensor for a in args):
+            leaves: list[object] = list(args)
+            spec: object = len(args)
+        else:
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+        if self._accesses:
+            leaves.extend([a.get() for a in self._accesses])
+        extra = (spec, self._extra_key()) if self._extra_key is not None else spec
+        return self._dispatch(leaves, extra)
+
+    @property
+    def records(self) -> list[CompiledRecord]:
+        return [e.record for e in self._dispatch.entries]  # type: ignore[misc]
+
+    @property
+    def recompile_reasons(self) -> list[str]:
+        return list(self._dispatch.recompile_reasons)
+
+    def _compile(self, leaves: list[object], key: tuple[object, ...]) -> CompiledEntry:
+        if self._options.dynamic:
+            raise UnsupportedError(
+                "aotc.compile(dynamic=True) is not supported yet: every new input shape "
+                "compiles a new graph. Pass dynamic=False."
+            )
+        spec = key[0][0] if self._extra_key is not None else key[0]
+        num_lifted = len(self._accesses)
+        num_user = len(leaves) - num_lifted
+        if isinstance(spec, int):
+            in_spec = pytree.tree_flatten((tuple(leaves[:num_user]), {}))[1]
+        else:
+            in_spec = spec
+        names = _leaf_names(self._fn, in_spec, num_user) + self._lifted_names
+        fn, accesses = self._fn, self._accesses
+
+        def program(user_leaves: list[object]) -> tuple[list[object], object]:
+            args, kwargs = pytree.tree_unflatten(user_leaves[:num_user], in_spec)
+            with swapped(accesses, user_leaves[num_user:]):
+                out = fn(*args, **kwargs)
+            return _flatten_output(out)
+
+        return compile_signature(program, leaves, names, self._options, self._name)
+
+
+def _flatten_output(out: object) -> tuple[list[object], pytree.TreeSpec]:
+    leaves, spec = pytree.tree_flatten(out)
+    fresh = {type(x) for x in leaves if dataclasses.is_dataclass(x) and not isinstance(x, type)}
+    if fresh:
+        for cls in fresh:
+            pytree.register_dataclass(cls)
+        leaves, spec = pytree.tree_flatten(out)
+    return leaves, spec
+
+
+def _leaf_names(fn: Callable[..., Any], in_spec: pytree.TreeSpec, num: int) -> list[str]:
+    """Readable names of user leaves: parameter names with pytree paths."""
+    try:
+        params = list(pyinspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        params = []
+    placeholder = pytree.tree_unflatten(list(range(num)), in_spec)
+    paths = pytree.tree_flatten_with_path(placeholder)[0]
+    names = []
+    for path, _ in paths:
+        keys = [getattr(k, "idx", getattr(k, "key", k)) for k in path]
+        if keys and keys[0] == 0 and len(keys) > 1:
+            pos = keys[1]
+            base = params[pos] if isinstance(pos, int) and pos < len(params) else f"args[{pos}]"
+            rest = keys[2:]
+        elif keys and keys[0] == 1 and len(keys) > 1:
+            base, rest = str(keys[1]), keys[2:]
+        else:
+            base, rest = "arg", keys
+        names.append(base + "".join(f"[{k!r}]" for k in rest))
+    return names
+
+
+class CompiledModule(torch.nn.Module):
+    """An nn.Module whose forward runs through aotc. Shares the original's live parameters and
+    buffers: state_dict, parameters(), train()/eval() and attribute access go to the original."""
+
+    def __init__(self, module: torch.nn.Module, options: CompileOptions) -> None:
+        super().__init__()
+        self._orig_mod = module
+        forward = type(module).forward
+
+        def call_forward(*args: Any, **kwargs: Any) -> Any:
+            return forward(module, *args, **kwargs)
+
+        call_forward.__signature__ = _drop_self(forward)  # type: ignore[attr-defined]
+        name = type(module).__name__
+        self._compiled = CompiledFunction(
+            call_forward,
+            options,
+            tuple(module_accesses(module, "self")),
+            name,
+            extra_key=module_training_flags(module),
+        )
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._compiled(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["_orig_mod"], name)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._orig_mod.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._orig_mod.load_state_dict(*args, **kwargs)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+        return self._orig_mod.named_parameters(*args, **kwargs)
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Any:
+        return self._orig_mod.named_buffers(*args, **kwargs)
+
+    @property
+    def records(self) -> list[CompiledRecord]:
+        return self._compiled.records
+
+
+def _drop_self(fn: Callable[..., Any]) -> pyinspect.Signature | None:
+    try:
+        sig = pyinspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    return sig.replace(parameters=list(sig.parameters.values())[1:])
+
+
+@overload
+def compile(fn: torch.nn.Module, **options: Any) -> CompiledModule: ...
+@overload
+def compile(fn: Callable[..., Any], **options: Any) -> CompiledFunction: ...
+@overload
+def compile(fn: None = None, **options: Any) -> Callable[[Callable[..., Any]], CompiledFunction]: ...
+
+
+def compile(fn: Any = None, **options: Any) -> Any:
+    """Compile a function or nn.Module ahead of time into forward and backward graphs.
+
+    Usable as `aotc.compile(f)`, `@aotc.compile` or `@aotc.compile(check_invariants=True)`.
+    Options are the fields of `aotc.options.CompileOptions` (`dump=` is short for `dump_dir=`).
+    """
+    if "dump" in options:
+        options["dump_dir"] = options.pop("dump")
+    opts = CompileOptions.from_env(**options)
+    if fn is None:
+        return lambda f: compile(f, **options)
+    if isinstance(fn, (CompiledFunction, CompiledModule)):
+        return fn
+    if isinstance(fn, torch.nn.Module):
+        return CompiledModule(fn, opts)
+    if not callable(fn):
+        raise TypeError(f"aotc.compile() expects a function or nn.Module, got {type(fn).__name__}")
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    return CompiledFunction(fn, opts, find_free_tensors(fn), name)
+
+
+def inspect(compiled: Any) -> list[CompiledRecord]:
+    """One record per compiled signature: joint, forward and backward graphs, metadata,
+    partition report, and compile time by stage."""
+    if isinstance(compiled, (CompiledFunction, CompiledModule)):
+        return compiled.records
+    raise TypeError(
+        f"aotc.inspect() expects what aotc.compile() returned, got {type(compiled).__name__}"
+    )

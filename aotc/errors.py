@@ -1,0 +1,11 @@
+"""aotc's error hierarchy. Defined in `runtime.errors` so the runtime can raise them too."""
+
+from runtime.errors import (
+    AotcError,
+    CacheError,
+    GraphInvariantError,
+    GuardError,
+    UnsupportedError,
+)
+
+__all__ = ["AotcError", "CacheError", "GraphInvariantError", "GuardError", "UnsupportedError"]

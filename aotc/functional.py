@@ -1,0 +1,110 @@
+"""Functionalization helpers shared by the metadata pass and the joint trace.
+
+Both run the user program on functional tensor wrappers (the C++ functionalization layer behind
+`torch.func.functionalize`) over fake tensors, so no real compute happens at compile time and
+every in-place op becomes a functional op plus a record of the mutation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+
+from runtime.errors import AotcError, UnsupportedError
+
+# A user program after flattening: takes the user leaves, returns (output leaves, output spec).
+FlatProgram = Callable[[list[object]], tuple[list[object], object]]
+
+
+def to_functional(t: torch.Tensor) -> torch.Tensor:
+    wrapped = torch._to_functional_tensor(t)
+    torch._mirror_autograd_meta_to(t, wrapped)  # keeps requires_grad and non-leafness
+    return wrapped
+
+
+def from_functional(t: object) -> object:
+    if isinstance(t, torch.Tensor) and torch._is_functional_tensor(t):
+        torch._sync(t)
+        return torch._from_functional_tensor(t)
+    return t
+
+
+@contextlib.contextmanager
+def functionalization() -> Iterator[None]:
+    torch._enable_functionalization(reapply_views=True)
+    try:
+        yield
+    finally:
+        torch._disable_functionalization()
+
+
+def _user_frame(tb: traceback.StackSummary) -> str:
+    """The innermost frame outside torch and aotc: the user's line."""
+    skip = ("/torch/", "/aotc/", "/passes/", "/runtime/", "contextlib.py")
+    for frame in reversed(tb):
+        if not any(s in frame.filename for s in skip):
+            return f"{frame.filename}:{frame.lineno} ({frame.line})"
+    return "<unknown>"
+
+
+@contextlib.contextmanager
+def user_errors(what: str) -> Iterator[None]:
+    """Turn tracing failures that mean 'unsupported program' into UnsupportedError."""
+    try:
+        yield
+    except AotcError:
+        raise
+    except (DataDependentOutputException, DynamicOutputShapeException) as e:
+        where = _user_frame(traceback.extract_tb(sys.exc_info()[2]))
+        op = getattr(e, "func", "?")
+        raise UnsupportedError(
+            f"{what}: the program's control flow or output shape depends on tensor values "
+            f"(op {op}, at {where}): e.g. `if x.sum() > 0`, `.item()`, `.tolist()`, "
+            "`torch.nonzero`. aotc compiles one graph per input signature and cannot see values. "
+            "Move the data-dependent part outside the compiled function, or use torch.where."
+        ) from e
+    except UnsupportedOperatorException as e:
+        where = _user_frame(traceback.extract_tb(sys.exc_info()[2]))
+        raise UnsupportedError(
+            f"{what}: op {e.func} has no fake-tensor implementation (at {where}); aotc cannot "
+            "trace it. Call it outside the compiled function."
+        ) from e
+    except (RuntimeError, AssertionError) as e:
+        text = str(e)
+        if "FakeTensor" in text and ("non-Fake" in text or "convert all Tensors" in text):
+            found = text.split("Found in", 1)[-1].strip()[:200]
+            where = _user_frame(traceback.extract_tb(sys.exc_info()[2]))
+            raise UnsupportedError(
+                f"{what}: the program reads a tensor that is neither an argument nor reachable "
+                f"from a closure, global or module attribute aotc can lift (in {found}, at "
+                f"{where}). Pass it as an argument (or register it as a module buffer)."
+            ) from e
+        raise
+
+
+def fakeify(
+    mode: FakeTensorMode, tensors: Sequence[torch.Tensor], *, as_leaves: bool
+) -> list[torch.Tensor]:
+    """Fake copies. `as_leaves=False` keeps non-leafness and aliasing (metadata pass);
+    `as_leaves=True` gives leaves with the same requires_grad (joint trace primals)."""
+    if not as_leaves:
+        return [mode.from_tensor(t) for t in tensors]
+    fakes = []
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        detached = [t.detach() for t in tensors]
+    for t, d in zip(tensors, detached):
+        fake = mode.from_tensor(d)
+        if t.requires_grad:
+            fake.requires_grad_(True)
+        fakes.append(fake)
+    return fakes

@@ -1,0 +1,226 @@
+"""The compile driver: the one place to read the data flow for one input signature.
+
+    program, leaves, CompileOptions
+      │ runtime.convention.plan_convention  → CallingConvention    (dedupe)
+      │ aotc.metadata.collect_metadata      → MetadataResult       (mutations, aliases)
+      │   (aliased inputs with a mutation: plan synthetic bases, collect again)
+      │ aotc.tracer.trace_joint             → JointGraph           (functional ATen)
+      │ passes.partition.partition          → PartitionResult      (training only)
+      │ runtime.epilogue.plan_epilogue      → EpiloguePlan
+      ▼ runtime.wrappers.CompiledEntry      → the callable for this signature
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from aotc.functional import FlatProgram
+from aotc.metadata import MetadataResult, collect_metadata
+from aotc.options import CompileOptions
+from aotc.tracer import trace_joint
+from passes.descriptors import GradOutput
+from passes.ir import JointGraph
+from passes.lint import lint_graph
+from passes.partition import PartitionResult, partition
+from runtime.autograd import AutogradPlan
+from runtime.convention import alias_groups, plan_convention
+from runtime.epilogue import EpiloguePlan, plan_epilogue
+from runtime.schema import CallingConvention, FwdOut, GraphArg, MutationAliasInfo, UserArg
+from runtime.wrappers import CompiledEntry, RuntimePlan
+
+
+@dataclass(frozen=True)
+class CompiledRecord:
+    """What `aotc.inspect` shows for one compiled signature."""
+
+    name: str
+    signature: str  # readable input signature (the guard)
+    training: bool
+    convention: CallingConvention
+    meta: MutationAliasInfo
+    joint: fx.GraphModule
+    forward: fx.GraphModule
+    backward: fx.GraphModule | None
+    partition: PartitionResult | None
+    epilogue: EpiloguePlan
+    joint_graph: JointGraph
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(self.stage_seconds.values())
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.partition.saved_bytes if self.partition else 0
+
+    @property
+    def stages(self) -> list[tuple[str, str]]:
+        """Every stage's printable record, in pipeline order: (file name, text)."""
+        out = [
+            ("00_signature.txt", f"# stage: signature\n{self.name}\n{self.signature}\n"),
+            ("01_metadata.txt", self.meta.format() + "\n"),
+            ("02_joint.py", self.joint_graph.format("joint")),
+        ]
+        if self.partition is not None:
+            out += [
+                ("03_partition.txt", self.partition.format() + "\n"),
+                ("04_forward.py", self.partition.forward.format("forward")),
+                ("05_backward.py", self.partition.backward.format("backward")),
+            ]
+        out.append(("06_epilogue.txt", self.epilogue.format() + "\n"))
+        times = "\n".join(f"{k}: {v * 1e3:.2f} ms" for k, v in self.stage_seconds.items())
+        out.append(("07_compile_time.txt", f"# stage: compile time\n{times}\n"))
+        return out
+
+    def format(self) -> str:
+        return "\n".join(text for _, text in self.stages)
+
+
+def describe_signature(leaves: Sequence[object], names: Sequence[str]) -> str:
+    parts = []
+    for i, leaf in enumerate(leaves):
+        name = names[i] if i < len(names) else f"arg{i}"
+        if isinstance(leaf, torch.Tensor):
+            dtype = str(leaf.dtype).removeprefix("torch.")
+            rg = " requires_grad" if leaf.requires_grad else ""
+            parts.append(
+                f"{name}: {dtype}{list(leaf.shape)} stride={leaf.stride()} {leaf.device}{rg}"
+            )
+        else:
+            parts.append(f"{name}: {type(leaf).__name__} = {leaf!r}")
+    return "\n".join(parts) + f"\ngrad_enabled={torch.is_grad_enabled()}"
+
+
+def compile_signature(
+    program: FlatProgram,
+    leaves: list[object],
+    names: list[str],
+    options: CompileOptions,
+    name: str,
+) -> CompiledEntry:
+    times: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(stage: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        times[stage] = times.get(stage, 0.0) + now - clock
+        clock = now
+
+    grad_enabled = torch.is_grad_enabled()
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    convention = plan_convention(leaves, names=names)
+    metadata = collect_metadata(program, leaves, convention, fake_mode, grad_enabled, names)
+    groups = _mutated_alias_groups(leaves, convention, metadata)
+    if groups:
+        convention = plan_convention(leaves, groups, names)
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+        metadata = collect_metadata(program, leaves, convention, fake_mode, grad_enabled, names)
+    lap("metadata")
+
+    training = grad_enabled and any(metadata.fwd_plan.needs_tangent)
+    joint = trace_joint(program, leaves, convention, metadata, fake_mode, grad_enabled, training)
+    lap("trace")
+    if options.check_invariants:
+        lint_graph(joint, "trace")
+
+    part: PartitionResult | None = None
+    autograd_plan: AutogradPlan | None = None
+    detach: tuple[GraphArg, ...] = ()
+    if training:
+        part = partition(joint)
+        lap("partition")
+        if options.check_invariants:
+            lint_graph(part.forward, "forward")
+            lint_graph(part.backward, "backward")
+        grad_args = tuple(d.arg for d in part.backward.outputs if isinstance(d, GradOutput))
+        autograd_plan = AutogradPlan(
+            num_graph_args=len(convention.graph_sources),
+            num_fwd_outs=metadata.fwd_plan.num_outputs,
+            diff_outs=tuple(
+                FwdOut(k) for k, needs in enumerate(metadata.fwd_plan.needs_tangent) if needs
+            ),
+            num_saved=len(part.saved),
+            grad_args=grad_args,
+        )
+        detach = _statically_no_grad(joint, leaves, convention)
+    epilogue = plan_epilogue(metadata.meta, metadata.fwd_plan, convention)
+    plan = RuntimePlan(
+        name=name,
+        convention=convention,
+        epilogue=epilogue,
+        autograd=autograd_plan,
+        detach_args=detach,
+        out_spec=metadata.out_spec,  # type: ignore[arg-type]
+    )
+    fwd_module = part.forward.module if part is not None else joint.module
+    bwd_module = part.backward.module if part is not None else None
+    entry = CompiledEntry(plan, fwd_module.forward, bwd_module.forward if bwd_module else None)
+    lap("assemble")
+    entry.record = CompiledRecord(
+        name=name,
+        signature=describe_signature(leaves, names),
+        training=training,
+        convention=convention,
+        meta=metadata.meta,
+        joint=joint.module,
+        forward=fwd_module,
+        backward=bwd_module,
+        partition=part,
+        epilogue=epilogue,
+        joint_graph=joint,
+        stage_seconds=times,
+    )
+    if options.dump_dir:
+        dump_record(entry.record, options.dump_dir)
+    return entry
+
+
+def _mutated_alias_groups(
+    leaves: Sequence[object], convention: CallingConvention, metadata: MetadataResult
+) -> list[list[UserArg]]:
+    """Alias groups of user leaves in which some member's graph arg is mutated."""
+    graph_of = dict(convention.leaf_to_graph)
+    groups = []
+    for group in alias_groups(leaves):
+        if any(metadata.meta.inputs[graph_of[m]].mutation.value != "none" for m in group):
+            groups.append(group)
+    return groups
+
+
+def _statically_no_grad(
+    joint: JointGraph, leaves: Sequence[object], convention: CallingConvention
+) -> tuple[GraphArg, ...]:
+    values = joint.output_values()
+    out = []
+    for value, desc in zip(values, joint.outputs):
+        if isinstance(desc, GradOutput) and value is None:
+            src = convention.graph_sources[desc.arg]
+            leaf = leaves[src] if src is not None else None
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                out.append(desc.arg)
+    return tuple(out)
+
+
+_dump_counter: dict[str, int] = {}
+
+
+def dump_record(record: CompiledRecord, root: str) -> str:
+    """Write every stage of one compiled signature under `root/<name>_<n>/`."""
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in record.name)
+    n = _dump_counter.get(safe, 0)
+    _dump_counter[safe] = n + 1
+    folder = os.path.join(root, f"{safe}_{n}")
+    os.makedirs(folder, exist_ok=True)
+    for file_name, text in record.stages:
+        with open(os.path.join(folder, file_name), "w") as f:
+            f.write(text)
+    return folder

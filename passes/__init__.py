@@ -1,0 +1,1 @@
+"""aotc graph passes: IR records, lint, partition. Imports `runtime`, never `aotc`."""

@@ -1,0 +1,1 @@
+"""aotc runtime: runs compiled artifacts. Imports neither `aotc` nor `passes`."""

@@ -1,0 +1,74 @@
+"""The one autograd node a compiled training call adds to the user's graph.
+
+Stage: `make_autograd_function(fwd, bwd, plan) -> type[torch.autograd.Function]`.
+Requires: `fwd(*graph_args)` returns the fwd outputs then the saved values; `bwd(*saved,
+*tangents)` returns the gradients of `plan.grad_args`, in order.
+Ensures: `apply(holder, *graph_args)` runs the forward once, saves exactly the partition's saved
+values (so saved-tensor hooks see them), puts every fwd output in `holder` (FwdOut order) and
+returns the differentiable ones; backward runs the compiled backward once.
+
+Note [Raw outputs through a holder]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Only differentiable outputs go through autograd.Function's return value. Everything else (outputs
+that do not require grad, the graph's own views used only for their geometry, mutated values
+copied back under no_grad) is handed back in `holder`, a list the caller passes in. Returning
+views or non-differentiable values through the Function would make autograd wrap them (views of
+inputs become un-mutatable; floating outputs become requires_grad), which eager would not do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from runtime.errors import UnsupportedError
+from runtime.schema import FwdOut, GraphArg
+
+
+@dataclass(frozen=True, slots=True)
+class AutogradPlan:
+    num_graph_args: int
+    num_fwd_outs: int
+    diff_outs: tuple[FwdOut, ...]  # fwd outputs returned through autograd; tangent order
+    num_saved: int
+    grad_args: tuple[GraphArg, ...]  # graph args the backward returns gradients for, in order
+
+
+def make_autograd_function(
+    fwd: Callable[..., tuple[torch.Tensor, ...]],
+    bwd: Callable[..., tuple[torch.Tensor, ...]],
+    plan: AutogradPlan,
+    name: str,
+) -> type[torch.autograd.Function]:
+    n_out = plan.num_fwd_outs
+    diff = plan.diff_outs
+    grad_slots = tuple(1 + g for g in plan.grad_args)
+    n_result = 1 + plan.num_graph_args
+
+    def forward(ctx, holder: list, *args: torch.Tensor):  # type: ignore[no-untyped-def]
+        outs = fwd(*args)
+        ctx.save_for_backward(*outs[n_out:])
+        holder.extend(outs[:n_out])
+        return tuple(outs[k] for k in diff)
+
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[no-untyped-def]
+        if torch.is_grad_enabled():
+            raise UnsupportedError(
+                f"double backward (create_graph=True) through aotc-compiled {name} is not "
+                "supported: its backward graph is not itself differentiable. Use eager for the "
+                "part that needs higher-order gradients, or call backward without create_graph."
+            )
+        grads = tuple(g if g.is_contiguous() else g.contiguous() for g in grads)
+        computed = bwd(*ctx.saved_tensors, *grads)
+        result: list[torch.Tensor | None] = [None] * n_result
+        for slot, g in zip(grad_slots, computed):
+            result[slot] = g
+        return tuple(result)
+
+    return type(
+        f"AotcFunction_{name}",
+        (torch.autograd.Function,),
+        {"forward": staticmethod(forward), "backward": staticmethod(backward)},
+    )

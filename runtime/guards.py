@@ -1,0 +1,63 @@
+"""Guards: the key under which one compiled signature is cached.
+
+Hot path: `signature_key(leaves)` runs on every call. It must change whenever any property the
+compiled graphs were specialized on changes; see Note [What a signature covers].
+
+Note [What a signature covers]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Per tensor leaf: dtype, device, shape, strides, requires_grad, and whether it is a leaf (eager
+refuses some in-place ops on leaves). Per non-tensor leaf: its type and value (the graph bakes
+constants in). Per call: grad mode, autocast state, and the aliasing pattern: which leaves are the
+same object and which share storage. Only when some leaves share storage (rare) does the key also
+cover their storage offsets and their common base's geometry, which synthetic bases and
+alias regeneration depend on. The tree structure of the arguments is covered by the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def signature_key(leaves: Sequence[object]) -> tuple[object, ...]:
+    parts: list[object] = []
+    ptrs: list[int] = []
+    for t in leaves:
+        if isinstance(t, Tensor):
+            parts.append((t.dtype, t.device, t.shape, t.stride(), t.requires_grad, t.is_leaf))
+            ptrs.append(t.untyped_storage().data_ptr())
+        else:
+            parts.append((type(t), t))
+    pattern = _alias_pattern(leaves, ptrs) if len(set(ptrs)) != len(ptrs) else None
+    return (
+        tuple(parts),
+        pattern,
+        torch.is_grad_enabled(),
+        torch.is_autocast_enabled("cpu"),
+        torch.is_autocast_enabled("cuda"),
+    )
+
+
+def _alias_pattern(leaves: Sequence[object], ptrs: list[int]) -> tuple[object, ...]:
+    tensors = [t for t in leaves if isinstance(t, Tensor)]
+    first_id: dict[int, int] = {}
+    first_ptr: dict[int, int] = {}
+    first_root: dict[int, int] = {}
+    pattern: list[object] = []
+    for i, (t, ptr) in enumerate(zip(tensors, ptrs)):
+        root = t._base if t._base is not None else t
+        pattern.append(
+            (
+                first_id.setdefault(id(t), i),
+                first_ptr.setdefault(ptr, i) if ptr else i,
+                first_root.setdefault(id(root), i),
+                t.storage_offset(),
+                tuple(root.shape),
+                root.stride(),
+                root.storage_offset(),
+            )
+        )
+    return tuple(pattern)

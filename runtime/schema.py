@@ -1,0 +1,170 @@
+"""Records shared by every stage and by the runtime.
+
+Stage: none (data only). Everything here is a frozen dataclass that a compiled artifact stores,
+so `runtime` can run a compiled function without importing `aotc` or `passes`.
+
+Index spaces (see Note [Index spaces]) are `NewType`s over int so that a conversion names the
+space it produces.
+
+Note [Index spaces]
+~~~~~~~~~~~~~~~~~~~
+A call goes through four numbered lists:
+
+    user leaves   UserArg    every leaf of (args, kwargs) after flattening, then lifted tensors
+    graph args    GraphArg   tensors the compiled graphs take, after dedupe and synthetic bases
+    user outputs  UserOut    every leaf of the user function's flattened return value
+    fwd outputs   FwdOut     what the forward graph returns before its saved values:
+                             fresh user outputs, then updated mutated inputs, then
+                             intermediate bases (see `FwdOutputPlan`)
+
+Example: f(x, x, b[0], b[1]) where b[0] is mutated. UserArg 0..3; dedupe maps UserArg 1 to
+UserArg 0; a synthetic base `b` replaces UserArgs 2 and 3; so GraphArgs are (x, b).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NewType
+
+import torch
+
+UserArg = NewType("UserArg", int)
+GraphArg = NewType("GraphArg", int)
+UserOut = NewType("UserOut", int)
+FwdOut = NewType("FwdOut", int)
+
+
+class MutationKind(enum.Enum):
+    NONE = "none"
+    METADATA_ONLY = "metadata_only"
+    DATA = "data"
+    DATA_AND_METADATA = "data_and_metadata"
+
+    @property
+    def has_data(self) -> bool:
+        return self in (MutationKind.DATA, MutationKind.DATA_AND_METADATA)
+
+    @property
+    def has_metadata(self) -> bool:
+        return self in (MutationKind.METADATA_ONLY, MutationKind.DATA_AND_METADATA)
+
+
+class OutputKind(enum.Enum):
+    FRESH = "fresh"  # a new tensor computed by the graph
+    IS_INPUT = "is_input"  # the very input object (e.g. `x.add_(1); return x`)
+    ALIAS_OF_INPUT = "alias_of_input"  # a view of an input
+    ALIAS_OF_INTERMEDIATE = "alias_of_intermediate"  # a view of a graph intermediate
+    ALIAS_OF_OUTPUT = "alias_of_output"  # a view of another (fresh) user output
+    IS_OUTPUT = "is_output"  # the same object as an earlier user output
+    NOT_TENSOR = "not_tensor"  # a Python constant (int, float, bool, None, str)
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """Size, stride and storage offset of a view, relative to its base's storage offset."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # element offset from the base tensor's own storage offset
+
+
+@dataclass(frozen=True, slots=True)
+class InputInfo:
+    """Facts about one graph argument (a tensor the graphs take)."""
+
+    mutation: MutationKind
+    mutated_under_no_grad: bool  # every data mutation happened under no_grad/inference mode
+    requires_grad: bool
+    is_leaf: bool
+    new_geometry: Geometry | None  # geometry after a metadata mutation, else None
+
+
+@dataclass(frozen=True, slots=True)
+class OutputInfo:
+    """Facts about one user output leaf."""
+
+    kind: OutputKind
+    requires_grad: bool
+    dtype: torch.dtype | None
+    base_arg: UserArg | None = None  # IS_INPUT / ALIAS_OF_INPUT: the user leaf it aliases
+    base_out: UserOut | None = None  # ALIAS_OF_OUTPUT / IS_OUTPUT: the earlier output
+    base_intermediate: int | None = None  # ALIAS_OF_INTERMEDIATE: index into intermediate bases
+    geometry: Geometry | None = None  # ALIAS_OF_INPUT: the view relative to base_arg
+    constant: object = None  # NOT_TENSOR: the value
+
+
+@dataclass(frozen=True, slots=True)
+class MutationAliasInfo:
+    """What the metadata pass learned about one compiled signature."""
+
+    inputs: tuple[InputInfo, ...]  # len == num graph args; GraphArg space
+    outputs: tuple[OutputInfo, ...]  # len == num user outputs; UserOut space
+    num_intermediate_bases: int  # extra forward outputs: bases of ALIAS_OF_INTERMEDIATE outputs
+
+    def format(self) -> str:
+        lines = ["# stage: metadata"]
+        for i, inp in enumerate(self.inputs):
+            extra = " (under no_grad)" if inp.mutated_under_no_grad and inp.mutation.has_data else ""
+            lines.append(
+                f"input  {i}: mutation={inp.mutation.value}{extra} requires_grad={inp.requires_grad}"
+                f" leaf={inp.is_leaf}"
+            )
+        for j, out in enumerate(self.outputs):
+            base = ""
+            if out.base_arg is not None:
+                base = f" base=user_arg{out.base_arg}"
+            elif out.base_out is not None:
+                base = f" base=user_out{out.base_out}"
+            elif out.base_intermediate is not None:
+                base = f" base=intermediate{out.base_intermediate}"
+            lines.append(
+                f"output {j}: {out.kind.value}{base} requires_grad={out.requires_grad}"
+                f" dtype={out.dtype}"
+            )
+        lines.append(f"intermediate bases: {self.num_intermediate_bases}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class SyntheticBase:
+    """One synthetic base: several aliased user tensors merged into one graph argument.
+
+    See Note [Synthetic bases] in runtime/convention.py.
+    """
+
+    members: tuple[UserArg, ...]  # user leaves regenerated from this base
+    geometries: tuple[Geometry, ...]  # len == len(members); each member as a view of the base
+    base_is_common: bool  # True: the members' shared `._base` is the base; False: the storage
+
+
+@dataclass(frozen=True, slots=True)
+class CallingConvention:
+    """How user leaves map to graph args. Planned at compile time, applied every call."""
+
+    num_user_leaves: int
+    tensor_leaves: tuple[UserArg, ...]  # user leaves that are tensors
+    # For each graph arg, the user leaf passed as-is, or None for a synthetic base.
+    graph_sources: tuple[UserArg | None, ...]  # len == num graph args; GraphArg space
+    synthetic_bases: tuple[SyntheticBase, ...]  # one per graph arg whose source is None, in order
+    # For each user leaf that is a tensor: the graph arg it is read from (a duplicate points
+    # at the graph arg of the first occurrence; a synthetic-base member at its base).
+    leaf_to_graph: tuple[tuple[UserArg, GraphArg], ...]
+
+    @property
+    def is_trivial(self) -> bool:
+        return not self.synthetic_bases and len(self.graph_sources) == len(self.tensor_leaves)
+
+
+@dataclass(frozen=True, slots=True)
+class FwdOutputPlan:
+    """What the forward graph returns, in FwdOut order, and which outputs get tangents."""
+
+    user_outs: tuple[UserOut, ...]  # FRESH and ALIAS_OF_INTERMEDIATE user outputs
+    mutated_args: tuple[GraphArg, ...]  # graph args with data mutations: their new values
+    num_intermediate_bases: int
+    needs_tangent: tuple[bool, ...]  # len == num fwd outputs; True: differentiable output
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.user_outs) + len(self.mutated_args) + self.num_intermediate_bases

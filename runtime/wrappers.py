@@ -1,0 +1,160 @@
+"""Runtime wrappers: the callable a user holds.
+
+Stage: `build_entry(plan, fwd, bwd) -> CompiledEntry` (one compiled signature) and
+`Dispatcher` (picks the entry for a call by its guard key, compiling on a miss).
+
+Every call of a compiled entry goes:
+    user leaves --apply_convention--> graph args --autograd node (or plain forward)--> fwd outputs
+    --apply_mutations--> inputs updated --build_outputs--> user outputs --unflatten--> result
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.utils._pytree as pytree
+
+from runtime.autograd import AutogradPlan, make_autograd_function
+from runtime.convention import apply_convention
+from runtime.epilogue import EpiloguePlan, apply_mutations, build_outputs
+from runtime.errors import GuardError
+from runtime.guards import signature_key
+from runtime.schema import CallingConvention, GraphArg
+
+log = logging.getLogger("aotc.recompiles")
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimePlan:
+    """Everything the runtime needs besides the two graph callables."""
+
+    name: str
+    convention: CallingConvention
+    epilogue: EpiloguePlan
+    autograd: AutogradPlan | None  # None: an inference entry (forward graph only)
+    detach_args: tuple[GraphArg, ...]  # require grad but statically get no gradient
+    out_spec: pytree.TreeSpec
+
+
+class CompiledEntry:
+    """One compiled signature. `run(leaves)` is the per-call hot path."""
+
+    __slots__ = ("plan", "record", "_fwd", "_fn", "_detach", "_diff", "_unflatten", "_mutates")
+
+    def __init__(
+        self,
+        plan: RuntimePlan,
+        fwd: Callable[..., tuple[torch.Tensor, ...]],
+        bwd: Callable[..., tuple[torch.Tensor, ...]] | None,
+        record: object = None,
+    ) -> None:
+        self.plan = plan
+        self.record = record
+        self._fwd = fwd
+        self._fn = None
+        self._diff: tuple[int, ...] = ()
+        if plan.autograd is not None:
+            assert bwd is not None
+            self._fn = make_autograd_function(fwd, bwd, plan.autograd, plan.name)
+            self._diff = plan.autograd.diff_outs
+        self._detach = frozenset(plan.detach_args)
+        self._mutates = bool(plan.epilogue.mutations)
+        self._unflatten = _unflattener(plan.out_spec)
+
+    def run(self, leaves: list[object]) -> object:
+        plan = self.plan
+        args = apply_convention(plan.convention, leaves)
+        if self._fn is not None:
+            if self._detach:
+                args = [a.detach() if i in self._detach else a for i, a in enumerate(args)]
+            holder: list[torch.Tensor] = []
+            diff = self._fn.apply(holder, *args)
+            for pos, k in enumerate(self._diff):
+                holder[k] = diff[pos]
+            fwd_outs = holder
+        else:
+            fwd_outs = self._fwd(*args)
+        if self._mutates:
+            apply_mutations(plan.epilogue, apply_convention(plan.convention, leaves), fwd_outs)
+        return self._unflatten(build_outputs(plan.epilogue, leaves, fwd_outs))
+
+
+def _unflattener(spec: pytree.TreeSpec) -> Callable[[list[object]], object]:
+    if spec.is_leaf():
+        return lambda leaves: leaves[0]
+    if spec.type is tuple and all(c.is_leaf() for c in spec.children()):
+        return tuple
+    return lambda leaves: pytree.tree_unflatten(leaves, spec)
+
+
+def _describe_change(old: object, new: object) -> str:
+    """Which part of a guard key changed, for the recompile warning."""
+    if not (isinstance(old, tuple) and isinstance(new, tuple)) or len(old) != len(new):
+        return f"{old!r} -> {new!r}"
+    for a, b in zip(old, new):
+        if a != b:
+            return _describe_change(a, b)
+    return "unknown"
+
+
+class Dispatcher:
+    """Maps guard keys to compiled entries. Compiles under a lock, so concurrent first calls
+    compile once; lookups of existing entries take no lock."""
+
+    def __init__(
+        self,
+        compile_entry: Callable[[list[object], tuple[object, ...]], CompiledEntry],
+        name: str,
+        warn_limit: int,
+        max_signatures: int,
+    ) -> None:
+        self._compile = compile_entry
+        self._entries: dict[tuple[object, ...], CompiledEntry] = {}
+        self._lock = threading.Lock()
+        self._name = name
+        self._warn_limit = warn_limit
+        self._max = max_signatures
+        self.recompile_reasons: list[str] = []
+
+    @property
+    def entries(self) -> list[CompiledEntry]:
+        return list(self._entries.values())
+
+    def __call__(self, leaves: list[object], extra: object) -> object:
+        key = (extra, signature_key(leaves))
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._miss(key, leaves)
+        return entry.run(leaves)
+
+    def _miss(self, key: tuple[object, ...], leaves: list[object]) -> CompiledEntry:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                return entry
+            if self._entries:
+                last = next(reversed(self._entries))
+                reason = _describe_change(last, key)
+                self.recompile_reasons.append(reason)
+                log.info("recompiling %s: %s", self._name, reason)
+                if len(self._entries) >= self._max:
+                    raise GuardError(
+                        f"{self._name} has been compiled for {len(self._entries)} input "
+                        f"signatures (max_signatures={self._max}); the last change was {reason}. "
+                        "Keep shapes/dtypes stable, or raise max_signatures."
+                    )
+                if len(self._entries) == self._warn_limit:
+                    import warnings
+
+                    warnings.warn(
+                        f"aotc: {self._name} recompiled {len(self._entries)} times; the last "
+                        f"change was {reason}. Frequent recompiles cost compile time.",
+                        stacklevel=4,
+                    )
+            entry = self._compile(leaves, key)
+            self._entries[key] = entry
+            return entry
