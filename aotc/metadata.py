@@ -19,9 +19,17 @@ Worked example:
 
 See Note [Output aliasing] for how outputs are classified.
 
+Note [Two metadata runs]
+~~~~~~~~~~~~~~~~~~~~~~~~
+The program runs twice here, both times on fake tensors. The functional run answers which inputs
+are mutated and how (data, metadata, under no_grad): functionalization records that exactly.
+But a functional wrapper's strides after a data mutation are those of the out-of-place result
+(`x.add_(1)` on a strided slice yields a contiguous value), so geometry, aliasing and
+requires_grad of outputs come from a plain run, which behaves as eager does, metadata included.
+
 Note [Output aliasing]
 ~~~~~~~~~~~~~~~~~~~~~~
-Checked in this order, on the functional wrappers the program returned:
+Checked in this order, on the outputs of the plain fake run:
   1. the output *is* a user input object               -> IS_INPUT
   2. it is the same object as an earlier output        -> IS_OUTPUT
   3. it shares storage with a graph arg                -> ALIAS_OF_INPUT (geometry recorded
@@ -85,25 +93,38 @@ def collect_metadata(
     arg_names: list[str],
 ) -> MetadataResult:
     graph_args = apply_convention(convention, leaves)
+    constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+    # Run 1, functional: which inputs are mutated, and how (see Note [Two metadata runs]).
     with fake_mode:
         fakes = fakeify(fake_mode, graph_args, as_leaves=False)
         wrappers = [to_functional(f) for f in fakes]
-        constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         with user_errors("metadata pass"), functionalization(), torch.set_grad_enabled(grad_enabled):
-            user_leaves = expand_graph_args(convention, wrappers, constants)
-            outs, out_spec = program(user_leaves)
+            f_leaves = expand_graph_args(convention, wrappers, constants)
+            f_outs, out_spec = program(f_leaves)
         for w in wrappers:
             torch._sync(w)
-        inputs = tuple(_input_info(w, f, arg_names, g) for g, (w, f) in enumerate(zip(wrappers, fakes)))
-        outputs, bases = _classify_outputs(outs, user_leaves, wrappers, convention)
-    fwd_plan, specs = _plan_fwd_outputs(outputs, inputs, outs, wrappers, bases)
-    meta = MutationAliasInfo(inputs=inputs, outputs=outputs, num_intermediate_bases=len(bases))
+        mutations = [_mutation_of(w, arg_names, g) for g, w in enumerate(wrappers)]
+    # Run 2, plain fake tensors: eager's own view of outputs, aliasing and geometry.
+    eager_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    with eager_mode:
+        plain = fakeify(eager_mode, graph_args, as_leaves=False)
+        before = [(p.storage_offset(), p.requires_grad, p.is_leaf, p) for p in plain]
+        with user_errors("metadata pass"), torch.set_grad_enabled(grad_enabled):
+            p_leaves = expand_graph_args(convention, plain, constants)
+            p_outs, _ = program(p_leaves)
+        inputs = tuple(
+            _input_info(kind, *state) for kind, state in zip(mutations, before)
+        )
+        outputs, base_outs = _classify_outputs(p_outs, p_leaves, convention)
+    f_bases = [f_outs[j]._base for j in base_outs]  # type: ignore[union-attr]
+    fwd_plan, specs = _plan_fwd_outputs(outputs, inputs, f_outs, wrappers, f_bases)
+    meta = MutationAliasInfo(inputs=inputs, outputs=outputs, num_intermediate_bases=len(f_bases))
     return MetadataResult(meta, fwd_plan, specs, out_spec)
 
 
-def _input_info(
-    w: torch.Tensor, fake: torch.Tensor, arg_names: list[str], g: int
-) -> InputInfo:
+def _mutation_of(w: torch.Tensor, arg_names: list[str], g: int) -> tuple[MutationKind, bool]:
+    """Mutation kind of one functional graph arg, and whether every data mutation was under
+    no_grad."""
     data = torch._functionalize_has_data_mutation(w)
     metadata = torch._functionalize_has_metadata_mutation(w)
     if torch._functionalize_was_storage_changed(w):
@@ -118,17 +139,29 @@ def _input_info(
         (True, False): MutationKind.DATA,
         (True, True): MutationKind.DATA_AND_METADATA,
     }[(data, metadata)]
+    no_grad = data and torch._functionalize_are_all_mutations_under_no_grad_or_inference_mode(w)
+    return kind, no_grad
+
+
+def _input_info(
+    mutation: tuple[MutationKind, bool],
+    offset_before: int,
+    requires_grad: bool,
+    is_leaf: bool,
+    plain: torch.Tensor,
+) -> InputInfo:
+    """`plain` is the plain fake input after the run; the other fields are from before it."""
+    kind, no_grad = mutation
     geometry = None
-    if metadata:
+    if kind.has_metadata:
         geometry = Geometry(
-            tuple(w.shape), tuple(w.stride()), w.storage_offset() - fake.storage_offset()
+            tuple(plain.shape), tuple(plain.stride()), plain.storage_offset() - offset_before
         )
     return InputInfo(
         mutation=kind,
-        mutated_under_no_grad=data
-        and torch._functionalize_are_all_mutations_under_no_grad_or_inference_mode(w),
-        requires_grad=fake.requires_grad,
-        is_leaf=fake.is_leaf,
+        mutated_under_no_grad=no_grad,
+        requires_grad=requires_grad,
+        is_leaf=is_leaf,
         new_geometry=geometry,
     )
 
@@ -136,10 +169,10 @@ def _input_info(
 def _classify_outputs(
     outs: list[object],
     user_leaves: list[object],
-    wrappers: list[torch.Tensor],
     convention: CallingConvention,
-) -> tuple[tuple[OutputInfo, ...], list[torch.Tensor]]:
-    """See Note [Output aliasing]."""
+) -> tuple[tuple[OutputInfo, ...], list[UserOut]]:
+    """See Note [Output aliasing]. Returns the infos and, per intermediate base, one output
+    whose `._base` it is."""
     leaf_of_id = {id(t): UserArg(i) for i, t in enumerate(user_leaves) if isinstance(t, torch.Tensor)}
     storage_leaf: dict[StorageWeakRef, UserArg] = {}
     for leaf, _g in convention.leaf_to_graph:
@@ -152,7 +185,7 @@ def _classify_outputs(
             _check_constant(o, j)
             infos.append(OutputInfo(OutputKind.NOT_TENSOR, False, None, constant=o))
             continue
-        if o.requires_grad and o.is_leaf and id(o) not in leaf_of_id:
+        if o.requires_grad and o.is_leaf and o._base is None and id(o) not in leaf_of_id:
             raise UnsupportedError(
                 f"output {j} is a tensor created inside the compiled function with "
                 "requires_grad=True. aotc cannot return new leaf tensors; create it outside and "
@@ -178,7 +211,10 @@ def _classify_outputs(
                 tuple(o.shape), tuple(o.stride()), o.storage_offset() - base.storage_offset()
             )
             infos.append(
-                OutputInfo(OutputKind.ALIAS_OF_INPUT, rg, dtype, base_arg=leaf, geometry=geometry)
+                OutputInfo(
+                    OutputKind.ALIAS_OF_INPUT, rg, dtype, base_arg=leaf, geometry=geometry,
+                    view_without_grad=o.grad_fn is None,
+                )
             )
         elif o._base is not None and id(o._base) in out_of_id:
             infos.append(
@@ -204,13 +240,17 @@ def _classify_outputs(
         fixed.append(info)
     used = sorted({i.base_intermediate for i in fixed if i.base_intermediate is not None})
     remap = {old: new for new, old in enumerate(used)}
+    first_user = {}
+    for j, i in enumerate(fixed):
+        if i.base_intermediate is not None:
+            first_user.setdefault(i.base_intermediate, UserOut(j))
     fixed = [
         OutputInfo(i.kind, i.requires_grad, i.dtype, base_intermediate=remap[i.base_intermediate])
         if i.base_intermediate is not None
         else i
         for i in fixed
     ]
-    return tuple(fixed), [bases[k] for k in used]
+    return tuple(fixed), [first_user[k] for k in used]
 
 
 def _check_constant(value: object, j: int) -> None:

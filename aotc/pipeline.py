@@ -136,7 +136,11 @@ def compile_signature(
     autograd_plan: AutogradPlan | None = None
     detach: tuple[GraphArg, ...] = ()
     if training:
-        part = partition(joint)
+        mutated = frozenset(
+            GraphArg(g) for g, info in enumerate(metadata.meta.inputs)
+            if info.mutation.value != "none"
+        )
+        part = partition(joint, mutated)
         lap("partition")
         if options.check_invariants:
             lint_graph(part.forward, "forward")

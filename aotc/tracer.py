@@ -95,7 +95,8 @@ def trace_joint(
                         )
                     for g, grad in zip(wrt, got):
                         grads[g] = grad
-        return [from_functional(t) for t in fwd], [from_functional(g) for g in grads]
+        unwrapped = [from_functional(t) for t in fwd]
+        return (unwrapped, [from_functional(g) for g in grads]) if training else (unwrapped, [])
 
     with fake_mode:
         primals = fakeify(fake_mode, graph_args, as_leaves=True)

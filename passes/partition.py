@@ -10,6 +10,14 @@ The plan here is "save what the backward reads": every node a forward output nee
 forward; a node only the gradients need runs in the backward; values crossing the boundary are
 saved. Random and side-effecting ops always run in the forward, so each runs exactly once.
 
+Note [Saving mutated inputs]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The epilogue copies new values into mutated inputs after the forward ran. autograd checks the
+version counter of every saved tensor at backward time, so saving such an input (or a view of it)
+directly would fail there ("modified by an inplace operation") and, without the check, would read
+the new value instead of the old one. Eager saves the pre-mutation value in that case; so do we,
+by saving a clone taken inside the forward graph.
+
 Worked example (f(x) = sin(x), x requires grad):
 
     joint:    sin = aten.sin(x); cos = aten.cos(x); mul = aten.mul(tangent, cos)
@@ -36,6 +44,7 @@ from passes.descriptors import (
     TangentInput,
 )
 from passes.ir import JointGraph, StageGraph, node_nbytes
+from runtime.schema import GraphArg
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +99,9 @@ def _ancestors(roots: Iterable[fx.Node]) -> set[fx.Node]:
     return seen
 
 
-def partition(joint: JointGraph) -> PartitionResult:
+def partition(joint: JointGraph, mutated_args: frozenset[GraphArg] = frozenset()) -> PartitionResult:
+    """`mutated_args`: primals the epilogue mutates in place after the forward; a saved value
+    that is one of them, or a view of one, is saved as a clone (see Note [Saving mutated inputs])."""
     start = time.perf_counter()
     graph = joint.module.graph
     placeholders = joint.placeholders()
@@ -120,7 +131,18 @@ def partition(joint: JointGraph) -> PartitionResult:
     for node in graph.nodes:
         if node in fwd_nodes:
             env[node] = fwd_graph.node_copy(node, env.__getitem__)
-    fwd_graph.output(tuple(_lookup(env, v) for v in fwd_values) + tuple(env[n] for n in saved_nodes))
+    mutated_nodes = {
+        n for n, d in zip(placeholders, joint.inputs)
+        if isinstance(d, PrimalInput) and d.arg in mutated_args
+    }
+    saved_out = []
+    for node in saved_nodes:
+        value = env[node]
+        if _aliases(node, mutated_nodes):
+            value = fwd_graph.call_function(torch.ops.aten.clone.default, (value,))
+            value.meta = dict(node.meta)
+        saved_out.append(value)
+    fwd_graph.output(tuple(_lookup(env, v) for v in fwd_values) + tuple(saved_out))
     saved_names = tuple(n.name for n in saved_nodes)
     forward = StageGraph(
         module=fx.GraphModule(joint.module, fwd_graph),
@@ -148,6 +170,20 @@ def partition(joint: JointGraph) -> PartitionResult:
     )
     saved = tuple(_saved_value(n) for n in saved_nodes)
     return PartitionResult(forward, backward, saved, (), time.perf_counter() - start)
+
+
+def _aliases(node: fx.Node, roots: set[fx.Node]) -> bool:
+    """Whether `node` is one of `roots` or a chain of view ops over one."""
+    while True:
+        if node in roots:
+            return True
+        target = node.target
+        if not (isinstance(target, torch._ops.OpOverload) and target.is_view and node.args):
+            return False
+        first = node.args[0]
+        if not isinstance(first, fx.Node):
+            return False
+        node = first
 
 
 def _lookup(env: dict[fx.Node, fx.Node], value: object) -> object:

@@ -50,6 +50,7 @@ class OutputStep:
     base: int | None  # ALIAS_OF_INTERMEDIATE: FwdOut of the base
     geometry: Geometry | None  # ALIAS_OF_INPUT
     constant: object
+    track_grad: bool  # regenerate the view with autograd tracking (eager's view had it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +107,10 @@ def plan_epilogue(
         if info.kind is OutputKind.ALIAS_OF_OUTPUT:
             base = info.base_out  # UserOut of the base output
         steps.append(
-            OutputStep(info.kind, info.requires_grad, source, base, info.geometry, info.constant)
+            OutputStep(
+                info.kind, info.requires_grad, source, base, info.geometry, info.constant,
+                track_grad=info.requires_grad and not info.view_without_grad,
+            )
         )
     late = (OutputKind.ALIAS_OF_OUTPUT, OutputKind.IS_OUTPUT)
     order = tuple(UserOut(j) for j, s in enumerate(steps) if s.kind not in late)
@@ -142,14 +146,14 @@ def build_outputs(
                 base = leaves[s.source]  # type: ignore[index]
                 g = s.geometry
                 assert isinstance(base, torch.Tensor) and g is not None
-                with _grad_for(s.requires_grad):
+                with _grad_for(s.track_grad):
                     result[j] = base.as_strided(g.size, g.stride, base.storage_offset() + g.offset)
             case OutputKind.ALIAS_OF_INTERMEDIATE:
-                result[j] = _view_like(fwd_outs[s.base], fwd_outs[s.source], s.requires_grad)  # type: ignore[index]
+                result[j] = _view_like(fwd_outs[s.base], fwd_outs[s.source], s.track_grad)  # type: ignore[index]
             case OutputKind.ALIAS_OF_OUTPUT:
                 base_out = result[s.base]  # type: ignore[index]
                 assert isinstance(base_out, torch.Tensor)
-                result[j] = _view_like(base_out, fwd_outs[s.source], s.requires_grad)  # type: ignore[index]
+                result[j] = _view_like(base_out, fwd_outs[s.source], s.track_grad)  # type: ignore[index]
             case OutputKind.IS_OUTPUT:
                 result[j] = result[s.source]  # type: ignore[index]
             case OutputKind.NOT_TENSOR:

@@ -92,6 +92,7 @@ class OutputInfo:
     base_intermediate: int | None = None  # ALIAS_OF_INTERMEDIATE: index into intermediate bases
     geometry: Geometry | None = None  # ALIAS_OF_INPUT: the view relative to base_arg
     constant: object = None  # NOT_TENSOR: the value
+    view_without_grad: bool = False  # a view eager made without autograd tracking (no_grad)
 
 
 @dataclass(frozen=True, slots=True)

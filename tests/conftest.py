@@ -1,0 +1,217 @@
+"""Shared test helpers: differential comparison against eager PyTorch.
+
+`assert_matches_eager(fn, make_args)` builds two identical, independent argument sets from one
+seed, runs `fn` eagerly on one and through aotc on the other (several times, so the cached entry is
+exercised too), backpropagates the same random cotangent through both, and compares outputs,
+gradients, the inputs after the call (mutations), aliasing between outputs and inputs, requires_grad
+flags, shapes and strides.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import aotc  # noqa: E402
+
+
+def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _roots(args: Any) -> list[torch.Tensor]:
+    """Leaf tensors requiring grad that the arguments hang off (the args or their bases)."""
+    out: list[torch.Tensor] = []
+    for t in _tensor_leaves(args):
+        for cand in (t, t._base):
+            if cand is not None and cand.is_leaf and cand.requires_grad:
+                if not any(cand is o for o in out):
+                    out.append(cand)
+    return out
+
+
+def _alias_signature(outs: list[object], args: list[torch.Tensor]) -> list[tuple]:
+    sig = []
+    arg_storage = [a.untyped_storage().data_ptr() for a in args]
+    out_storage: list[int] = []
+    for j, o in enumerate(outs):
+        if not isinstance(o, torch.Tensor):
+            sig.append(("const", o))
+            continue
+        ptr = o.untyped_storage().data_ptr()
+        is_input = next((i for i, a in enumerate(args) if o is a), None)
+        shares_input = next(
+            (i for i, p in enumerate(arg_storage) if p == ptr and ptr != 0), None
+        )
+        is_output = next((k for k in range(j) if outs[k] is o), None)
+        shares_output = next(
+            (k for k, p in enumerate(out_storage) if p == ptr and ptr != 0 and outs[k] is not o),
+            None,
+        )
+        base_is_input = next((i for i, a in enumerate(args) if o._base is a), None)
+        sig.append(
+            (is_input, shares_input, is_output, shares_output, o._is_view(), base_is_input)
+        )
+        out_storage.append(ptr)
+    return sig
+
+
+def _assert_tensor_equal(got: torch.Tensor, want: torch.Tensor, what: str, rtol: float, atol: float) -> None:
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != eager {want.shape}"
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != eager {want.dtype}"
+    assert got.requires_grad == want.requires_grad, (
+        f"{what}: requires_grad {got.requires_grad} != eager {want.requires_grad}"
+    )
+    if got.numel() > 1:
+        assert got.stride() == want.stride() or not want.is_contiguous() == got.is_contiguous(), (
+            f"{what}: stride {got.stride()} != eager {want.stride()}"
+        )
+    torch.testing.assert_close(got.detach(), want.detach(), rtol=rtol, atol=atol, equal_nan=True,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def run_and_capture(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict, cotangent_seed: int,
+                    backward: bool) -> dict[str, Any]:
+    arg_tensors = _tensor_leaves((args, kwargs))
+    roots = _roots((args, kwargs))
+    for t in arg_tensors:
+        if t.requires_grad and not t.is_leaf:
+            t.retain_grad()
+    grad_fns = [t.grad_fn for t in arg_tensors]
+    out = fn(*args, **kwargs)
+    # retain_grad() on a non-leaf input that the call mutates is a known divergence (see README,
+    # "Known differences"): compare retained grads only for inputs the call did not mutate.
+    unmutated = [t.grad_fn is g for t, g in zip(arg_tensors, grad_fns)]
+    flat_out = pytree.tree_leaves(out)
+    result: dict[str, Any] = {
+        "out": flat_out,
+        "out_spec": pytree.tree_structure(out),
+        "alias": _alias_signature(flat_out, arg_tensors),
+        "args_after": [t.detach().clone() for t in arg_tensors],
+        "args_meta": [(t.shape, t.stride(), t.requires_grad, t.grad_fn is None) for t in arg_tensors],
+    }
+    diff = [o for o in flat_out if isinstance(o, torch.Tensor) and o.requires_grad]
+    if backward and diff:
+        gen = torch.Generator().manual_seed(cotangent_seed)
+        cts = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype) for o in diff]
+        torch.autograd.backward(diff, cts)
+    result["grads"] = [r.grad for r in roots]
+    result["arg_grads"] = [
+        t.grad if t.requires_grad and not t.is_leaf and same else None
+        for t, same in zip(arg_tensors, unmutated)
+    ]
+    return result
+
+
+def assert_matches_eager(
+    fn: Callable[..., Any],
+    make_args: Callable[[], Any],
+    *,
+    runs: int = 2,
+    backward: bool = True,
+    rtol: float = 1.3e-6,
+    atol: float = 1e-5,
+    compiled: Callable[..., Any] | None = None,
+    **options: Any,
+) -> Callable[..., Any]:
+    """Compare `fn` under eager and under aotc. `make_args()` returns `args` or `(args, kwargs)`
+    when it returns a dict as the last element; it is called under the same seed for both sides."""
+    compiled = compiled or aotc.compile(fn, check_invariants=True, **options)
+    for run in range(runs):
+        sides = []
+        for side_fn in (fn, compiled):
+            torch.manual_seed(1000 + run)
+            made = make_args()
+            if isinstance(made, tuple) and made and isinstance(made[-1], dict):
+                args, kwargs = made[:-1], made[-1]
+            else:
+                args, kwargs = (made if isinstance(made, tuple) else (made,)), {}
+            torch.manual_seed(7 + run)
+            sides.append(run_and_capture(side_fn, args, kwargs, 99 + run, backward))
+        want, got = sides
+        assert got["out_spec"] == want["out_spec"], f"output structure {got['out_spec']} != {want['out_spec']}"
+        assert len(got["out"]) == len(want["out"])
+        for j, (g, w) in enumerate(zip(got["out"], want["out"])):
+            if isinstance(w, torch.Tensor):
+                assert isinstance(g, torch.Tensor), f"output {j}: {type(g)} is not a tensor"
+                _assert_tensor_equal(g, w, f"run {run} output {j}", rtol, atol)
+            else:
+                assert g == w, f"output {j}: {g!r} != eager {w!r}"
+        assert got["alias"] == want["alias"], (
+            f"run {run} aliasing differs:\n aotc  {got['alias']}\n eager {want['alias']}"
+        )
+        for i, (g, w) in enumerate(zip(got["args_after"], want["args_after"])):
+            _assert_tensor_equal(g, w, f"run {run} input {i} after the call", rtol, atol)
+        assert got["args_meta"] == want["args_meta"], (
+            f"run {run} input metadata after the call differs:\n aotc  {got['args_meta']}\n"
+            f" eager {want['args_meta']}"
+        )
+        for kind in ("grads", "arg_grads"):
+            for i, (g, w) in enumerate(zip(got[kind], want[kind])):
+                assert (g is None) == (w is None), f"run {run} {kind} {i}: {g} vs eager {w}"
+                if w is not None:
+                    _assert_tensor_equal(g, w, f"run {run} {kind} {i}", 1e-5, 1e-5)
+    return compiled
+
+
+def assert_module_matches_eager(
+    make_module: Callable[[], torch.nn.Module],
+    make_inputs: Callable[[], tuple],
+    *,
+    steps: int = 3,
+    lr: float = 0.1,
+    train: bool = True,
+    **options: Any,
+) -> torch.nn.Module:
+    """Train an eager copy and an aotc copy of one module for a few SGD steps and compare
+    outputs, every parameter gradient, parameters and buffers after each step."""
+    torch.manual_seed(0)
+    eager = make_module()
+    ref = copy.deepcopy(eager)
+    compiled = aotc.compile(ref, check_invariants=True, **options)
+    eager.train(train)
+    compiled.train(train)
+    for step in range(steps):
+        torch.manual_seed(100 + step)
+        inputs = make_inputs()
+        torch.manual_seed(200 + step)
+        want = eager(*inputs)
+        torch.manual_seed(200 + step)
+        got = compiled(*inputs)
+        w_leaves, g_leaves = _tensor_leaves(want), _tensor_leaves(got)
+        for j, (g, w) in enumerate(zip(g_leaves, w_leaves)):
+            _assert_tensor_equal(g, w, f"step {step} output {j}", 1e-5, 1e-5)
+        if train:
+            sum(o.float().sum() for o in w_leaves if o.requires_grad).backward()
+            sum(o.float().sum() for o in g_leaves if o.requires_grad).backward()
+        for (name, pw), (_, pg) in zip(eager.named_parameters(), ref.named_parameters()):
+            if pw.grad is not None or pg.grad is not None:
+                assert pg.grad is not None and pw.grad is not None, f"step {step} grad {name}"
+                torch.testing.assert_close(pg.grad, pw.grad, rtol=1e-4, atol=1e-5,
+                                           msg=lambda m: f"step {step} grad {name}: {m}")
+        with torch.no_grad():
+            for pw, pg in zip(eager.parameters(), ref.parameters()):
+                if pw.grad is not None:
+                    pw -= lr * pw.grad
+                    pg -= lr * pg.grad
+                pw.grad = None
+                pg.grad = None
+        for (name, bw), (_, bg) in zip(eager.named_buffers(), ref.named_buffers()):
+            torch.testing.assert_close(bg, bw, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"step {step} buffer {name}: {m}")
+    return compiled
+
+
+@pytest.fixture(autouse=True)
+def _fresh_grad_mode():
+    with torch.enable_grad():
+        yield
