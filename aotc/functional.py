@@ -13,6 +13,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
+from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -41,11 +42,15 @@ def from_functional(t: object) -> object:
 
 @contextlib.contextmanager
 def functionalization() -> Iterator[None]:
-    torch._enable_functionalization(reapply_views=True)
-    try:
-        yield
-    finally:
-        torch._disable_functionalization()
+    """C++ functionalization with the Python dispatcher on. The Python dispatcher routes ops
+    whose schema hides a mutation (`native_batch_norm` updates running stats without declaring
+    it) to correctly-schema'd variants, so functionalization sees every input mutation."""
+    with enable_python_dispatcher():
+        torch._enable_functionalization(reapply_views=True)
+        try:
+            yield
+        finally:
+            torch._disable_functionalization()
 
 
 def _user_frame(tb: traceback.StackSummary) -> str:

@@ -14,6 +14,11 @@ from runtime.errors import GraphInvariantError
 
 _CONTEXT = 10
 
+# Ops that mutate an argument without saying so in their schema.
+_HIDDEN_MUTATIONS = frozenset(
+    {"aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm"}
+)
+
 
 def lint_graph(graph: StageGraph, stage: str) -> None:
     placeholders = graph.placeholders()
@@ -30,7 +35,7 @@ def lint_graph(graph: StageGraph, stage: str) -> None:
     for i, node in enumerate(nodes):
         target = node.target
         if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
-            if target._schema.is_mutable:
+            if target._schema.is_mutable or target._schema.name in _HIDDEN_MUTATIONS:
                 raise GraphInvariantError(
                     f"[{stage}] node {node.name} calls mutating op {target}; graphs must be "
                     f"functional.\n{_context(nodes, i)}"

@@ -28,6 +28,7 @@ Worked example (f(x) = sin(x), x requires grad):
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -116,6 +117,11 @@ def partition(joint: JointGraph, mutated_args: frozenset[GraphArg] = frozenset()
     random_nodes = [n for n in graph.nodes if is_random(n)]
     fwd_nodes = _ancestors([*fwd_values, *random_nodes]) | set(primals)
     bwd_nodes = _ancestors(v for v, _ in grad_pairs) - fwd_nodes
+    # A getitem of a multi-output forward op is free and keeps saved values tensors.
+    for node in graph.nodes:
+        if node in bwd_nodes and node.target is operator.getitem and node.args[0] in fwd_nodes:
+            bwd_nodes.discard(node)
+            fwd_nodes.add(node)
 
     saved_nodes: list[fx.Node] = []
     saved_set: set[fx.Node] = set()

@@ -1,0 +1,263 @@
+"""nn.Modules through aotc.compile: parameters and buffers as live graph inputs, train/eval,
+training loops against eager, lifted closures and globals, recompiles."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import aotc
+from tests.conftest import assert_matches_eager, assert_module_matches_eager
+
+
+class ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x):
+        y = F.relu(self.bn(self.conv(x)))
+        return self.fc(y.mean((2, 3)))
+
+
+def test_batchnorm_train_updates_running_stats():
+    compiled = assert_module_matches_eager(ConvBN, lambda: (torch.randn(4, 3, 7, 9),), steps=3)
+    assert compiled.records[0].meta.inputs  # buffers were graph inputs
+    mutated = [i for i in compiled.records[0].meta.inputs if i.mutation.has_data]
+    assert len(mutated) == 3  # running_mean, running_var, num_batches_tracked
+
+
+def test_eval_mode_switch_recompiles_and_matches():
+    torch.manual_seed(0)
+    model = ConvBN()
+    ref = ConvBN()
+    ref.load_state_dict(model.state_dict())
+    compiled = aotc.compile(model)
+    x = torch.randn(2, 3, 5, 5)
+    compiled.train()
+    ref.train()
+    torch.testing.assert_close(compiled(x), ref(x))
+    compiled.eval()
+    ref.eval()
+    assert not model.training
+    torch.testing.assert_close(compiled(x), ref(x))
+    assert len(compiled.records) == 2
+    torch.testing.assert_close(model.bn.running_mean, ref.bn.running_mean)
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, d: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / (d // self.heads) ** 0.5
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.mlp(self.ln2(x))
+
+
+def test_gpt_block_training_loop():
+    assert_module_matches_eager(TinyGPT, lambda: (torch.randn(3, 11, 32),), steps=3)
+
+
+def test_module_shares_live_parameters():
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    compiled = aotc.compile(model)
+    x = torch.randn(4, 5)
+    compiled(x).sum().backward()
+    assert model.weight.grad is not None  # gradients land on the original parameters
+    with torch.no_grad():
+        model.weight.mul_(2)  # an optimizer-style update outside
+    torch.testing.assert_close(compiled(x), model(x))
+    assert compiled.state_dict().keys() == model.state_dict().keys()
+    assert [n for n, _ in compiled.named_parameters()] == ["weight", "bias"]
+    assert compiled.in_features == 5
+    model.weight = nn.Parameter(torch.randn(3, 5))  # rebinding is seen too
+    torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_module_kwargs_and_dict_output():
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, *, scale=1.0, extra=None):
+            h = self.lin(x) * scale
+            return {"h": h, "pair": (h.sum(), extra)}
+
+    torch.manual_seed(0)
+    model = M()
+    compiled = aotc.compile(model)
+    x = torch.randn(2, 4)
+    got = compiled(x, scale=2.0, extra=None)
+    want = model(x, scale=2.0, extra=None)
+    torch.testing.assert_close(got["h"], want["h"])
+    assert got["pair"][1] is None
+
+
+@dataclasses.dataclass
+class ModelOutput:
+    loss: torch.Tensor
+    logits: torch.Tensor
+
+
+def test_dataclass_model_output():
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x, y):
+            logits = self.lin(x)
+            return ModelOutput(loss=F.cross_entropy(logits, y), logits=logits)
+
+    torch.manual_seed(0)
+    model = M()
+    compiled = aotc.compile(model)
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    out = compiled(x, y)
+    assert isinstance(out, ModelOutput)
+    out.loss.backward()
+    want = model(x, y)
+    torch.testing.assert_close(out.loss, want.loss)
+
+
+def test_plain_tensor_attribute_is_lifted():
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.scale = torch.tensor(2.0)  # not a buffer
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    torch.manual_seed(0)
+    model = M()
+    compiled = aotc.compile(model)
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(compiled(x), model(x))
+    model.scale.fill_(5.0)  # later changes are seen, never baked in
+    torch.testing.assert_close(compiled(x), model(x))
+
+
+# ---------------------------------------------------------------- lifted closures and globals
+
+GLOBAL_W = torch.randn(4, 4)
+
+
+def uses_global(x):
+    return x @ GLOBAL_W
+
+
+def test_global_tensor_is_lifted_not_baked():
+    global GLOBAL_W
+    compiled = aotc.compile(uses_global)
+    x = torch.randn(2, 4, requires_grad=True)
+    torch.testing.assert_close(compiled(x), uses_global(x))
+    GLOBAL_W.mul_(3)
+    torch.testing.assert_close(compiled(x), uses_global(x))
+    GLOBAL_W = torch.randn(4, 4)  # rebinding the name is seen
+    torch.testing.assert_close(compiled(x), uses_global(x))
+
+
+def test_closure_tensor_mutation_is_copied_back():
+    counter = torch.zeros(())
+    weight = torch.randn(3, requires_grad=True)
+
+    def f(x):
+        counter.add_(1)
+        return x * weight
+
+    compiled = aotc.compile(f)
+    x = torch.randn(3)
+    out = compiled(x)
+    compiled(x)
+    assert counter.item() == 2.0
+    out.sum().backward()
+    torch.testing.assert_close(weight.grad, x)
+
+
+def test_closure_module_parameters_get_gradients():
+    lin = nn.Linear(3, 2)
+
+    def f(x):
+        return lin(x).relu().sum()
+
+    compiled = aotc.compile(f)
+    compiled(torch.randn(4, 3)).backward()
+    assert lin.weight.grad is not None and lin.bias.grad is not None
+
+
+def test_unliftable_tensor_raises_clear_error():
+    class Holder:
+        def __init__(self) -> None:
+            self.t = torch.randn(3)
+
+    holder = Holder()
+
+    def f(x):
+        return x * holder.t
+
+    with pytest.raises(aotc.UnsupportedError, match="Pass it as an argument"):
+        aotc.compile(f)(torch.randn(3))
+
+
+# ---------------------------------------------------------------- recompiles
+
+
+def test_new_shape_recompiles_and_matches():
+    def f(x, w):
+        return (x @ w).tanh()
+
+    compiled = aotc.compile(f)
+    for n in (3, 5, 3):
+        assert_matches_eager(f, lambda n=n: (torch.randn(n, 4), torch.randn(4, 2, requires_grad=True)),
+                             compiled=compiled, runs=1)
+    assert len(compiled.records) == 2
+    assert compiled.recompile_reasons
+
+
+def test_recompile_warning_after_limit():
+    compiled = aotc.compile(lambda x: x * 2, recompile_warn_limit=2)
+    with pytest.warns(UserWarning, match="recompiled 2 times"):
+        for n in range(1, 5):
+            compiled(torch.randn(n))
+
+
+def test_max_signatures_raises_guard_error():
+    compiled = aotc.compile(lambda x: x + 1, max_signatures=2, recompile_warn_limit=100)
+    compiled(torch.randn(1))
+    compiled(torch.randn(2))
+    with pytest.raises(aotc.GuardError, match="max_signatures"):
+        compiled(torch.randn(3))
+
+
+def test_python_scalar_argument_is_guarded():
+    def f(x, k):
+        return x * k
+
+    compiled = aotc.compile(f)
+    x = torch.randn(3)
+    torch.testing.assert_close(compiled(x, 2), x * 2)
+    torch.testing.assert_close(compiled(x, 3), x * 3)
+    assert len(compiled.records) == 2
