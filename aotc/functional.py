@@ -8,6 +8,7 @@ every in-place op becomes a functional op plus a record of the mutation.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -53,11 +54,20 @@ def functionalization() -> Iterator[None]:
             torch._disable_functionalization()
 
 
+_OWN_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep  # type: ignore[arg-type]
+    for m in (torch, sys.modules[__name__.split(".")[0]])
+) + tuple(
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), p) + os.sep
+    for p in ("passes", "runtime")
+)
+
+
 def _user_frame(tb: traceback.StackSummary) -> str:
-    """The innermost frame outside torch and aotc: the user's line."""
-    skip = ("/torch/", "/aotc/", "/passes/", "/runtime/", "contextlib.py")
+    """The innermost frame outside torch and aotc's packages: the user's line."""
     for frame in reversed(tb):
-        if not any(s in frame.filename for s in skip):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(_OWN_DIRS) and not path.endswith("contextlib.py"):
             return f"{frame.filename}:{frame.lineno} ({frame.line})"
     return "<unknown>"
 

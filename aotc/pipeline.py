@@ -106,6 +106,22 @@ def compile_signature(
     options: CompileOptions,
     name: str,
 ) -> CompiledEntry:
+    # Tracing saves fake tensors for autograd; the user's saved-tensor hooks must not see them.
+    with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+        return _compile_signature(program, leaves, names, options, name)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _compile_signature(
+    program: FlatProgram,
+    leaves: list[object],
+    names: list[str],
+    options: CompileOptions,
+    name: str,
+) -> CompiledEntry:
     times: dict[str, float] = {}
     clock = time.perf_counter()
 

@@ -1,0 +1,198 @@
+"""Errors are clear and typed; inspection records hold every stage; structural guarantees."""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+
+import pytest
+import torch
+
+import aotc
+from passes.descriptors import SavedOutput
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_double_backward_raises_clear_error():
+    compiled = aotc.compile(lambda x: (x**3).sum())
+    x = torch.randn(4, requires_grad=True)
+    (g,) = torch.autograd.grad(compiled(x), x, create_graph=False)
+    torch.testing.assert_close(g, 3 * x.detach() ** 2)
+    with pytest.raises(aotc.UnsupportedError, match="double backward") as info:
+        torch.autograd.grad(compiled(x), x, create_graph=True)
+    assert "create_graph" in str(info.value) and len(str(info.value)) < 500
+
+
+def test_data_dependent_control_flow_raises_naming_the_line():
+    def f(x):
+        if x.sum() > 0:
+            return x * 2
+        return x
+
+    with pytest.raises(aotc.UnsupportedError, match="depends on tensor values") as info:
+        aotc.compile(f)(torch.randn(3))
+    assert "test_errors_and_inspect.py" in str(info.value)
+    assert "torch.where" in str(info.value)
+
+
+def test_item_raises():
+    with pytest.raises(aotc.UnsupportedError, match=r"\.item\(\)"):
+        aotc.compile(lambda x: x * x.max().item())(torch.randn(3))
+
+
+def test_data_dependent_output_shape_raises():
+    with pytest.raises(aotc.UnsupportedError):
+        aotc.compile(lambda x: x.nonzero())(torch.randn(5))
+
+
+def test_unknown_output_type_raises():
+    class Opaque:
+        pass
+
+    with pytest.raises(aotc.UnsupportedError, match="output 1 has type Opaque"):
+        aotc.compile(lambda x: (x * 2, Opaque()))(torch.randn(3))
+
+
+def test_new_leaf_requiring_grad_output_raises():
+    with pytest.raises(aotc.UnsupportedError, match="requires_grad=True"):
+        aotc.compile(lambda x: (x + 1, torch.zeros(3, requires_grad=True)))(torch.randn(3))
+
+
+def test_bad_options_name_the_option():
+    with pytest.raises(TypeError, match="unknown option"):
+        aotc.compile(lambda x: x, no_such_option=1)
+    with pytest.raises(ValueError, match="backend='bogus'"):
+        aotc.compile(lambda x: x, backend="bogus")
+    with pytest.raises(TypeError, match="expects a function or nn.Module"):
+        aotc.compile(3)
+
+
+def test_dynamic_is_refused_not_guessed():
+    with pytest.raises(aotc.UnsupportedError, match="dynamic=True"):
+        aotc.compile(lambda x: x * 2, dynamic=True)(torch.randn(3))
+
+
+def test_storage_swap_of_input_raises():
+    def f(x, y):
+        x.set_(y)
+        return x * 2
+
+    with pytest.raises(aotc.UnsupportedError, match="set_ / resize_") as info:
+        aotc.compile(f)(torch.randn(3), torch.randn(3))
+    assert "'x'" in str(info.value)
+
+
+def test_inspect_record_has_every_stage():
+    def f(x, w):
+        return (x @ w).relu().sum()
+
+    compiled = aotc.compile(f)
+    compiled(torch.randn(3, 4), torch.randn(4, 2, requires_grad=True)).backward()
+    (record,) = aotc.inspect(compiled)
+    assert isinstance(record.joint, torch.fx.GraphModule)
+    assert isinstance(record.forward, torch.fx.GraphModule)
+    assert isinstance(record.backward, torch.fx.GraphModule)
+    assert record.meta.inputs[1].requires_grad
+    assert set(record.stage_seconds) >= {"metadata", "trace", "partition"}
+    assert record.partition is not None and record.partition.saved_bytes > 0
+    text = record.format()
+    for stage in ("signature", "metadata", "joint", "partition", "forward", "backward", "epilogue"):
+        assert f"# stage: {stage}" in text
+    with pytest.raises(TypeError):
+        aotc.inspect(f)
+
+
+def test_dump_dir_writes_every_stage(tmp_path):
+    compiled = aotc.compile(lambda x: x.sin().sum(), dump=str(tmp_path))
+    compiled(torch.randn(3, requires_grad=True)).backward()
+    (folder,) = list(tmp_path.iterdir())
+    names = sorted(p.name for p in folder.iterdir())
+    assert names[:3] == ["00_signature.txt", "01_metadata.txt", "02_joint.py"]
+    assert "04_forward.py" in names and "05_backward.py" in names
+
+
+def test_saved_tensor_hooks_see_exactly_the_saved_values():
+    def f(x, w):
+        return (x @ w).tanh().sum()
+
+    compiled = aotc.compile(f)
+    x, w = torch.randn(5, 4), torch.randn(4, 3, requires_grad=True)
+    packed = []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = compiled(x, w)
+    out.backward()
+    record = compiled.records[0]
+    assert record.partition is not None
+    assert len(packed) == len(record.partition.saved)
+    assert sum(isinstance(d, SavedOutput) for d in record.partition.forward.outputs) == len(packed)
+    want = w.grad.clone()
+    w.grad = None
+    f(x, w).backward()
+    torch.testing.assert_close(want, w.grad)
+
+
+def test_inputs_with_statically_no_gradient_are_detached():
+    def f(x, unused):
+        return x * 2, unused.shape[0]
+
+    compiled = aotc.compile(f)
+    x, unused = torch.randn(3, requires_grad=True), torch.randn(2, requires_grad=True)
+    out, n = compiled(x, unused)
+    assert n == 2
+    out.sum().backward()
+    assert unused.grad is None and x.grad is not None
+    assert compiled.records[0].training
+    node = out.grad_fn
+    assert len(node.next_functions) == 2  # x, and a None edge for the detached input
+    assert node.next_functions[0][0] is not None and node.next_functions[1][0] is None
+
+
+def test_imports_go_downward_only():
+    """aotc -> passes -> runtime; runtime imports neither, passes never imports aotc, and no
+    package imports AOTAutograd or Inductor internals."""
+    forbidden_everywhere = ("torch._functorch.aot_autograd", "torch._functorch.partitioners",
+                            "torch._inductor")
+    rules = {"runtime": ("aotc", "passes"), "passes": ("aotc",), "aotc": ()}
+    for package, banned in rules.items():
+        for path in (ROOT / package).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                names: list[str] = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module]
+                for name in names:
+                    top = name.split(".")[0]
+                    assert top not in banned, f"{path} imports {name}"
+                    assert not name.startswith(forbidden_everywhere), f"{path} imports {name}"
+
+
+def test_cli_version_and_help(capsys):
+    from aotc import cli
+
+    assert cli.main(["--version"]) == 0
+    assert aotc.__version__ in capsys.readouterr().out
+    assert cli.main([]) == 0
+    assert "usage" in capsys.readouterr().out.lower()
+    assert cli.main(["no-such-command"]) == 2
+
+
+@pytest.mark.skipif(os.name != "posix", reason="console script check")
+def test_console_script_installed():
+    import shutil
+    import subprocess
+    import sys
+
+    exe = shutil.which("aotc", path=os.path.dirname(sys.executable))
+    if exe is None:
+        pytest.skip("aotc console script not installed in this environment")
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True)
+    assert aotc.__version__ in out.stdout
