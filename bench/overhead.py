@@ -221,8 +221,38 @@ def breakdown(iters: int = 2000, rounds: int = 9) -> dict[str, float]:
     }
     if bwd is not None:
         pieces["bwd fx graph alone (GraphModule.forward)"] = loop(lambda: bwd(*saved, tangent))
-    with torch.no_grad():
-        pass
+
+    class _Ctx:
+        saved_tensors = tuple(saved)
+
+    ctx = _Ctx()
+    py_backward = entry._fn.backward
+
+    def fn_py_backward() -> None:
+        with torch.no_grad():
+            py_backward(ctx, tangent)
+
+    pieces["AotcFunction.backward staticmethod (under no_grad, incl. bwd graph)"] = loop(
+        fn_py_backward
+    )
+    # signature_key's parts, per call of 2 tensors
+    pieces["  sig part: 2x t.untyped_storage().data_ptr()"] = loop(
+        lambda: (x.untyped_storage().data_ptr(), y.untyped_storage().data_ptr())
+    )
+    pieces["  sig part: 2x (dtype, device, shape, stride(), requires_grad, is_leaf)"] = loop(
+        lambda: (
+            (x.dtype, x.device, x.shape, x.stride(), x.requires_grad, x.is_leaf),
+            (y.dtype, y.device, y.shape, y.stride(), y.requires_grad, y.is_leaf),
+        )
+    )
+    pieces["  sig part: is_grad_enabled + 2x is_autocast_enabled"] = loop(
+        lambda: (
+            torch.is_grad_enabled(),
+            torch.is_autocast_enabled("cpu"),
+            torch.is_autocast_enabled("cuda"),
+        )
+    )
+    pieces["  sig part: hash of the key tuple"] = loop(lambda: hash(key))
     samples = interleaved_rounds(pieces, iters=iters, rounds=rounds)
     x.grad = None
     return {k: median(v) * 1e6 for k, v in samples.items()}

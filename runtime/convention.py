@@ -82,7 +82,12 @@ def plan_convention(
         if isinstance(leaf, torch.Tensor):
             tensor_leaves.append(UserArg(i))
             first_of.setdefault(id(leaf), UserArg(i))
-    in_group = {m: gi for gi, group in enumerate(mutated_groups) for m in group}
+    # Duplicates of a group member are members too (same object, same geometry).
+    groups = [
+        [i for i in tensor_leaves if first_of[id(leaves[i])] in set(group)]
+        for group in mutated_groups
+    ]
+    in_group = {m: gi for gi, group in enumerate(groups) for m in group}
 
     graph_sources: list[UserArg | None] = []
     bases: list[SyntheticBase] = []
@@ -97,7 +102,7 @@ def plan_convention(
             if gi not in graph_of_group:
                 graph_of_group[gi] = GraphArg(len(graph_sources))
                 graph_sources.append(None)
-                bases.append(_plan_base(leaves, mutated_groups[gi], names))
+                bases.append(_plan_base(leaves, groups[gi], names))
             graph_of_leaf[i] = graph_of_group[gi]
         else:
             graph_of_leaf[i] = GraphArg(len(graph_sources))

@@ -1,0 +1,52 @@
+"""Run every aotc benchmark and print a compact summary (`make bench`).
+
+Run from the repo root: .venv/bin/python bench/run_all.py [--quick] [--profile]
+Results go to bench/results/compile_time.json and bench/results/overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import compile_time  # noqa: E402
+import overhead  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
+    p.add_argument("--profile", action="store_true", help="aotc per-call breakdown + cProfile")
+    args = p.parse_args(argv)
+    warnings.simplefilter("ignore", UserWarning)
+
+    ct_args = ["--reps", "5"] if args.quick else []
+    oh_args = ["--iters", "500", "--rounds", "5"] if args.quick else []
+    if args.profile:
+        oh_args.append("--profile")
+
+    ct = compile_time.main(ct_args)
+    print()
+    oh = overhead.main(oh_args)
+
+    print("\n=== summary (medians; CPU) ===")
+    print(compile_time.table(ct))
+    print()
+    print(overhead.table(oh))
+    fb = oh["fwd_bwd"]
+    ok_ct = all(r["meets_goal"] for r in ct.values())
+    print(
+        f"\ngoals: compile ratio <= 1.0 on all workloads: {'yes' if ok_ct else 'NO'}; "
+        f"fwd+bwd aotc < {overhead.FWD_BWD_TARGET_US:g} us and aotc/aot <= 1.0: "
+        f"{'yes' if fb['meets_goal'] else 'NO'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
