@@ -33,6 +33,7 @@ from runtime.autograd import AutogradPlan
 from runtime.convention import alias_groups, plan_convention
 from runtime.epilogue import EpiloguePlan, plan_epilogue
 from runtime.schema import CallingConvention, FwdOut, GraphArg, MutationAliasInfo, UserArg
+from runtime.launch import make_callable
 from runtime.wrappers import CompiledEntry, RuntimePlan
 
 
@@ -183,7 +184,9 @@ def _compile_signature(
     )
     fwd_module = part.forward.module if part is not None else joint.module
     bwd_module = part.backward.module if part is not None else None
-    entry = CompiledEntry(plan, fwd_module.forward, bwd_module.forward if bwd_module else None)
+    entry = CompiledEntry(
+        plan, make_callable(fwd_module), make_callable(bwd_module) if bwd_module else None
+    )
     lap("assemble")
     entry.record = CompiledRecord(
         name=name,

@@ -32,12 +32,15 @@ def signature_key(leaves: Sequence[object]) -> tuple[object, ...]:
         else:
             parts.append((type(t), t))
     pattern = _alias_pattern(leaves, ptrs) if len(set(ptrs)) != len(ptrs) else None
-    return (
-        tuple(parts),
-        pattern,
-        torch.is_grad_enabled(),
-        torch.is_autocast_enabled("cpu"),
-        torch.is_autocast_enabled("cuda"),
+    autocast = _autocast_state() if torch._C._is_any_autocast_enabled() else None
+    return (tuple(parts), pattern, torch.is_grad_enabled(), autocast)
+
+
+def _autocast_state() -> tuple[object, ...]:
+    return tuple(
+        (device, torch.get_autocast_dtype(device))
+        for device in ("cpu", "cuda")
+        if torch.is_autocast_enabled(device)
     )
 
 

@@ -43,7 +43,9 @@ class RuntimePlan:
 class CompiledEntry:
     """One compiled signature. `run(leaves)` is the per-call hot path."""
 
-    __slots__ = ("plan", "record", "_fwd", "_fn", "_detach", "_diff", "_unflatten", "_mutates")
+    __slots__ = (
+        "plan", "record", "_fwd", "_fn", "_apply", "_detach", "_diff", "_unflatten", "_mutates"
+    )
 
     def __init__(
         self,
@@ -56,10 +58,13 @@ class CompiledEntry:
         self.record = record
         self._fwd = fwd
         self._fn = None
+        self._apply = None
         self._diff: tuple[int, ...] = ()
         if plan.autograd is not None:
             assert bwd is not None
             self._fn = make_autograd_function(fwd, bwd, plan.autograd, plan.name)
+            # See Note [Direct apply]
+            self._apply = super(torch.autograd.Function, self._fn).apply
             self._diff = plan.autograd.diff_outs
         self._detach = frozenset(plan.detach_args)
         self._mutates = bool(plan.epilogue.mutations)
@@ -72,7 +77,10 @@ class CompiledEntry:
             if self._detach:
                 args = [a.detach() if i in self._detach else a for i, a in enumerate(args)]
             holder: list[torch.Tensor] = []
-            diff = self._fn.apply(holder, *args)
+            if torch._C._are_functorch_transforms_active():
+                diff = self._fn.apply(holder, *args)
+            else:
+                diff = self._apply(holder, *args)
             for pos, k in enumerate(self._diff):
                 holder[k] = diff[pos]
             fwd_outs = holder
@@ -81,6 +89,15 @@ class CompiledEntry:
         if self._mutates:
             apply_mutations(plan.epilogue, apply_convention(plan.convention, leaves), fwd_outs)
         return self._unflatten(build_outputs(plan.epilogue, leaves, fwd_outs))
+
+
+# Note [Direct apply]
+# ~~~~~~~~~~~~~~~~~~~
+# `torch.autograd.Function.apply` is a Python classmethod that binds default arguments for
+# `setup_context` (we define none) and unwraps dead functorch wrappers (only needed while a
+# functorch transform is active) before calling the C++ `_FunctionBase.apply`. Calling the C++
+# apply directly when no transform is active halves the cost of a tiny training call on CPU
+# (measured 35 -> 15 us for a 2-op graph); with a transform active we take the full path.
 
 
 def _unflattener(spec: pytree.TreeSpec) -> Callable[[list[object]], object]:
