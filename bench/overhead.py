@@ -176,12 +176,15 @@ def breakdown(iters: int = 2000, rounds: int = 9) -> dict[str, float]:
     diff = entry._fn.apply(holder, *args)
     fwd_outs = list(holder)
     record = entry.record
-    bwd = record.backward.forward if record is not None and record.backward is not None else None
+    bwd = _closure_var(entry._fn.backward, "bwd")  # the callable the runtime really calls
+    if bwd is None and record is not None and record.backward is not None:
+        bwd = record.backward.forward
     fwd_graph_outs = entry._fwd(*args)
     n_out = plan.autograd.num_fwd_outs
     saved = fwd_graph_outs[n_out:]
     tangent = torch.ones_like(diff[0])
-    apply = entry._fn.apply
+    # the apply the runtime calls: a direct C++ apply if the entry has one, else Function.apply
+    apply = getattr(entry, "_apply", None) or entry._fn.apply
     fwd = entry._fwd
     extra = len(leaves)
 
@@ -212,15 +215,15 @@ def breakdown(iters: int = 2000, rounds: int = 9) -> dict[str, float]:
         "dict lookup of key": loop(lambda: disp._entries.get(key)),
         "CompiledEntry.run(leaves) fwd": loop(lambda: entry.run(leaves)),
         "apply_convention": loop(lambda: apply_convention(plan.convention, leaves)),
-        "Function.apply(holder,*args) fwd (incl. fwd graph)": loop(fn_apply),
-        "fwd fx graph alone (GraphModule.forward)": loop(lambda: fwd(*args)),
-        "Function.apply + .backward()": loop(fn_apply_bwd),
+        "autograd apply(holder,*args) fwd (incl. fwd graph)": loop(fn_apply),
+        "fwd graph callable alone": loop(lambda: fwd(*args)),
+        "autograd apply + .backward()": loop(fn_apply_bwd),
         "build_outputs + unflatten": loop(
             lambda: entry._unflatten(build_outputs(plan.epilogue, leaves, fwd_outs))
         ),
     }
     if bwd is not None:
-        pieces["bwd fx graph alone (GraphModule.forward)"] = loop(lambda: bwd(*saved, tangent))
+        pieces["bwd graph callable alone"] = loop(lambda: bwd(*saved, tangent))
 
     class _Ctx:
         saved_tensors = tuple(saved)
@@ -235,6 +238,43 @@ def breakdown(iters: int = 2000, rounds: int = 9) -> dict[str, float]:
     pieces["AotcFunction.backward staticmethod (under no_grad, incl. bwd graph)"] = loop(
         fn_py_backward
     )
+    # Floor of any autograd.Function-based runtime: a minimal Function running the same eager ops
+    class _MinimalFn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):  # type: ignore[no-untyped-def]
+            ctx.save_for_backward(b)
+            return (a * b).sum()
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[no-untyped-def]
+            (b,) = ctx.saved_tensors
+            return g.expand(4) * b, None
+
+    min_apply = _MinimalFn.apply
+    pieces["minimal autograd.Function (eager ops) fwd"] = loop(lambda: min_apply(x, y))
+    pieces["minimal autograd.Function (eager ops) fwd+bwd"] = loop(
+        lambda: min_apply(x, y).backward()
+    )
+
+    # inference path (what fwd_no_grad runs)
+    with torch.no_grad():
+        cf(x, y)  # compile the inference entry
+    inf_entry = next(e for k, e in disp._entries.items() if k[1][2] is False)
+
+    def under_no_grad(body: Callable[[], object]) -> Callable[[int], None]:
+        def run_n(n: int) -> None:
+            with torch.no_grad():
+                for _ in range(n):
+                    body()
+
+        return run_n
+
+    pieces["no_grad: eager f(x,y)"] = under_no_grad(lambda: f(x, y))
+    pieces["no_grad: aotc cf(x,y)"] = under_no_grad(lambda: cf(x, y))
+    pieces["no_grad: signature_key(leaves)"] = under_no_grad(lambda: signature_key(leaves))
+    pieces["no_grad: CompiledEntry.run(leaves)"] = under_no_grad(lambda: inf_entry.run(leaves))
+    pieces["no_grad: fwd graph callable alone"] = under_no_grad(lambda: inf_entry._fwd(*args))
+
     # signature_key's parts, per call of 2 tensors
     pieces["  sig part: 2x t.untyped_storage().data_ptr()"] = loop(
         lambda: (x.untyped_storage().data_ptr(), y.untyped_storage().data_ptr())
@@ -245,17 +285,85 @@ def breakdown(iters: int = 2000, rounds: int = 9) -> dict[str, float]:
             (y.dtype, y.device, y.shape, y.stride(), y.requires_grad, y.is_leaf),
         )
     )
-    pieces["  sig part: is_grad_enabled + 2x is_autocast_enabled"] = loop(
+    pieces["  sig part: is_grad_enabled + 2x is_autocast_enabled (old key)"] = loop(
         lambda: (
             torch.is_grad_enabled(),
             torch.is_autocast_enabled("cpu"),
             torch.is_autocast_enabled("cuda"),
         )
     )
+    pieces["  sig part: is_grad_enabled + _is_any_autocast_enabled (new key)"] = loop(
+        lambda: (torch.is_grad_enabled(), torch._C._is_any_autocast_enabled())
+    )
     pieces["  sig part: hash of the key tuple"] = loop(lambda: hash(key))
     samples = interleaved_rounds(pieces, iters=iters, rounds=rounds)
     x.grad = None
     return {k: median(v) * 1e6 for k, v in samples.items()}
+
+
+def _closure_var(fn: object, name: str) -> object:
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None or fn.__closure__ is None:  # type: ignore[attr-defined]
+        return None
+    cells = dict(zip(code.co_freevars, fn.__closure__))  # type: ignore[attr-defined]
+    cell = cells.get(name)
+    return cell.cell_contents if cell is not None else None
+
+
+def knockout(iters: int = 2000, rounds: int = 9) -> dict[str, dict[str, float]]:
+    """Whole-call cost with one runtime piece replaced by a precomputed result (same inputs every
+    call, so the result is valid). Baseline minus knocked-out = what that piece costs in situ.
+
+    Pieces timed alone (breakdown) tend to under-count on this machine: their in-situ cost is
+    larger than their standalone cost. This patches module globals of runtime.wrappers inside this
+    process only, around each timed loop; nothing on disk changes.
+    """
+    import runtime.wrappers as W
+
+    x, y = make_inputs()
+    cf = build("aotc", "fwd_bwd", x, y)
+    (key, entry), = cf._dispatch._entries.items()
+    plan = entry.plan
+    leaves = [x, y]
+    sig = key[1]
+    args = W.apply_convention(plan.convention, leaves)
+    orig = {n: getattr(W, n) for n in ("signature_key", "apply_convention", "build_outputs")}
+
+    def fake_build_outputs(epi: object, lv: list[object], fwd_outs: list[torch.Tensor]) -> list:
+        return [fwd_outs[0]]
+
+    variants: dict[str, dict[str, object]] = {
+        "baseline": {},
+        "signature_key -> const": {"signature_key": lambda lv: sig},
+        "apply_convention -> const": {"apply_convention": lambda c, lv: args},
+        "build_outputs -> trivial": {"build_outputs": fake_build_outputs},
+        "all three": {
+            "signature_key": lambda lv: sig,
+            "apply_convention": lambda c, lv: args,
+            "build_outputs": fake_build_outputs,
+        },
+    }
+    out: dict[str, dict[str, float]] = {}
+    for mode in ("fwd_grad", "fwd_bwd"):
+        systems = {}
+        for name, patch in variants.items():
+            inner = loop_for(mode, cf, x, y)
+
+            def run_n(n: int, patch: dict[str, object] = patch, inner=inner) -> None:  # noqa: ANN001
+                for k, v in patch.items():
+                    setattr(W, k, v)
+                try:
+                    inner(n)
+                finally:
+                    for k in patch:
+                        setattr(W, k, orig[k])
+
+            systems[name] = run_n
+        samples = interleaved_rounds(systems, iters=iters, rounds=rounds)
+        out[mode] = {k: median(v) * 1e6 for k, v in samples.items()}
+    x.grad = None
+    return out
 
 
 def cprofile(n: int = 20000, top: int = 25) -> str:
@@ -289,6 +397,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     if args.profile or over:
         bd = breakdown(iters=args.iters, rounds=max(5, args.rounds // 2))
         extra["aotc_breakdown_us"] = bd
+        extra["aotc_knockout_us"] = knockout(iters=args.iters, rounds=max(5, args.rounds // 2))
     path = write_results(
         "overhead",
         results,
@@ -306,6 +415,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         print("\naotc fwd+bwd breakdown (us/call, median of per-round means; pieces timed alone):")
         for k, v in extra["aotc_breakdown_us"].items():  # type: ignore[union-attr]
             print(f"  {v:8.2f}  {k}")
+    if "aotc_knockout_us" in extra:
+        print("\naotc whole-call us/call with one piece replaced by a precomputed result:")
+        for mode, d in extra["aotc_knockout_us"].items():  # type: ignore[union-attr]
+            base = d["baseline"]
+            print(f"  {mode}: " + ", ".join(
+                f"{k} {v:.1f}" + ("" if k == "baseline" else f" ({v - base:+.1f})")
+                for k, v in d.items()
+            ))
     if args.profile:
         print("\ncProfile of aotc fwd+bwd (tottime):")
         print(cprofile())
