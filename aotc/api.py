@@ -16,7 +16,7 @@ from typing import Any, overload
 import torch
 import torch.utils._pytree as pytree
 
-from aotc.lifting import Access, find_free_tensors, module_accesses, module_training_flags, swapped
+from aotc.lifting import Lifted, find_free_tensors, module_accesses, module_training_flags, swapped
 from aotc.options import CompileOptions
 from aotc.pipeline import CompiledRecord, compile_signature
 from runtime.errors import UnsupportedError
@@ -32,14 +32,15 @@ class CompiledFunction:
         self,
         fn: Callable[..., Any],
         options: CompileOptions,
-        accesses: tuple[Access, ...],
+        lifted: Lifted,
         name: str,
         extra_key: Callable[[], object] | None = None,
     ) -> None:
         self._fn = fn
         self._options = options
-        self._accesses = accesses
-        self._lifted_names = [a.name for a in accesses]
+        self._lifted = lifted
+        self._accesses = lifted.accesses
+        self._lifted_names = [a.name for a in lifted.accesses]
         self._extra_key = extra_key
         self._name = name
         self._dispatch = Dispatcher(
@@ -80,11 +81,11 @@ class CompiledFunction:
         else:
             in_spec = spec
         names = _leaf_names(self._fn, in_spec, num_user) + self._lifted_names
-        fn, accesses = self._fn, self._accesses
+        fn, lifted = self._fn, self._lifted
 
         def program(user_leaves: list[object]) -> tuple[list[object], object]:
             args, kwargs = pytree.tree_unflatten(user_leaves[:num_user], in_spec)
-            with swapped(accesses, user_leaves[num_user:]):
+            with swapped(lifted, user_leaves[num_user:]):
                 out = fn(*args, **kwargs)
             return _flatten_output(out)
 
@@ -141,7 +142,7 @@ class CompiledModule(torch.nn.Module):
         self._compiled = CompiledFunction(
             call_forward,
             options,
-            tuple(module_accesses(module, "self")),
+            module_accesses(module, "self"),
             name,
             extra_key=module_training_flags(module),
         )

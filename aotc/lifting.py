@@ -1,48 +1,159 @@
 """Lifting: tensors a program reads without receiving them become graph inputs.
 
-Stage: `find_free_tensors(fn) -> tuple[Access, ...]`.
-Ensures: one `Access` per distinct location (closure cell, global name, module parameter, buffer or
-plain tensor attribute, or an element of a list/tuple/dict held there). Each call re-reads every
-location, so rebinding (`model.weight = new`, `global w; w = ...`) is seen, and the trace swaps
-fake tensors into exactly these locations, so nothing real is baked into a graph.
+Stage: `find_free_tensors(fn) -> tuple[Access, ...]` once per compiled function;
+`swapped(accesses, values)` around every trace.
+Ensures: one `Access` per distinct location a tensor is reached through: a closure cell, a global
+name, a module parameter/buffer/tensor attribute, an attribute of a plain object, an element of a
+list or a value of a dict held there, a dict *key* that is a tensor (an optimizer's `state` is keyed
+by parameters), and the `.grad` of a lifted tensor that requires grad. Each call re-reads every
+location, so rebinding (`model.weight = new`, `global w; w = ...`) is seen; the trace swaps fake
+tensors into exactly these locations, so nothing real is baked into a graph.
 
-Objects aotc does not walk into (an optimizer, a custom class) are not lifted: a tensor reached
-through them reaches the trace as a real tensor, and the trace raises UnsupportedError naming it.
+Note [Lifting through objects]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A training-step function typically reads `model` and `opt` from its closure. `opt.step()` reads
+each parameter from `opt.param_groups[i]["params"][j]`, its gradient from `p.grad`, and its
+state from `opt.state[p]`, a dict keyed by the parameter object. So the walk follows plain
+objects' attributes, lists and dicts (to a fixed depth), and for a tensor-keyed dict it lifts the
+key as its own location. The same parameter reached as a list element and as a dict key is two
+locations of one object: the calling convention folds them into one graph argument (dedupe), so
+during the trace both locations hold the same fake tensor and `opt.state[p]` finds its entry.
+Values are swapped before keys and restored after them, so value slots address the real keys.
+
+What the graph cannot replay is refused after the trace (`check_unchanged`): rebinding a lifted
+location to another tensor, assigning `.grad`, or storing a new tensor into a walked container
+(an optimizer's first step creates its state that way: run one eager step first).
 """
 
 from __future__ import annotations
 
 import contextlib
 import types
+import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
-_MAX_DEPTH = 3
+from runtime.errors import UnsupportedError
+
+_MAX_DEPTH = 4
+
+
+class Slot:
+    """One location holding a tensor: `read()` and `write(value)`."""
+
+    def read(self) -> object:
+        raise NotImplementedError
+
+    def write(self, value: object) -> None:
+        raise NotImplementedError
+
+
+class ItemSlot(Slot):
+    __slots__ = ("container", "key")
+
+    def __init__(self, container: dict | list, key: object) -> None:  # type: ignore[type-arg]
+        self.container, self.key = container, key
+
+    def read(self) -> object:
+        return self.container[self.key]  # type: ignore[index]
+
+    def write(self, value: object) -> None:
+        self.container[self.key] = value  # type: ignore[index]
+
+
+class CellSlot(Slot):
+    __slots__ = ("cell",)
+
+    def __init__(self, cell: types.CellType) -> None:
+        self.cell = cell
+
+    def read(self) -> object:
+        return self.cell.cell_contents
+
+    def write(self, value: object) -> None:
+        self.cell.cell_contents = value
+
+
+class KeySlot(Slot):
+    """A tensor used as a dict key. Writing renames the key in place, keeping entry order."""
+
+    __slots__ = ("container", "current")
+
+    def __init__(self, container: dict, key: object) -> None:  # type: ignore[type-arg]
+        self.container, self.current = container, key
+
+    def read(self) -> object:
+        return self.current
+
+    def write(self, value: object) -> None:
+        old, self.current = self.current, value
+        items = list(self.container.items())
+        self.container.clear()
+        self.container.update((value if k is old else k, v) for k, v in items)
+
+
+class GradSlot(Slot):
+    """`.grad` of whatever tensor the parent slot holds now (a fake one during the trace)."""
+
+    __slots__ = ("parent",)
+
+    def __init__(self, parent: Slot) -> None:
+        self.parent = parent
+
+    def read(self) -> object:
+        tensor = self.parent.read()
+        if not (isinstance(tensor, FakeTensor) or torch._is_functional_tensor(tensor)):  # type: ignore[arg-type]
+            return tensor.grad  # type: ignore[attr-defined]
+        # During a trace the tensor is ours (fake, maybe a non-leaf clone of a mutated input):
+        # reading its .grad must not warn the user.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return tensor.grad  # type: ignore[attr-defined]
+
+    def write(self, value: object) -> None:
+        tensor = self.parent.read()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            tensor.grad = value  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, slots=True)
 class Access:
-    name: str  # e.g. "closure w", "global table[2]", "self.linear.weight"
-    get: Callable[[], object]
-    set: Callable[[object], None]
+    name: str  # e.g. "closure w", "global opt.state[<tensor>]['exp_avg']", "self.lin.weight"
+    slot: Slot
+    restore: bool = True  # False for .grad of a swapped tensor: only the fake one is written
+
+    def get(self) -> object:
+        return self.slot.read()
 
 
-def module_accesses(module: torch.nn.Module, prefix: str) -> list[Access]:
-    out: list[Access] = []
-    for mod_name, mod in module.named_modules(remove_duplicate=True):
-        where = f"{prefix}.{mod_name}" if mod_name else prefix
-        for name in list(mod._parameters):
-            if mod._parameters[name] is not None:
-                out.append(_dict_access(f"{where}.{name}", mod._parameters, name))
-        for name in list(mod._buffers):
-            if mod._buffers[name] is not None:
-                out.append(_dict_access(f"{where}.{name}", mod._buffers, name))
-        for name, value in list(vars(mod).items()):
-            if isinstance(value, torch.Tensor) and not name.startswith("__"):
-                out.append(_dict_access(f"{where}.{name}", vars(mod), name))
-    return out
+@dataclass(frozen=True, slots=True)
+class Lifted:
+    """Everything lifted from one function: tensor locations and the dicts walked to reach
+    them (checked after each trace for entries the program added)."""
+
+    accesses: tuple[Access, ...]
+    containers: tuple[dict, ...]  # type: ignore[type-arg]
+
+
+@dataclass
+class _Walk:
+    accesses: list[Access] = field(default_factory=list)
+    containers: list[dict] = field(default_factory=list)  # type: ignore[type-arg]
+    seen: set[int] = field(default_factory=set)
+    # Lift `.grad` of leaves requiring grad: a fake tensor swapped in has no .grad, so code
+    # reading it (`if p.grad is None`) would silently take another branch. Off only for a
+    # compiled module's own parameters (its forward does not read them).
+    grads: bool = True
+
+
+def module_accesses(module: torch.nn.Module, prefix: str) -> Lifted:
+    walk = _Walk(grads=False)
+    _visit_module(module, prefix, walk)
+    return Lifted(tuple(walk.accesses), ())
 
 
 def module_training_flags(module: torch.nn.Module) -> Callable[[], tuple[bool, ...]]:
@@ -50,25 +161,27 @@ def module_training_flags(module: torch.nn.Module) -> Callable[[], tuple[bool, .
     return lambda: tuple(m.training for m in modules)
 
 
-def find_free_tensors(fn: Callable[..., object]) -> tuple[Access, ...]:
-    found: list[Access] = []
+def find_free_tensors(fn: Callable[..., object]) -> Lifted:
+    walk = _Walk()
     if isinstance(fn, types.MethodType) and isinstance(fn.__self__, torch.nn.Module):
-        found += module_accesses(fn.__self__, "self")
+        walk.grads = False
+        _visit_module(fn.__self__, "self", walk)
+        walk.grads = True
         fn = fn.__func__
     code = getattr(fn, "__code__", None)
     if code is None:
-        return tuple(found)
+        return Lifted(tuple(walk.accesses), tuple(walk.containers))
     for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
         try:
             value = cell.cell_contents
         except ValueError:
             continue
-        found += _visit(value, f"closure {name}", _cell_setter(cell), 0)
+        _visit(value, f"closure {name}", CellSlot(cell), 0, walk)
     globals_ = getattr(fn, "__globals__", {})
     for name in sorted(_global_names(code)):
         if name in globals_:
-            found += _visit(globals_[name], f"global {name}", _dict_setter(globals_, name), 0)
-    return tuple(_dedupe(found))
+            _visit(globals_[name], f"global {name}", ItemSlot(globals_, name), 0, walk)
+    return Lifted(tuple(walk.accesses), tuple(walk.containers))
 
 
 def _global_names(code: types.CodeType) -> set[str]:
@@ -79,78 +192,142 @@ def _global_names(code: types.CodeType) -> set[str]:
     return names
 
 
-def _visit(
-    value: object, name: str, setter: Callable[[object], None], depth: int
-) -> list[Access]:
+def _add_tensor(tensor: torch.Tensor, name: str, slot: Slot, walk: _Walk) -> None:
+    walk.accesses.append(Access(name, slot))
+    if walk.grads and tensor.requires_grad and tensor.is_leaf:
+        walk.accesses.append(Access(f"{name}.grad", GradSlot(slot), restore=False))
+
+
+def _visit(value: object, name: str, slot: Slot, depth: int, walk: _Walk) -> None:
     if isinstance(value, torch.Tensor):
-        return [Access(name, setter.read, setter)]  # type: ignore[attr-defined]
+        _add_tensor(value, name, slot, walk)
+        return
+    if id(value) in walk.seen or depth >= _MAX_DEPTH or not _walkable(value):
+        return
+    walk.seen.add(id(value))
     if isinstance(value, torch.nn.Module):
-        return module_accesses(value, name.split(" ", 1)[-1])
-    if depth >= _MAX_DEPTH:
-        return []
-    out: list[Access] = []
-    if isinstance(value, list):
+        _visit_module(value, name.split(" ", 1)[-1], walk)
+    elif isinstance(value, torch.optim.Optimizer):
+        attrs = vars(value)
+        for attr in ("param_groups", "state"):
+            _visit(attrs[attr], f"{name}.{attr}", ItemSlot(attrs, attr), depth + 1, walk)
+    elif isinstance(value, list):
         for i, item in enumerate(value):
-            out += _visit(item, f"{name}[{i}]", _dict_setter(value, i), depth + 1)  # type: ignore[arg-type]
+            _visit(item, f"{name}[{i}]", ItemSlot(value, i), depth + 1, walk)
     elif isinstance(value, dict):
-        for key in list(value):
-            out += _visit(value[key], f"{name}[{key!r}]", _dict_setter(value, key), depth + 1)
-    return out
+        walk.containers.append(value)
+        keys = list(value)
+        for key in keys:
+            label = "<tensor>" if isinstance(key, torch.Tensor) else repr(key)
+            _visit(value[key], f"{name}[{label}]", ItemSlot(value, key), depth + 1, walk)
+        for key in keys:  # after the values: see Note [Lifting through objects]
+            if isinstance(key, torch.Tensor):
+                walk.accesses.append(Access(f"{name} key", KeySlot(value, key)))
+    elif isinstance(value, tuple):
+        for i, item in enumerate(value):
+            _visit(item, f"{name}[{i}]", _TupleItemSlot(slot, i), depth + 1, walk)
+    elif hasattr(value, "__dict__"):
+        attrs = vars(value)
+        walk.containers.append(attrs)
+        for attr in list(attrs):
+            _visit(attrs[attr], f"{name}.{attr}", ItemSlot(attrs, attr), depth + 1, walk)
 
 
-class _dict_setter:
-    """Reads and writes one slot of a dict or list (globals, module dicts, containers)."""
+def _walkable(value: object) -> bool:
+    """Plain data and user objects; not code, classes, Python modules or torch internals."""
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+                          types.ModuleType, type, str, bytes, int, float, bool, type(None))):
+        return False
+    module = type(value).__module__ or ""
+    if isinstance(value, (torch.nn.Module, torch.optim.Optimizer, list, dict, tuple)):
+        return True
+    return not module.startswith(("torch", "builtins", "typing", "enum", "logging", "threading"))
 
-    __slots__ = ("container", "key")
 
-    def __init__(self, container: dict | list, key: object) -> None:  # type: ignore[type-arg]
-        self.container, self.key = container, key
+class _TupleItemSlot(Slot):
+    """An element of a tuple held in `parent`: writing rebuilds the tuple."""
 
-    def __call__(self, value: object) -> None:
-        self.container[self.key] = value  # type: ignore[index]
+    __slots__ = ("parent", "index")
+
+    def __init__(self, parent: Slot, index: int) -> None:
+        self.parent, self.index = parent, index
 
     def read(self) -> object:
-        return self.container[self.key]  # type: ignore[index]
+        return self.parent.read()[self.index]  # type: ignore[index]
+
+    def write(self, value: object) -> None:
+        items = list(self.parent.read())  # type: ignore[call-overload]
+        items[self.index] = value
+        self.parent.write(tuple(items))
 
 
-class _cell_setter:
-    __slots__ = ("cell",)
-
-    def __init__(self, cell: types.CellType) -> None:
-        self.cell = cell
-
-    def __call__(self, value: object) -> None:
-        self.cell.cell_contents = value
-
-    def read(self) -> object:
-        return self.cell.cell_contents
-
-
-def _dict_access(name: str, container: dict, key: str) -> Access:  # type: ignore[type-arg]
-    slot = _dict_setter(container, key)
-    return Access(name, slot.read, slot)
-
-
-def _dedupe(accesses: list[Access]) -> list[Access]:
-    seen: set[tuple[int, object]] = set()
-    out = []
-    for a in accesses:
-        slot = a.set
-        ident = (id(getattr(slot, "container", getattr(slot, "cell", slot))), getattr(slot, "key", None))
-        if ident not in seen:
-            seen.add(ident)
-            out.append(a)
-    return out
+def _visit_module(module: torch.nn.Module, prefix: str, walk: _Walk) -> None:
+    for mod_name, mod in module.named_modules(remove_duplicate=True):
+        where = f"{prefix}.{mod_name}" if mod_name else prefix
+        walk.seen.add(id(mod))
+        for store in (mod._parameters, mod._buffers):
+            for name in list(store):
+                if store[name] is not None and id(store[name]) not in walk.seen:
+                    walk.seen.add(id(store[name]))
+                    _add_tensor(store[name], f"{where}.{name}", ItemSlot(store, name), walk)  # type: ignore[arg-type]
+        for name, value in list(vars(mod).items()):
+            if isinstance(value, torch.Tensor) and not name.startswith("__"):
+                _add_tensor(value, f"{where}.{name}", ItemSlot(vars(mod), name), walk)
 
 
 @contextlib.contextmanager
-def swapped(accesses: Sequence[Access], values: Sequence[object]) -> Iterator[None]:
-    """Put `values` into the accessed locations for the duration of a trace."""
+def swapped(lifted: Lifted, values: Sequence[object]) -> Iterator[None]:
+    """Put `values` into the lifted locations for the duration of a trace; afterwards check
+    the program changed none of them in a way the graph cannot replay, and restore them."""
+    accesses = lifted.accesses
     old = [a.get() for a in accesses]
+    written = 0
+    snapshot: list[tuple[dict, set[int]]] = []  # type: ignore[type-arg]
     try:
         for a, v in zip(accesses, values, strict=True):
-            a.set(v)
+            a.slot.write(v)
+            written += 1
+        snapshot = _container_snapshot(lifted)
         yield
+        _check_unchanged(accesses, values, snapshot)
     finally:
-        for a, v in zip(reversed(accesses), reversed(old)):
-            a.set(v)
+        for container, keys in snapshot:
+            for key in [k for k in container if id(k) not in keys]:
+                del container[key]
+        for a, v in reversed(list(zip(accesses[:written], old[:written]))):
+            if a.restore:
+                a.slot.write(v)
+
+
+def _container_snapshot(lifted: Lifted) -> list[tuple[dict, set[int]]]:  # type: ignore[type-arg]
+    """Key identities of every walked dict, taken after the swap (keys may be fakes then)."""
+    seen: dict[int, tuple[dict, set[int]]] = {}  # type: ignore[type-arg]
+    candidates = list(lifted.containers)
+    candidates += [getattr(a.slot, "container", None) for a in lifted.accesses]
+    for container in candidates:
+        if isinstance(container, dict) and id(container) not in seen:
+            seen[id(container)] = (container, {id(k) for k in container})
+    return list(seen.values())
+
+
+def _check_unchanged(
+    accesses: Sequence[Access], values: Sequence[object],
+    containers: list[tuple[dict, set[int]]],  # type: ignore[type-arg]
+) -> None:
+    for a, v in zip(accesses, values):
+        now = a.get()
+        if now is not v:
+            what = "assigns .grad" if isinstance(a.slot, GradSlot) else "rebinds"
+            raise UnsupportedError(
+                f"the compiled function {what} {a.name} (to a different tensor); aotc replays "
+                "in-place updates of lifted tensors but not assignments. Update it in place "
+                "(`t.copy_(new)`), or do the assignment outside the compiled function."
+            )
+    for container, keys in containers:
+        new = [k for k in container if id(k) not in keys]
+        if new:
+            raise UnsupportedError(
+                f"the compiled function stores new entries {new[:3]!r} into a dict it reads "
+                "tensors from (e.g. an optimizer creating its state on the first step). "
+                "aotc cannot replay that; run that first call eagerly, then compile."
+            )

@@ -214,6 +214,8 @@ def _classify_outputs(
                 OutputInfo(
                     OutputKind.ALIAS_OF_INPUT, rg, dtype, base_arg=leaf, geometry=geometry,
                     view_without_grad=o.grad_fn is None,
+                    lazy_conj=o.is_conj() and not base.is_conj(),
+                    lazy_neg=o.is_neg() and not base.is_neg(),
                 )
             )
         elif o._base is not None and id(o._base) in out_of_id:

@@ -230,7 +230,14 @@ def _statically_no_grad(
             leaf = leaves[src] if src is not None else None
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 out.append(desc.arg)
-    return tuple(out)
+    # Outputs of the autograd node require grad iff one of its inputs does. When every input
+    # that requires grad gets no gradient (linalg_vector_norm(x, 0)), eager's output still
+    # requires grad, so keep them attached; the backward returns None for them.
+    rg_args = [
+        g for g, src in enumerate(convention.graph_sources)
+        if src is None or (isinstance(leaves[src], torch.Tensor) and leaves[src].requires_grad)
+    ]
+    return () if len(out) == len(rg_args) else tuple(out)
 
 
 _dump_counter: dict[str, int] = {}

@@ -115,18 +115,38 @@ def trace_joint(
     inputs += tuple(TangentInput(k) for k in tangent_outs) if training else ()
     outputs = tuple(FwdOutput(FwdOut(k)) for k in range(plan.num_outputs))
     outputs += tuple(GradOutput(GraphArg(g)) for g in range(num_primals)) if training else ()
-    _flatten_output(module)
+    fresh = [
+        k for k, j in enumerate(plan.user_outs) if meta.outputs[j].kind is OutputKind.FRESH
+    ]
+    _flatten_output(module, fresh)
     return JointGraph(module=module, inputs=inputs, outputs=outputs)
 
 
-def _flatten_output(module: torch.fx.GraphModule) -> None:
-    """make_fx returns ((fwd...), (grads...)); the stages want one flat tuple of values."""
+def _flatten_output(module: torch.fx.GraphModule, fresh: list[int]) -> None:
+    """make_fx returns ((fwd...), (grads...)); the stages want one flat tuple of values.
+
+    A fresh user output (fwd positions `fresh`) that the graph computes as a view of an
+    intermediate (`y = x * 2; y.unsqueeze_(0); return y`) is cloned: eager returns a tensor that
+    is no view, and a view returned from the autograd node could not be mutated in place.
+    """
     graph = module.graph
     out = next(n for n in reversed(graph.nodes) if n.op == "output")
     flat: list[object] = []
     for part in out.args[0]:
         flat.extend(part)
+    for k in fresh:
+        value = flat[k]
+        if isinstance(value, torch.fx.Node) and _is_view_node(value):
+            with graph.inserting_before(out):
+                clone = graph.call_function(torch.ops.aten.clone.default, (value,))
+            clone.meta = dict(value.meta)
+            flat[k] = clone
     out.args = (tuple(flat),)
     graph.eliminate_dead_code()
     module.graph._codegen = torch.fx.graph.CodeGen()
     module.recompile()
+
+
+def _is_view_node(node: torch.fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target.is_view

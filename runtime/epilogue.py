@@ -51,6 +51,8 @@ class OutputStep:
     geometry: Geometry | None  # ALIAS_OF_INPUT
     constant: object
     track_grad: bool  # regenerate the view with autograd tracking (eager's view had it)
+    lazy_conj: bool = False  # ALIAS_OF_INPUT: reapply the conjugate bit after as_strided
+    lazy_neg: bool = False  # ALIAS_OF_INPUT: reapply the negative bit after as_strided
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +112,8 @@ def plan_epilogue(
             OutputStep(
                 info.kind, info.requires_grad, source, base, info.geometry, info.constant,
                 track_grad=info.requires_grad and not info.view_without_grad,
+                lazy_conj=info.lazy_conj,
+                lazy_neg=info.lazy_neg,
             )
         )
     late = (OutputKind.ALIAS_OF_OUTPUT, OutputKind.IS_OUTPUT)
@@ -147,7 +151,12 @@ def build_outputs(
                 g = s.geometry
                 assert isinstance(base, torch.Tensor) and g is not None
                 with _grad_for(s.track_grad):
-                    result[j] = base.as_strided(g.size, g.stride, base.storage_offset() + g.offset)
+                    view = base.as_strided(g.size, g.stride, base.storage_offset() + g.offset)
+                    if s.lazy_conj:
+                        view = view.conj()
+                    if s.lazy_neg:
+                        view = view._neg_view()
+                    result[j] = view
             case OutputKind.ALIAS_OF_INTERMEDIATE:
                 result[j] = _view_like(fwd_outs[s.base], fwd_outs[s.source], s.track_grad)  # type: ignore[index]
             case OutputKind.ALIAS_OF_OUTPUT:
@@ -164,7 +173,17 @@ def build_outputs(
 def _view_like(base: torch.Tensor, raw: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     """A real view of `base` with the geometry `raw` (the graph's own view of it) has."""
     with _grad_for(requires_grad):
-        return base.as_strided(raw.size(), raw.stride(), raw.storage_offset())
+        if raw.dtype != base.dtype:  # view_as_real / view(dtype) of the base
+            if base.is_complex() and not raw.is_complex():
+                base = torch.view_as_real(base.resolve_conj())
+            else:
+                base = base.view(raw.dtype)
+        view = base.as_strided(raw.size(), raw.stride(), raw.storage_offset())
+        if raw.is_conj() and not view.is_conj():
+            view = view.conj()
+        if raw.is_neg() and not view.is_neg():
+            view = view._neg_view()
+        return view
 
 
 class _Null:

@@ -29,11 +29,35 @@ def signature_key(leaves: Sequence[object]) -> tuple[object, ...]:
         if isinstance(t, Tensor):
             parts.append((t.dtype, t.device, t.shape, t.stride(), t.requires_grad, t.is_leaf))
             ptrs.append(t.untyped_storage().data_ptr())
+        elif isinstance(t, slice):  # unhashable before Python 3.12
+            parts.append((slice, t.start, t.stop, t.step))
         else:
             parts.append((type(t), t))
     pattern = _alias_pattern(leaves, ptrs) if len(set(ptrs)) != len(ptrs) else None
     autocast = _autocast_state() if torch._C._is_any_autocast_enabled() else None
     return (tuple(parts), pattern, torch.is_grad_enabled(), autocast)
+
+
+def explain_bad_leaves(leaves: Sequence[object], names: Sequence[str]) -> str | None:
+    """Why `signature_key` cannot key these leaves (off the hot path), or None."""
+    for i, t in enumerate(leaves):
+        name = names[i] if i < len(names) else f"argument {i}"
+        if isinstance(t, Tensor) and t.layout is not torch.strided:
+            return (
+                f"{name} is a {t.layout} tensor; aotc compiles dense (strided) tensors only. "
+                "Convert it with .to_dense() before the call, or keep this op outside the "
+                "compiled function."
+            )
+        if not isinstance(t, Tensor):
+            try:
+                hash(t)
+            except TypeError:
+                return (
+                    f"{name} has unhashable type {type(t).__name__}; aotc specializes on "
+                    "non-tensor arguments by value and must hash them. Pass it as a tensor, a "
+                    "tuple, or a hashable value."
+                )
+    return None
 
 
 def _autocast_state() -> tuple[object, ...]:

@@ -93,6 +93,8 @@ class OutputInfo:
     geometry: Geometry | None = None  # ALIAS_OF_INPUT: the view relative to base_arg
     constant: object = None  # NOT_TENSOR: the value
     view_without_grad: bool = False  # a view eager made without autograd tracking (no_grad)
+    lazy_conj: bool = False  # the output carries the lazy conjugate bit (z.conj())
+    lazy_neg: bool = False  # the output carries the lazy negative bit
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,8 +21,8 @@ import torch.utils._pytree as pytree
 from runtime.autograd import AutogradPlan, make_autograd_function
 from runtime.convention import apply_convention
 from runtime.epilogue import EpiloguePlan, apply_mutations, build_outputs
-from runtime.errors import GuardError
-from runtime.guards import signature_key
+from runtime.errors import GuardError, UnsupportedError
+from runtime.guards import explain_bad_leaves, signature_key
 from runtime.schema import CallingConvention, GraphArg
 
 log = logging.getLogger("aotc.recompiles")
@@ -142,8 +142,14 @@ class Dispatcher:
         return list(self._entries.values())
 
     def __call__(self, leaves: list[object], extra: object) -> object:
-        key = (extra, signature_key(leaves))
-        entry = self._entries.get(key)
+        try:
+            key = (extra, signature_key(leaves))
+            entry = self._entries.get(key)
+        except (RuntimeError, TypeError) as e:
+            reason = explain_bad_leaves(leaves, ())
+            if reason is None:
+                raise
+            raise UnsupportedError(f"{self._name}: {reason}") from e
         if entry is None:
             entry = self._miss(key, leaves)
         return entry.run(leaves)

@@ -208,7 +208,7 @@ def test_closure_module_parameters_get_gradients():
     assert lin.weight.grad is not None and lin.bias.grad is not None
 
 
-def test_unliftable_tensor_raises_clear_error():
+def test_plain_object_attribute_is_lifted():
     class Holder:
         def __init__(self) -> None:
             self.t = torch.randn(3)
@@ -217,6 +217,24 @@ def test_unliftable_tensor_raises_clear_error():
 
     def f(x):
         return x * holder.t
+
+    compiled = aotc.compile(f)
+    x = torch.randn(3)
+    torch.testing.assert_close(compiled(x), f(x))
+    holder.t = torch.randn(3)  # rebinding the attribute is seen
+    torch.testing.assert_close(compiled(x), f(x))
+
+
+def helper():
+    pass
+
+
+helper.table = torch.randn(3)  # a tensor hung on a function object: not walked
+
+
+def test_unliftable_tensor_raises_clear_error():
+    def f(x):
+        return x * helper.table
 
     with pytest.raises(aotc.UnsupportedError, match="Pass it as an argument"):
         aotc.compile(f)(torch.randn(3))
@@ -261,3 +279,109 @@ def test_python_scalar_argument_is_guarded():
     torch.testing.assert_close(compiled(x, 2), x * 2)
     torch.testing.assert_close(compiled(x, 3), x * 3)
     assert len(compiled.records) == 2
+
+
+# ---------------------------------------------------------------- lifting through objects and optimizers
+
+
+class MomentumSGD:
+    """A plain-object optimizer: state in a dict keyed by the parameters."""
+
+    def __init__(self, params, lr=0.1, momentum=0.9):
+        self.params = list(params)
+        self.lr, self.momentum = lr, momentum
+        self.state = {p: {"buf": torch.zeros_like(p)} for p in self.params}
+
+    def step(self):
+        with torch.no_grad():
+            for p in self.params:
+                buf = self.state[p]["buf"]
+                buf.mul_(self.momentum).add_(p.grad)
+                p.sub_(self.lr * buf)
+
+
+def _train(model, opt_step, steps, data):
+    losses = []
+    for x, y in data[:steps]:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt_step()
+        for p in model.parameters():
+            p.grad = None
+        losses.append(loss.detach())
+    return losses
+
+
+def test_plain_object_state_is_lifted_through_closure():
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = MomentumSGD(model.parameters()), MomentumSGD(ref.parameters())
+    # MomentumSGD reads `p.grad` of a tensor reached through a plain object: lift it too.
+    compiled_step = aotc.compile(lambda: opt.step())
+    data = [(torch.randn(5, 4), torch.randn(5, 3)) for _ in range(4)]
+    got = _train(model, compiled_step, 4, data)
+    want = _train(ref, ref_opt.step, 4, data)
+    torch.testing.assert_close(torch.stack(got), torch.stack(want))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+        torch.testing.assert_close(opt.state[p]["buf"], ref_opt.state[q]["buf"])
+
+
+def test_torch_optim_sgd_step_is_lifted_and_matches_eager():
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    data = [(torch.randn(5, 4), torch.randn(5, 3)) for _ in range(5)]
+    # The first step creates the momentum buffers (new state entries): run it eagerly.
+    _train(model, opt.step, 1, data)
+    _train(ref, ref_opt.step, 1, data)
+
+    def step():
+        opt.step()
+
+    compiled_step = aotc.compile(step)
+    got = _train(model, compiled_step, 4, data[1:])
+    want = _train(ref, ref_opt.step, 4, data[1:])
+    torch.testing.assert_close(torch.stack(got), torch.stack(want))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"])
+    assert len(compiled_step.records) == 1  # one signature: steps 2..5 reuse it
+    assert compiled_step.records[0].meta.inputs  # params, grads, buffers are graph inputs
+
+
+def test_optimizer_first_step_creating_state_is_refused_cleanly():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    model(torch.randn(4, 3)).sum().backward()
+    compiled_step = aotc.compile(lambda: opt.step())
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(aotc.UnsupportedError, match="new entries"):
+        compiled_step()
+    assert len(opt.state) == 0  # nothing fake leaked into the optimizer's state
+    for p, b in zip(model.parameters(), before):
+        assert not isinstance(p, torch._subclasses.FakeTensor)
+        torch.testing.assert_close(p.detach(), b)
+    opt.step()  # the eager step still works afterwards
+
+
+def test_assigning_grad_inside_is_refused():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+
+    def zero():
+        opt.zero_grad(set_to_none=True)
+
+    with pytest.raises(aotc.UnsupportedError, match="assigns .grad"):
+        aotc.compile(zero)()
+    assert model.weight.grad is not None

@@ -352,3 +352,52 @@ def test_rand_like_consumes_rng_like_eager():
         return x * torch.rand_like(x) + torch.randn(3)
 
     assert_matches_eager(f, lambda: (leaf(3),))
+
+
+# ---------------------------------------------------------------- regressions found by the OpInfo sweep
+
+
+def test_conjugate_view_outputs_keep_the_conj_bit():
+    def f(z, x):
+        return z.conj(), torch.fft.ifft(x)
+
+    assert_matches_eager(
+        f, lambda: (torch.randn(3, dtype=torch.complex64), torch.randn(8)), backward=False
+    )
+
+
+def test_output_requires_grad_even_when_no_input_gets_a_gradient():
+    def f(x):
+        return torch.linalg.vector_norm(x, 0)
+
+    assert_matches_eager(f, lambda: (leaf(10),))
+
+
+def test_slice_argument_is_a_guarded_constant():
+    def f(x, s):
+        return x[s] * 2
+
+    assert_matches_eager(f, lambda: (leaf(6), slice(1, 5)))
+
+
+def test_fresh_output_made_by_in_place_view_op_is_not_a_view():
+    def f(x):
+        y = x * 2
+        y.unsqueeze_(0)
+        return y
+
+    compiled = assert_matches_eager(f, lambda: (leaf(5),))
+    x = leaf(5)
+    out = compiled(x)
+    out.mul_(3)  # eager allows mutating it; a view out of an autograd node would refuse
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((5,), 6.0))
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support:UserWarning")
+def test_sparse_input_raises_unsupported():
+    import aotc
+
+    dense = torch.randn(5, 3)
+    with pytest.raises(aotc.UnsupportedError, match="sparse_csr"):
+        aotc.compile(lambda a, b: a @ b)(torch.randn(5, 5).to_sparse_csr(), dense)
