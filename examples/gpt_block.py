@@ -10,7 +10,6 @@ through F.scaled_dot_product_attention (or plain matmul/softmax with --plain-att
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import os
 import sys
@@ -21,7 +20,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import aotc  # noqa: E402
+from examples.common import train_against_eager  # noqa: E402
 
 
 class CausalSelfAttention(nn.Module):
@@ -72,22 +71,6 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-def summarize(compiled: object) -> None:
-    for rec in aotc.inspect(compiled):
-        print(f"=== compiled signature: {rec.name} (training={rec.training})")
-        fwd_ops = sum(n.op == "call_function" for n in rec.forward.graph.nodes)
-        print(f"--- forward graph: {fwd_ops} ops")
-        print(rec.forward.code.strip())
-        if rec.backward is not None:
-            bwd_ops = sum(n.op == "call_function" for n in rec.backward.graph.nodes)
-            print(f"--- backward graph: {bwd_ops} ops (print rec.backward.code to see it)")
-        if rec.partition is not None:
-            print(f"--- saved for backward: {len(rec.partition.saved)} values, "
-                  f"{rec.saved_bytes} bytes")
-        times = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in rec.stage_seconds.items())
-        print(f"--- compile time: {rec.compile_seconds * 1e3:.1f} ms ({times})")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dump", metavar="DIR", help="write every compiled stage under DIR")
@@ -99,35 +82,10 @@ def main() -> None:
     batch, seq, d_model, n_heads = 4, 32, 64, 4
     torch.manual_seed(0)
     model = Block(d_model, n_heads, dropout=0.0, use_sdpa=not args.plain_attention)
-    eager = copy.deepcopy(model)
-    compiled = aotc.compile(model, dump_dir=args.dump)
-
-    opt_c = torch.optim.SGD(model.parameters(), lr=0.05)
-    opt_e = torch.optim.SGD(eager.parameters(), lr=0.05)
-
-    for step in range(args.steps):
-        x = torch.randn(batch, seq, d_model)
-        target = torch.randn(batch, seq, d_model)
-
-        loss_c = F.mse_loss(compiled(x), target)
-        loss_e = F.mse_loss(eager(x), target)
-        opt_c.zero_grad()
-        opt_e.zero_grad()
-        loss_c.backward()
-        loss_e.backward()
-
-        torch.testing.assert_close(loss_c, loss_e)
-        for (name, p_c), p_e in zip(model.named_parameters(), eager.parameters()):
-            torch.testing.assert_close(p_c.grad, p_e.grad, msg=lambda m, n=name: f"{n}.grad: {m}")
-        opt_c.step()
-        opt_e.step()
-        print(f"step {step}: loss compiled {loss_c.item():.6f}  eager {loss_e.item():.6f}")
-
-    print("losses and gradients match eager")
-    summarize(compiled)
-    if args.dump:
-        folders = sorted(os.listdir(args.dump))
-        print(f"graphs written under {args.dump}/: {', '.join(folders)}")
+    train_against_eager(
+        model, lambda: (torch.randn(batch, seq, d_model), torch.randn(batch, seq, d_model)), F.mse_loss,
+        steps=args.steps, lr=0.05, dump=args.dump,
+    )
 
 
 if __name__ == "__main__":

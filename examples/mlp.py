@@ -10,7 +10,6 @@ Both take the same SGD steps on the same random batches; losses and gradients mu
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 
@@ -20,7 +19,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import aotc  # noqa: E402
+from examples.common import train_against_eager  # noqa: E402
 
 
 class MLP(nn.Module):
@@ -33,22 +32,6 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
-def summarize(compiled: object) -> None:
-    for rec in aotc.inspect(compiled):
-        print(f"=== compiled signature: {rec.name} (training={rec.training})")
-        print(rec.signature)
-        print("--- forward graph")
-        print(rec.forward.code.strip())
-        if rec.backward is not None:
-            print("--- backward graph")
-            print(rec.backward.code.strip())
-        if rec.partition is not None:
-            print(f"--- saved for backward: {len(rec.partition.saved)} values, "
-                  f"{rec.saved_bytes} bytes")
-        times = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in rec.stage_seconds.items())
-        print(f"--- compile time: {rec.compile_seconds * 1e3:.1f} ms ({times})")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dump", metavar="DIR", help="write every compiled stage under DIR")
@@ -57,35 +40,10 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = MLP()
-    eager = copy.deepcopy(model)
-    compiled = aotc.compile(model, dump_dir=args.dump)
-
-    opt_c = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
-
-    for step in range(args.steps):
-        x = torch.randn(32, 781)
-        target = torch.randint(0, 10, (32,))
-
-        loss_c = F.cross_entropy(compiled(x), target)
-        loss_e = F.cross_entropy(eager(x), target)
-        opt_c.zero_grad()
-        opt_e.zero_grad()
-        loss_c.backward()
-        loss_e.backward()
-
-        torch.testing.assert_close(loss_c, loss_e)
-        for (name, p_c), p_e in zip(model.named_parameters(), eager.parameters()):
-            torch.testing.assert_close(p_c.grad, p_e.grad, msg=lambda m, n=name: f"{n}.grad: {m}")
-        opt_c.step()
-        opt_e.step()
-        print(f"step {step}: loss compiled {loss_c.item():.6f}  eager {loss_e.item():.6f}")
-
-    print("losses and gradients match eager")
-    summarize(compiled)
-    if args.dump:
-        folders = sorted(os.listdir(args.dump))
-        print(f"graphs written under {args.dump}/: {', '.join(folders)}")
+    train_against_eager(
+        model, lambda: (torch.randn(32, 781), torch.randint(0, 10, (32,))), F.cross_entropy,
+        steps=args.steps, lr=0.1, dump=args.dump,
+    )
 
 
 if __name__ == "__main__":
