@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
+from passes.recompute import RecomputePolicy
+
 
 @dataclass(frozen=True, slots=True)
 class CompileOptions:
@@ -14,6 +16,10 @@ class CompileOptions:
     max_signatures: int = 64  # refuse to compile more signatures than this (GuardError)
     check_invariants: bool = False  # lint graphs between stages
     dump_dir: str | None = None  # write every stage's record for each compiled signature
+    partitioner: str = "min_cut"  # "min_cut" (fewest saved bytes) or "simple" (save what bwd reads)
+    # Activation memory cap: a fraction (0, 1] of "save everything", or a byte count (int).
+    memory_budget: float | int | None = None
+    recompute: RecomputePolicy = RecomputePolicy()
 
     @staticmethod
     def from_env(**overrides: object) -> CompileOptions:
@@ -29,9 +35,32 @@ class CompileOptions:
             )
         given = {k: v for k, v in overrides.items() if v is not None}
         opts = replace(opts, **given)  # type: ignore[arg-type]
+        _check_partition_options(opts)
         if opts.backend not in ("aten", "auto"):
             raise ValueError(
                 f"aotc.compile(backend={opts.backend!r}): only 'aten' and 'auto' are available "
                 "in this version (Triton code generation is not built yet)."
             )
         return opts
+
+
+def _check_partition_options(opts: CompileOptions) -> None:
+    if opts.partitioner not in ("min_cut", "simple"):
+        raise ValueError(
+            f"aotc.compile(partitioner={opts.partitioner!r}): expected 'min_cut' or 'simple'."
+        )
+    budget = opts.memory_budget
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(
+            f"aotc.compile(memory_budget={budget!r}): pass a fraction in (0, 1] of the "
+            "save-everything activation bytes, or a byte count (int >= 0)."
+        )
+    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+        raise ValueError(
+            f"aotc.compile(memory_budget={budget!r}): a float budget is a fraction and must be "
+            "in (0, 1]; pass an int for a byte count."
+        )
+    if isinstance(budget, int) and budget < 0:
+        raise ValueError(f"aotc.compile(memory_budget={budget!r}): a byte count must be >= 0.")

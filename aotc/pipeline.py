@@ -5,7 +5,8 @@
       │ aotc.metadata.collect_metadata      → MetadataResult       (mutations, aliases)
       │   (aliased inputs with a mutation: plan synthetic bases, collect again)
       │ aotc.tracer.trace_joint             → JointGraph           (functional ATen)
-      │ passes.partition.partition          → PartitionResult      (training only)
+      │ passes.cleanup.cleanup              → JointGraph           (DCE, CSE, no-op views)
+      │ passes.partition.partition          → PartitionResult      (min-cut; training only)
       │ runtime.epilogue.plan_epilogue      → EpiloguePlan
       ▼ runtime.wrappers.CompiledEntry      → the callable for this signature
 """
@@ -27,6 +28,7 @@ from aotc.options import CompileOptions
 from aotc.tracer import trace_joint
 from passes.descriptors import GradOutput
 from passes.ir import JointGraph
+from passes.cleanup import cleanup
 from passes.lint import lint_graph
 from passes.partition import PartitionResult, partition
 from runtime.autograd import AutogradPlan
@@ -157,7 +159,9 @@ def _compile_signature(
             GraphArg(g) for g, info in enumerate(metadata.meta.inputs)
             if info.mutation.value != "none"
         )
-        part = partition(joint, mutated)
+        part = partition(
+            cleanup(joint), mutated, options.recompute, options.memory_budget, options.partitioner
+        )
         lap("partition")
         if options.check_invariants:
             lint_graph(part.forward, "forward")

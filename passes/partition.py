@@ -1,38 +1,47 @@
 """Partition: split a joint graph into a forward and a backward graph.
 
-Stage: `partition(joint) -> PartitionResult`.
+Stage: `partition(joint, mutated_args, policy, memory_budget) -> PartitionResult`.
 Requires: `joint` outputs are `FwdOutput`s then `GradOutput`s; inputs are `PrimalInput`s then
 `TangentInput`s; the graph is functional (lint_graph passes).
 Ensures: forward(primals) -> fwd outputs + saved values; backward(saved values, tangents) ->
-the non-None gradients; every backward input is a saved value or a tangent.
+the non-None gradients; every backward input is a saved value or a tangent; a node runs in the
+backward as well as the forward only if the policy allows recomputing it (or a memory budget asked
+for it); random ops run once, in the forward.
 
-The plan here is "save what the backward reads": every node a forward output needs runs in the
-forward; a node only the gradients need runs in the backward; values crossing the boundary are
-saved. Random and side-effecting ops always run in the forward, so each runs exactly once.
+The plan is a minimum cut (see Note [Min-cut partition]); `plan="simple"` keeps the older "save
+what the backward reads" plan for comparison. The report gives the saved values, what is
+recomputed, and saved bytes against "save everything" and against the simple plan.
 
-Note [Saving mutated inputs]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The epilogue copies new values into mutated inputs after the forward ran. autograd checks the
-version counter of every saved tensor at backward time, so saving such an input (or a view of it)
-directly would fail there ("modified by an inplace operation") and, without the check, would read
-the new value instead of the old one. Eager saves the pre-mutation value in that case; so do we,
-by saving a clone taken inside the forward graph.
+Note [Min-cut partition]
+~~~~~~~~~~~~~~~~~~~~~~~~
+Which values the forward saves is a cut between what the forward can compute (everything reachable
+from the primals) and what the backward needs (everything that reads a tangent, and the gradient
+values). Split each node n into n_in -> n_out with capacity = bytes of n's value (the cost of saving
+it); every data edge u -> v becomes u_out -> v_in with infinite capacity. The source feeds every
+primal; every node the backward must compute (tangent-dependent, or a gradient) drains into the
+sink. (A view is charged its root's bytes: saving it keeps that whole storage alive.) A minimum
+source/sink cut then crosses only n_in -> n_out edges: those n are saved, and
+everything on the sink side is computed in the backward from them. A forward node the policy
+may not recompute (a matmul, a big reduction, a random op) is fed by the source too, so the cut
+must save it or something after it: it never runs twice.
 
-Worked example (f(x) = sin(x), x requires grad):
+    x -> sin -> cos -> mul(tangent, .)         sin, cos pointwise: cut at x (save x, 1 tensor)
+    x -> mm(x, w) -> relu -> mul(tangent, .)   mm banned: cut at mm or relu's input (save mm)
 
-    joint:    sin = aten.sin(x); cos = aten.cos(x); mul = aten.mul(tangent, cos)
-              outputs (fwd_out0=sin, grad x=mul)
-    forward:  sin = aten.sin(x)                       -> (sin, x)     # x saved
-    backward: cos = aten.cos(x); mul = aten.mul(tangent, cos) -> (mul,)
+A memory budget below the min-cut plan unbans expensive forward ops, cheapest recompute cost per
+byte first, and takes the fewest that fit (binary search over that fixed order, so saved bytes fall
+monotonically as the budget falls).
 """
 
 from __future__ import annotations
 
+import math
 import operator
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import networkx as nx
 import torch
 import torch.fx as fx
 
@@ -45,7 +54,10 @@ from passes.descriptors import (
     TangentInput,
 )
 from passes.ir import JointGraph, StageGraph, node_nbytes
+from passes.recompute import RecomputePolicy, can_recompute, is_random, recompute_cost
 from runtime.schema import GraphArg
+
+__all__ = ["PartitionResult", "SavedValue", "is_random", "partition"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,15 +75,29 @@ class PartitionResult:
     forward: StageGraph
     backward: StageGraph
     saved: tuple[SavedValue, ...]  # len == num saved; order = forward outputs after fwd outs
-    recomputed: tuple[str, ...]  # nodes run in both graphs (none for this plan)
+    recomputed: tuple[str, ...]  # forward nodes the backward computes again
     seconds: float
+    plan: str  # "min_cut" or "simple"
+    save_everything_bytes: int  # every forward value the backward reads, all ops in the forward
+    simple_bytes: int  # the "save what the backward reads" plan
+    budget_bytes: int | None  # the memory budget asked for, in bytes (None: no budget)
+    unbanned: tuple[str, ...]  # expensive ops recomputed to meet the budget
 
     @property
     def saved_bytes(self) -> int:
         return sum(s.nbytes for s in self.saved)
 
     def format(self) -> str:
-        lines = ["# stage: partition", f"# saved: {len(self.saved)} values, {self.saved_bytes} bytes"]
+        lines = [
+            "# stage: partition",
+            f"# plan: {self.plan}",
+            f"# saved: {len(self.saved)} values, {self.saved_bytes} bytes "
+            f"(save everything: {self.save_everything_bytes}, simple plan: {self.simple_bytes})",
+        ]
+        if self.budget_bytes is not None:
+            met = "met" if self.saved_bytes <= self.budget_bytes else "NOT met (best effort)"
+            lines.append(f"# memory budget: {self.budget_bytes} bytes, {met}; recomputing "
+                         f"expensive ops: {', '.join(self.unbanned) or 'none'}")
         for s in self.saved:
             dtype = str(s.dtype).removeprefix("torch.") if s.dtype is not None else "-"
             shape = list(s.shape) if s.shape is not None else "-"
@@ -81,14 +107,20 @@ class PartitionResult:
         return "\n".join(lines)
 
 
-def is_random(node: fx.Node) -> bool:
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and (
-        torch.Tag.nondeterministic_seeded in target.tags
-    )
+@dataclass(frozen=True, slots=True)
+class _Roles:
+    """The joint graph's nodes by role. Node sets are in graph order when turned into lists."""
+
+    primals: tuple[fx.Node, ...]
+    tangents: tuple[fx.Node, ...]
+    fwd_values: tuple[object, ...]  # fwd outputs (nodes or constants)
+    grad_pairs: tuple[tuple[fx.Node, GradOutput], ...]  # non-None gradients
+    fwd_required: frozenset[fx.Node]  # what the forward must compute anyway
+    bwd_required: frozenset[fx.Node]  # tangent-dependent nodes and gradient values
+    order: dict[fx.Node, int]
 
 
-def _ancestors(roots: Iterable[fx.Node]) -> set[fx.Node]:
+def _ancestors(roots: Iterable[object], stop: frozenset[fx.Node] = frozenset()) -> set[fx.Node]:
     seen: set[fx.Node] = set()
     stack = [r for r in roots if isinstance(r, fx.Node)]
     while stack:
@@ -96,41 +128,202 @@ def _ancestors(roots: Iterable[fx.Node]) -> set[fx.Node]:
         if node in seen:
             continue
         seen.add(node)
-        stack.extend(node.all_input_nodes)
+        if node not in stop:
+            stack.extend(node.all_input_nodes)
     return seen
 
 
-def partition(joint: JointGraph, mutated_args: frozenset[GraphArg] = frozenset()) -> PartitionResult:
-    """`mutated_args`: primals the epilogue mutates in place after the forward; a saved value
-    that is one of them, or a view of one, is saved as a clone (see Note [Saving mutated inputs])."""
-    start = time.perf_counter()
+def _roles(joint: JointGraph) -> _Roles:
     graph = joint.module.graph
     placeholders = joint.placeholders()
     values = joint.output_values()
-    fwd_values = [v for v, d in zip(values, joint.outputs) if isinstance(d, FwdOutput)]
-    grad_pairs = [
+    primals = tuple(n for n, d in zip(placeholders, joint.inputs) if isinstance(d, PrimalInput))
+    tangents = tuple(n for n, d in zip(placeholders, joint.inputs) if isinstance(d, TangentInput))
+    fwd_values = tuple(v for v, d in zip(values, joint.outputs) if isinstance(d, FwdOutput))
+    grad_pairs = tuple(
         (v, d) for v, d in zip(values, joint.outputs) if isinstance(d, GradOutput) and v is not None
-    ]
-    primals = [n for n, d in zip(placeholders, joint.inputs) if isinstance(d, PrimalInput)]
-    tangents = [n for n, d in zip(placeholders, joint.inputs) if isinstance(d, TangentInput)]
-
+    )
     random_nodes = [n for n in graph.nodes if is_random(n)]
-    fwd_nodes = _ancestors([*fwd_values, *random_nodes]) | set(primals)
-    bwd_nodes = _ancestors(v for v, _ in grad_pairs) - fwd_nodes
-    # A getitem of a multi-output forward op is free and keeps saved values tensors.
+    fwd_required = _ancestors([*fwd_values, *random_nodes]) | set(primals)
+    tangent_dependent: set[fx.Node] = set(tangents)
     for node in graph.nodes:
-        if node in bwd_nodes and node.target is operator.getitem and node.args[0] in fwd_nodes:
-            bwd_nodes.discard(node)
-            fwd_nodes.add(node)
-
-    saved_nodes: list[fx.Node] = []
-    saved_set: set[fx.Node] = set()
+        if any(i in tangent_dependent for i in node.all_input_nodes):
+            tangent_dependent.add(node)
+    tangent_dependent.discard(next(n for n in reversed(graph.nodes) if n.op == "output"))
+    bwd_required = tangent_dependent | {v for v, _ in grad_pairs}
     order = {n: i for i, n in enumerate(graph.nodes)}
-    needed = [inp for n in bwd_nodes for inp in n.all_input_nodes if inp in fwd_nodes]
-    needed += [v for v, _ in grad_pairs if v in fwd_nodes]
-    for node in sorted(set(needed), key=order.__getitem__):
-        saved_set.add(node)
-        saved_nodes.append(node)
+    return _Roles(primals, tangents, fwd_values, grad_pairs, frozenset(fwd_required),
+                  frozenset(bwd_required), order)
+
+
+def _simple_saved(roles: _Roles, all_in_forward: bool) -> set[fx.Node]:
+    """Save what the backward reads. `all_in_forward`: every non-tangent node runs in the
+    forward ("save everything"); else nodes only the gradients need run in the backward."""
+    grads = [v for v, _ in roles.grad_pairs]
+    needed = _ancestors(grads)
+    fwd = set(roles.fwd_required)
+    if all_in_forward:
+        fwd |= needed - roles.bwd_required
+    bwd = needed - fwd
+    saved = {i for n in bwd for i in n.all_input_nodes if i in fwd}
+    saved |= {v for v in grads if v in fwd}
+    return _tensor_saves(saved)
+
+
+def _tensor_saves(saved: set[fx.Node]) -> set[fx.Node]:
+    """A tuple-valued node (multi-output op) is saved through its getitem users."""
+    out: set[fx.Node] = set()
+    for node in saved:
+        if isinstance(node.meta.get("val"), (tuple, list)):
+            out |= {u for u in node.users if u.target is operator.getitem}
+        else:
+            out.add(node)
+    return out
+
+
+_SOURCE, _SINK = "__source__", "__sink__"
+
+
+def _min_cut_saved(roles: _Roles, policy: RecomputePolicy, unbanned: frozenset[fx.Node]) -> set[fx.Node]:
+    grads = [v for v, _ in roles.grad_pairs]
+    relevant = _ancestors(grads)
+    flow = nx.DiGraph()
+    inf = math.inf
+    for node in relevant:
+        val = node.meta.get("val")
+        # Saving a view keeps its root's whole storage alive: charge the root's bytes.
+        capacity = node_nbytes(_view_root(node)) if isinstance(val, torch.Tensor) else inf
+        flow.add_edge((node, "in"), (node, "out"), capacity=capacity)
+        if node.op == "placeholder" and node not in roles.bwd_required:
+            flow.add_edge(_SOURCE, (node, "in"), capacity=inf)
+        elif node in roles.bwd_required:
+            flow.add_edge((node, "in"), _SINK, capacity=inf)
+        elif (node in roles.fwd_required and node not in unbanned
+              and not can_recompute(node, policy)):
+            flow.add_edge(_SOURCE, (node, "in"), capacity=inf)
+        for user in node.users:
+            if user in relevant:
+                flow.add_edge((node, "out"), (user, "in"), capacity=inf)
+    if _SOURCE not in flow or _SINK not in flow:
+        return set()
+    _, (reachable, _) = nx.minimum_cut(flow, _SOURCE, _SINK)
+    saved = {n for n in relevant if (n, "in") in reachable and (n, "out") not in reachable}
+    return _drop_views_of_saved(saved)
+
+
+def _drop_views_of_saved(saved: set[fx.Node]) -> set[fx.Node]:
+    """Save views as their base: a view of another saved value is recomputed from it, and a view
+    of a primal is replaced by the primal (a saved view keeps its base's whole storage alive, so
+    saving the base costs no more and the backward re-creates the view)."""
+    result = set(saved)
+    for node in saved:
+        base = _view_root(node)
+        if base is node:
+            continue
+        if base in saved or base.op == "placeholder":
+            result.discard(node)
+            result.add(base)
+    return result
+
+
+def _view_root(node: fx.Node) -> fx.Node:
+    """Follow view ops back to the value they view (the node itself if it is no view)."""
+    while isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+        first = node.args[0]
+        if not isinstance(first, fx.Node):
+            break
+        node = first
+    return node
+
+
+def _bytes(nodes: Iterable[fx.Node]) -> int:
+    return sum(node_nbytes(n) for n in nodes)
+
+
+def _budget_saved(
+    roles: _Roles, policy: RecomputePolicy, budget_bytes: int, base: set[fx.Node]
+) -> tuple[set[fx.Node], tuple[fx.Node, ...]]:
+    """Fewest expensive ops to recompute (cheapest per byte first) so saved bytes fit."""
+    if _bytes(base) <= budget_bytes:
+        return base, ()
+    grads = [v for v, _ in roles.grad_pairs]
+    candidates = sorted(
+        (n for n in _ancestors(grads) if n in roles.fwd_required and n.op == "call_function"
+         and not is_random(n) and not can_recompute(n, policy)
+         and not (isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable)),
+        key=lambda n: (recompute_cost(n) / max(node_nbytes(n), 1), roles.order[n]),
+    )
+    lo, hi = 1, len(candidates)
+    best = (_min_cut_saved(roles, policy, frozenset(candidates)), tuple(candidates))
+    if _bytes(best[0]) > budget_bytes:
+        return best  # best effort: even recomputing every candidate does not fit
+    while lo < hi:
+        mid = (lo + hi) // 2
+        saved = _min_cut_saved(roles, policy, frozenset(candidates[:mid]))
+        if _bytes(saved) <= budget_bytes:
+            hi = mid
+            best = (saved, tuple(candidates[:mid]))
+        else:
+            lo = mid + 1
+    if hi < len(candidates) and best[1] != tuple(candidates[:hi]):
+        best = (_min_cut_saved(roles, policy, frozenset(candidates[:hi])), tuple(candidates[:hi]))
+    return best
+
+
+def partition(
+    joint: JointGraph,
+    mutated_args: frozenset[GraphArg] = frozenset(),
+    policy: RecomputePolicy = RecomputePolicy(),
+    memory_budget: float | int | None = None,
+    plan: str = "min_cut",
+) -> PartitionResult:
+    """`mutated_args`: primals the epilogue mutates in place after the forward; a saved value
+    that is one of them, or a view of one, is saved as a clone (see Note [Saving mutated inputs]).
+    `memory_budget`: a fraction (0..1] of the save-everything bytes, or a byte count."""
+    start = time.perf_counter()
+    roles = _roles(joint)
+    everything = _simple_saved(roles, all_in_forward=True)
+    simple = _simple_saved(roles, all_in_forward=False)
+    budget_bytes: int | None = None
+    unbanned: tuple[fx.Node, ...] = ()
+    if plan == "simple":
+        saved = simple
+    elif plan == "min_cut":
+        saved = _min_cut_saved(roles, policy, frozenset())
+        if memory_budget is not None:
+            budget_bytes = (
+                int(memory_budget * _bytes(everything)) if isinstance(memory_budget, float)
+                else int(memory_budget)
+            )
+            saved, unbanned = _budget_saved(roles, policy, budget_bytes, saved)
+    else:
+        raise ValueError(f"partition(plan={plan!r}): expected 'min_cut' or 'simple'")
+    forward, backward, saved_nodes, recomputed = _build(joint, roles, saved, mutated_args)
+    return PartitionResult(
+        forward=forward,
+        backward=backward,
+        saved=tuple(_saved_value(n) for n in saved_nodes),
+        recomputed=tuple(n.name for n in recomputed),
+        seconds=time.perf_counter() - start,
+        plan=plan,
+        save_everything_bytes=_bytes(everything),
+        simple_bytes=_bytes(simple),
+        budget_bytes=budget_bytes,
+        unbanned=tuple(n.name for n in unbanned),
+    )
+
+
+def _build(
+    joint: JointGraph, roles: _Roles, saved: set[fx.Node], mutated_args: frozenset[GraphArg]
+) -> tuple[StageGraph, StageGraph, list[fx.Node], list[fx.Node]]:
+    graph = joint.module.graph
+    saved_nodes = sorted(saved, key=roles.order.__getitem__)
+    stop = frozenset(saved) | frozenset(roles.tangents)
+    bwd_nodes = _ancestors((v for v, _ in roles.grad_pairs), stop) - frozenset(saved)
+    bwd_nodes -= set(roles.tangents)
+    fwd_nodes = _ancestors([*roles.fwd_values, *saved_nodes]) | set(roles.primals)
+    fwd_nodes |= {n for n in graph.nodes if is_random(n)}
+    recomputed = [n for n in graph.nodes if n in bwd_nodes and n in fwd_nodes]
 
     fwd_graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -138,7 +331,7 @@ def partition(joint: JointGraph, mutated_args: frozenset[GraphArg] = frozenset()
         if node in fwd_nodes:
             env[node] = fwd_graph.node_copy(node, env.__getitem__)
     mutated_nodes = {
-        n for n, d in zip(placeholders, joint.inputs)
+        n for n, d in zip(joint.placeholders(), joint.inputs)
         if isinstance(d, PrimalInput) and d.arg in mutated_args
     }
     saved_out = []
@@ -148,7 +341,7 @@ def partition(joint: JointGraph, mutated_args: frozenset[GraphArg] = frozenset()
             value = fwd_graph.call_function(torch.ops.aten.clone.default, (value,))
             value.meta = dict(node.meta)
         saved_out.append(value)
-    fwd_graph.output(tuple(_lookup(env, v) for v in fwd_values) + tuple(saved_out))
+    fwd_graph.output(tuple(_lookup(env, v) for v in roles.fwd_values) + tuple(saved_out))
     saved_names = tuple(n.name for n in saved_nodes)
     forward = StageGraph(
         module=fx.GraphModule(joint.module, fwd_graph),
@@ -162,24 +355,32 @@ def partition(joint: JointGraph, mutated_args: frozenset[GraphArg] = frozenset()
     for node in saved_nodes:
         benv[node] = bwd_graph.placeholder(node.name)
         benv[node].meta = dict(node.meta)
-    for node in tangents:
+    for node in roles.tangents:
         benv[node] = bwd_graph.node_copy(node, benv.__getitem__)
     for node in graph.nodes:
         if node in bwd_nodes and node.op != "placeholder":
             benv[node] = bwd_graph.node_copy(node, benv.__getitem__)
-    bwd_graph.output(tuple(benv[v] for v, _ in grad_pairs))
+        elif node in bwd_nodes:
+            raise AssertionError(f"partition: backward needs primal {node.name} but it is not saved")
+    bwd_graph.output(tuple(benv[v] for v, _ in roles.grad_pairs))
     backward = StageGraph(
         module=fx.GraphModule(joint.module, bwd_graph),
         inputs=tuple(SavedInput(name) for name in saved_names)
         + tuple(d for d in joint.inputs if isinstance(d, TangentInput)),
-        outputs=tuple(d for _, d in grad_pairs),
+        outputs=tuple(d for _, d in roles.grad_pairs),
     )
-    saved = tuple(_saved_value(n) for n in saved_nodes)
-    return PartitionResult(forward, backward, saved, (), time.perf_counter() - start)
+    return forward, backward, saved_nodes, recomputed
 
 
 def _aliases(node: fx.Node, roots: set[fx.Node]) -> bool:
-    """Whether `node` is one of `roots` or a chain of view ops over one."""
+    """Whether `node` is one of `roots` or a chain of view ops over one.
+
+    Note [Saving mutated inputs]: the epilogue copies new values into mutated inputs after the
+    forward ran. autograd checks the version counter of every saved tensor at backward time, so
+    saving such an input (or a view of it) directly would fail there, and without the check would
+    read the new value. Eager saves the pre-mutation value; so do we, by saving a clone taken
+    inside the forward graph.
+    """
     while True:
         if node in roots:
             return True

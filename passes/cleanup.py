@@ -1,0 +1,117 @@
+"""Cleanup passes run on the joint graph before partitioning. Each is a pure stage:
+`pass(graph: StageGraph) -> StageGraph` on a copy; placeholders and outputs keep their roles.
+
+- `eliminate_dead_code`: drop nodes nothing reads (never random ops: they advance the RNG).
+- `eliminate_common_subexpressions`: one node per (op, args) among deterministic ops.
+- `remove_noop_views`: views and copies that return their input unchanged in shape and layout
+  (`view(x, x.shape)`, `expand(x, x.shape)`, `alias(x)`, `_to_copy(x)` with x's dtype) read
+  their input instead.
+
+Worked example (CSE then no-op removal then DCE):
+
+    before: a = sin(x); b = sin(x); c = view(a, [3]); d = add(b, c)     # x: float[3]
+    after:  a = sin(x); d = add(a, a)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from passes.ir import StageGraph
+from passes.recompute import is_random
+
+aten = torch.ops.aten
+
+_IDENTITY_VIEWS = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+}
+_IDENTITY_COPIES = {aten.alias.default, aten.clone.default}
+
+
+def _copy(graph: StageGraph) -> tuple[StageGraph, fx.Graph]:
+    new_graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.module.graph.nodes:
+        env[node] = new_graph.node_copy(node, env.__getitem__)
+    module = fx.GraphModule(graph.module, new_graph)
+    return StageGraph(module, graph.inputs, graph.outputs), new_graph
+
+
+def _finish(graph: StageGraph, fx_graph: fx.Graph) -> StageGraph:
+    fx_graph.lint()
+    graph.module.recompile()
+    return graph
+
+
+def eliminate_dead_code(graph: StageGraph) -> StageGraph:
+    result, g = _copy(graph)
+    for node in reversed(list(g.nodes)):
+        if node.op in ("placeholder", "output") or node.users or is_random(node):
+            continue
+        g.erase_node(node)
+    return _finish(result, g)
+
+
+def _key(value: object) -> object:
+    if isinstance(value, fx.Node):
+        return ("node", id(value))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_key(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((k, _key(v)) for k, v in value.items())))
+    if isinstance(value, float) and value != value:
+        return ("nan",)
+    return (type(value).__name__, value)
+
+
+def eliminate_common_subexpressions(graph: StageGraph) -> StageGraph:
+    result, g = _copy(graph)
+    seen: dict[object, fx.Node] = {}
+    for node in list(g.nodes):
+        if node.op != "call_function" or is_random(node):
+            continue
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+            continue
+        key = (target, _key(node.args), _key(node.kwargs))
+        first = seen.get(key)
+        if first is None:
+            seen[key] = node
+        else:
+            node.replace_all_uses_with(first)
+            g.erase_node(node)
+    return _finish(result, g)
+
+
+def _is_noop(node: fx.Node) -> bool:
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    src, out = node.args[0].meta.get("val"), node.meta.get("val")
+    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return False
+    same = (
+        src.shape == out.shape and src.stride() == out.stride() and src.dtype == out.dtype
+        and src.storage_offset() == out.storage_offset()
+    )
+    if node.target in _IDENTITY_VIEWS:
+        return same
+    if node.target in _IDENTITY_COPIES or node.target == aten._to_copy.default:
+        # A copy of a value nothing mutates is the value (graphs here are functional).
+        return same and src.device == out.device and not node.kwargs.get("memory_format")
+    return False
+
+
+def remove_noop_views(graph: StageGraph) -> StageGraph:
+    result, g = _copy(graph)
+    outputs = set(next(n for n in reversed(g.nodes) if n.op == "output").all_input_nodes)
+    for node in list(g.nodes):
+        if _is_noop(node) and node not in outputs:
+            node.replace_all_uses_with(node.args[0])
+            g.erase_node(node)
+    return _finish(result, g)
+
+
+def cleanup(graph: StageGraph) -> StageGraph:
+    """All cleanup passes in order."""
+    return eliminate_dead_code(remove_noop_views(eliminate_common_subexpressions(graph)))
