@@ -83,6 +83,8 @@ class CompiledFunction:
         names = _leaf_names(self._fn, in_spec, num_user) + self._lifted_names
         fn, lifted = self._fn, self._lifted
 
+        _mark_user_code(fn)
+
         def program(user_leaves: list[object]) -> tuple[list[object], object]:
             args, kwargs = pytree.tree_unflatten(user_leaves[:num_user], in_spec)
             with swapped(lifted, user_leaves[num_user:]):
@@ -90,6 +92,16 @@ class CompiledFunction:
             return _flatten_output(out)
 
         return compile_signature(program, leaves, names, self._options, self._name)
+
+
+def _mark_user_code(fn: Callable[..., Any]) -> None:
+    """Let make_fx record the user's source line on each node (it keeps frames of functions
+    named `forward` and of registered anchors). The hook is private to torch.fx and may be
+    absent in other torch versions; then only `forward` methods get source lines."""
+    register = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)
+    target = getattr(fn, "__func__", fn)
+    if register is not None and hasattr(target, "__code__"):
+        register(target)
 
 
 def _flatten_output(out: object) -> tuple[list[object], pytree.TreeSpec]:

@@ -400,13 +400,25 @@ def _lookup(env: dict[fx.Node, fx.Node], value: object) -> object:
 def _saved_value(node: fx.Node) -> SavedValue:
     val = node.meta.get("val")
     is_tensor = isinstance(val, torch.Tensor)
-    trace = node.meta.get("stack_trace") or ""
-    source = trace.strip().splitlines()[-1].strip() if trace.strip() else ""
     return SavedValue(
         name=node.name,
         nbytes=node_nbytes(node),
         shape=tuple(val.shape) if is_tensor else None,
         dtype=val.dtype if is_tensor else None,
         producer="input" if node.op == "placeholder" else str(node.target),
-        source=source,
+        source=source_line(node),
     )
+
+
+def source_line(node: fx.Node) -> str:
+    """`file:line  code` of the innermost user frame in the node's stack trace, or ''."""
+    lines = (node.meta.get("stack_trace") or "").strip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        text = lines[i].strip()
+        if text.startswith("File "):
+            parts = text.split('"')
+            where = parts[1] if len(parts) > 2 else text
+            lineno = text.split("line ")[-1].split(",")[0] if "line " in text else "?"
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f"{where}:{lineno}  {code}"
+    return ""
