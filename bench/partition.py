@@ -61,6 +61,8 @@ from common import (  # noqa: E402
     write_results,
 )
 from passes.cleanup import cleanup  # noqa: E402
+from passes.descriptors import SavedInput  # noqa: E402
+from passes.ir import node_nbytes  # noqa: E402
 from passes.partition import partition  # noqa: E402
 
 SCALING_GOAL_S = 2.0
@@ -266,7 +268,12 @@ def compile_aotc(wl: Workload, plan: str) -> dict[str, Any]:
     _clear_grads(wl, inputs)
     record = aotc.inspect(compiled)[0]
     saved = _aotc_saved(record)
-    from_placeholders = sum(s["nbytes"] for s in placeholder_saved(record.backward))
+    # Cross-check against the backward graph: its placeholders that are saved values (aotc
+    # names tangent placeholders argN_1 too, so go by the stage's input descriptors).
+    bw = record.partition.backward
+    saved_ph = [n for n, d in zip((n for n in bw.module.graph.nodes if n.op == "placeholder"),
+                                  bw.inputs) if isinstance(d, SavedInput)]
+    from_placeholders = sum(node_nbytes(n) for n in saved_ph)
     nbytes = sum(s["nbytes"] for s in saved)
     assert nbytes == from_placeholders, (wl.name, nbytes, from_placeholders)
     return {
