@@ -1,7 +1,7 @@
 """Run every aotc benchmark and print a compact summary (`make bench`).
 
 Run from the repo root: .venv/bin/python bench/run_all.py [--quick] [--profile]
-Results go to bench/results/compile_time.json and bench/results/overhead.json.
+Results go to bench/results/compile_time.json, overhead.json and partition.json.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import compile_time  # noqa: E402
 import overhead  # noqa: E402
+import partition as partition_bench  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,21 +30,28 @@ def main(argv: list[str] | None = None) -> int:
     oh_args = ["--iters", "500", "--rounds", "5"] if args.quick else []
     if args.profile:
         oh_args.append("--profile")
+    pt_args = ["--quick"] if args.quick else []
 
     ct = compile_time.main(ct_args)
     print()
     oh = overhead.main(oh_args)
+    print()
+    pt = partition_bench.main(pt_args)
 
     print("\n=== summary (medians; CPU) ===")
     print(compile_time.table(ct))
     print()
     print(overhead.table(oh))
+    print()
+    print(partition_bench.table(pt))
     fb = oh["fwd_bwd"]
     ok_ct = all(r["meets_goal"] for r in ct.values())
     print(
         f"\ngoals: compile ratio <= 1.0 on all workloads: {'yes' if ok_ct else 'NO'}; "
         f"fwd+bwd aotc < {overhead.FWD_BWD_TARGET_US:g} us and aotc/aot <= 1.0: "
-        f"{'yes' if fb['meets_goal'] else 'NO'}"
+        f"{'yes' if fb['meets_goal'] else 'NO'}; saved bytes aotc/torch min-cut <= 1.0 and "
+        f"scaling partition < {partition_bench.SCALING_GOAL_S:g} s: "
+        f"{'yes' if pt['all_goals_met'] else 'NO'}"
     )
     return 0
 
