@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from passes.ir import StageGraph
+from passes.ir import StageGraph, make_module
 from passes.recompute import is_random
 
 aten = torch.ops.aten
@@ -29,28 +29,29 @@ _IDENTITY_VIEWS = {
 _IDENTITY_COPIES = {aten.alias.default, aten.clone.default}
 
 
-def _copy(graph: StageGraph) -> tuple[StageGraph, fx.Graph]:
+def _copy(graph: StageGraph) -> fx.Graph:
     new_graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in graph.module.graph.nodes:
         env[node] = new_graph.node_copy(node, env.__getitem__)
-    module = fx.GraphModule(graph.module, new_graph)
-    return StageGraph(module, graph.inputs, graph.outputs), new_graph
+    return new_graph
 
 
-def _finish(graph: StageGraph, fx_graph: fx.Graph) -> StageGraph:
-    fx_graph.lint()
-    graph.module.recompile()
-    return graph
+def _wrap(graph: StageGraph, fx_graph: fx.Graph) -> StageGraph:
+    return StageGraph(make_module(graph.module, fx_graph), graph.inputs, graph.outputs)
 
 
 def eliminate_dead_code(graph: StageGraph) -> StageGraph:
-    result, g = _copy(graph)
+    g = _copy(graph)
+    _dce(g)
+    return _wrap(graph, g)
+
+
+def _dce(g: fx.Graph) -> None:
     for node in reversed(list(g.nodes)):
         if node.op in ("placeholder", "output") or node.users or is_random(node):
             continue
         g.erase_node(node)
-    return _finish(result, g)
 
 
 def _key(value: object) -> object:
@@ -66,7 +67,12 @@ def _key(value: object) -> object:
 
 
 def eliminate_common_subexpressions(graph: StageGraph) -> StageGraph:
-    result, g = _copy(graph)
+    g = _copy(graph)
+    _cse(g)
+    return _wrap(graph, g)
+
+
+def _cse(g: fx.Graph) -> None:
     seen: dict[object, fx.Node] = {}
     for node in list(g.nodes):
         if node.op != "call_function" or is_random(node):
@@ -81,7 +87,6 @@ def eliminate_common_subexpressions(graph: StageGraph) -> StageGraph:
         else:
             node.replace_all_uses_with(first)
             g.erase_node(node)
-    return _finish(result, g)
 
 
 def _is_noop(node: fx.Node) -> bool:
@@ -103,15 +108,23 @@ def _is_noop(node: fx.Node) -> bool:
 
 
 def remove_noop_views(graph: StageGraph) -> StageGraph:
-    result, g = _copy(graph)
+    g = _copy(graph)
+    _remove_noops(g)
+    return _wrap(graph, g)
+
+
+def _remove_noops(g: fx.Graph) -> None:
     outputs = set(next(n for n in reversed(g.nodes) if n.op == "output").all_input_nodes)
     for node in list(g.nodes):
         if _is_noop(node) and node not in outputs:
             node.replace_all_uses_with(node.args[0])
             g.erase_node(node)
-    return _finish(result, g)
 
 
 def cleanup(graph: StageGraph) -> StageGraph:
-    """All cleanup passes in order."""
-    return eliminate_dead_code(remove_noop_views(eliminate_common_subexpressions(graph)))
+    """All cleanup passes in order, on one copy of the graph."""
+    g = _copy(graph)
+    _cse(g)
+    _remove_noops(g)
+    _dce(g)
+    return _wrap(graph, g)

@@ -51,6 +51,20 @@ def _meta_text(node: fx.Node) -> str:
     return ""
 
 
+def make_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule whose Python code is generated on first use (`.code`, a call), not here.
+
+    Heuristic: generating code for a 10,000-node graph takes ~0.5 s, and stage graphs are run
+    through runtime.launch's own code, so only inspection needs fx's code. Falls back to an eager
+    GraphModule where torch lacks the lazy variant.
+    """
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:
+        return fx.GraphModule(root, graph)
+    return _LazyGraphModule(root, graph)
+
+
 def node_nbytes(node: fx.Node) -> int:
     """Bytes of the tensor a node produces (0 for non-tensors); sizes are static here."""
     val = node.meta.get("val")
