@@ -15,8 +15,8 @@ $(STAMP): pyproject.toml constraints.txt
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/mlp.py --dump aotc_dump/mlp
-	@echo "graphs written under aotc_dump/mlp"
+	$(BIN)/aotc dump examples/mlp.py --out aotc_dump/mlp -- --steps 3
+	@echo "graphs written under aotc_dump/mlp; open aotc_dump/mlp/index.html"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

@@ -2,7 +2,9 @@
 
 from aotc.api import CompiledFunction, CompiledModule, compile, inspect
 from aotc.errors import AotcError, GraphInvariantError, GuardError, UnsupportedError
-from aotc.options import CompileOptions
+from aotc.options import CompileOptions, configure_logging
+
+configure_logging()
 
 __version__ = "0.1.0"
 

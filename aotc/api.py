@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import time
 import inspect as pyinspect
 from collections.abc import Callable
 from typing import Any, overload
@@ -23,6 +25,10 @@ from runtime.errors import UnsupportedError
 from runtime.wrappers import CompiledEntry, Dispatcher
 
 Tensor = torch.Tensor
+progress = logging.getLogger("aotc.progress")
+
+# Called with (compiled function, record, recompile reason or None) after every compilation.
+COMPILE_LISTENERS: list[Callable[[CompiledFunction, CompiledRecord, str | None], None]] = []
 
 
 class CompiledFunction:
@@ -35,8 +41,10 @@ class CompiledFunction:
         lifted: Lifted,
         name: str,
         extra_key: Callable[[], object] | None = None,
+        source: str | None = None,
     ) -> None:
         self._fn = fn
+        self._source = source or _source_of(fn)
         self._options = options
         self._lifted = lifted
         self._accesses = lifted.accesses
@@ -91,7 +99,23 @@ class CompiledFunction:
                 out = fn(*args, **kwargs)
             return _flatten_output(out)
 
-        return compile_signature(program, leaves, names, self._options, self._name)
+        n = len(self._dispatch.entries) + 1
+        progress.info("aotc: compiling %s (signature %d) ...", self._name, n)
+        start = time.perf_counter()
+        entry = compile_signature(
+            program, leaves, names, self._options, self._name, self._source
+        )
+        progress.info("aotc: compiled %s (signature %d) in %.2f s", self._name, n,
+                      time.perf_counter() - start)
+        reason = self._dispatch.recompile_reasons[-1] if n > 1 else None
+        for listener in COMPILE_LISTENERS:
+            listener(self, entry.record, reason)  # type: ignore[arg-type]
+        return entry
+
+
+def _source_of(fn: Callable[..., Any]) -> str:
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else "<unknown>"
 
 
 def _mark_user_code(fn: Callable[..., Any]) -> None:
@@ -157,6 +181,7 @@ class CompiledModule(torch.nn.Module):
             module_accesses(module, "self"),
             name,
             extra_key=module_training_flags(module),
+            source=_source_of(forward),
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, replace
 
@@ -64,3 +65,29 @@ def _check_partition_options(opts: CompileOptions) -> None:
         )
     if isinstance(budget, int) and budget < 0:
         raise ValueError(f"aotc.compile(memory_budget={budget!r}): a byte count must be >= 0.")
+
+
+LOG_CATEGORIES = ("graphs", "partition", "kernels", "recompiles", "progress")
+
+
+def configure_logging(categories: str | None = None) -> list[str]:
+    """Turn on `aotc.<category>` loggers (INFO, to stderr) for a comma-separated list, by default
+    from AOTC_LOG (e.g. AOTC_LOG=graphs,partition,recompiles; "all" for every category)."""
+    text = os.environ.get("AOTC_LOG", "") if categories is None else categories
+    wanted = [c.strip() for c in text.split(",") if c.strip()]
+    if "all" in wanted:
+        wanted = list(LOG_CATEGORIES)
+    unknown = sorted(set(wanted) - set(LOG_CATEGORIES))
+    if unknown:
+        raise ValueError(
+            f"AOTC_LOG: unknown categories {unknown}; choose from {', '.join(LOG_CATEGORIES)}"
+        )
+    root = logging.getLogger("aotc")
+    if wanted and not any(getattr(h, "_aotc", False) for h in root.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+        handler._aotc = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
+    for category in wanted:
+        logging.getLogger(f"aotc.{category}").setLevel(logging.INFO)
+    return wanted

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -54,6 +56,9 @@ class CompiledRecord:
     partition: PartitionResult | None
     epilogue: EpiloguePlan
     joint_graph: JointGraph
+    partitioned_joint: JointGraph  # the joint graph after cleanup, as the partition saw it
+    source: str  # where the user function is defined, "file:line"
+    guards: str  # what the compiled entry is specialized on, readable
     stage_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -68,7 +73,8 @@ class CompiledRecord:
     def stages(self) -> list[tuple[str, str]]:
         """Every stage's printable record, in pipeline order: (file name, text)."""
         out = [
-            ("00_signature.txt", f"# stage: signature\n{self.name}\n{self.signature}\n"),
+            ("00_signature.txt", f"# stage: signature\n{self.name} (defined at {self.source})\n"
+             f"{self.signature}\n# guards\n{self.guards}\n"),
             ("01_metadata.txt", self.meta.format() + "\n"),
             ("02_joint.py", self.joint_graph.format("joint")),
         ]
@@ -108,10 +114,11 @@ def compile_signature(
     names: list[str],
     options: CompileOptions,
     name: str,
+    source: str = "<unknown>",
 ) -> CompiledEntry:
     # Tracing saves fake tensors for autograd; the user's saved-tensor hooks must not see them.
     with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
-        return _compile_signature(program, leaves, names, options, name)
+        return _compile_signature(program, leaves, names, options, name, source)
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -124,6 +131,7 @@ def _compile_signature(
     names: list[str],
     options: CompileOptions,
     name: str,
+    source: str,
 ) -> CompiledEntry:
     times: dict[str, float] = {}
     clock = time.perf_counter()
@@ -152,6 +160,7 @@ def _compile_signature(
         lint_graph(joint, "trace")
 
     part: PartitionResult | None = None
+    cleaned = joint
     autograd_plan: AutogradPlan | None = None
     detach: tuple[GraphArg, ...] = ()
     if training:
@@ -159,8 +168,9 @@ def _compile_signature(
             GraphArg(g) for g, info in enumerate(metadata.meta.inputs)
             if info.mutation.value != "none"
         )
+        cleaned = cleanup(joint)
         part = partition(
-            cleanup(joint), mutated, options.recompute, options.memory_budget, options.partitioner
+            cleaned, mutated, options.recompute, options.memory_budget, options.partitioner
         )
         lap("partition")
         if options.check_invariants:
@@ -204,11 +214,31 @@ def _compile_signature(
         partition=part,
         epilogue=epilogue,
         joint_graph=joint,
+        partitioned_joint=cleaned,
+        source=source,
+        guards=_GUARDS,
         stage_seconds=times,
     )
+    _log_record(entry.record, fwd_module, bwd_module)
     if options.dump_dir:
         dump_record(entry.record, options.dump_dir)
     return entry
+
+
+def _log_record(
+    record: CompiledRecord, fwd: fx.GraphModule, bwd: fx.GraphModule | None
+) -> None:
+    graphs, partition_log = logging.getLogger("aotc.graphs"), logging.getLogger("aotc.partition")
+    kernels = logging.getLogger("aotc.kernels")
+    if graphs.isEnabledFor(logging.INFO):
+        graphs.info("%s: joint graph\n%s", record.name, record.joint_graph.format("joint"))
+    if partition_log.isEnabledFor(logging.INFO) and record.partition is not None:
+        partition_log.info("%s:\n%s", record.name, record.partition.format())
+    if kernels.isEnabledFor(logging.INFO):
+        for label, module in (("forward", fwd), ("backward", bwd)):
+            if module is not None:
+                kernels.info("%s %s: runs as ATen calls\n%s", record.name, label,
+                             make_callable(module).__aotc_source__)
 
 
 def _mutated_alias_groups(
@@ -244,6 +274,15 @@ def _statically_no_grad(
     return () if len(out) == len(rg_args) else tuple(out)
 
 
+_GUARDS = (
+    "each tensor input: dtype, device, shape, strides, requires_grad, is_leaf\n"
+    "each non-tensor input: its type and value\n"
+    "which inputs are the same tensor or share storage (and then their storage offsets and "
+    "bases)\n"
+    "grad mode, autocast state, and for modules every submodule's training flag\n"
+    "a call that differs in any of these compiles a new entry (see runtime/guards.py)"
+)
+
 _dump_counter: dict[str, int] = {}
 
 
@@ -257,4 +296,8 @@ def dump_record(record: CompiledRecord, root: str) -> str:
     for file_name, text in record.stages:
         with open(os.path.join(folder, file_name), "w") as f:
             f.write(text)
+    from aotc.debug import graph_json
+
+    with open(os.path.join(folder, "08_graph.json"), "w") as f:
+        json.dump(graph_json(record), f, indent=1, sort_keys=True)
     return folder

@@ -108,14 +108,35 @@ def _unflattener(spec: pytree.TreeSpec) -> Callable[[list[object]], object]:
     return lambda leaves: pytree.tree_unflatten(leaves, spec)
 
 
-def _describe_change(old: object, new: object) -> str:
-    """Which part of a guard key changed, for the recompile warning."""
-    if not (isinstance(old, tuple) and isinstance(new, tuple)) or len(old) != len(new):
-        return f"{old!r} -> {new!r}"
-    for a, b in zip(old, new):
-        if a != b:
-            return _describe_change(a, b)
-    return "unknown"
+_TENSOR_FIELDS = ("dtype", "device", "shape", "stride", "requires_grad", "is_leaf")
+
+
+def describe_change(old: tuple[object, ...], new: tuple[object, ...]) -> str:
+    """Why a guard key differs from the previous one, in words (see runtime/guards.py)."""
+    (old_extra, (old_parts, old_alias, old_grad, old_ac)) = old  # type: ignore[misc]
+    (new_extra, (new_parts, new_alias, new_grad, new_ac)) = new  # type: ignore[misc]
+    reasons: list[str] = []
+    if old_grad != new_grad:
+        reasons.append(f"grad mode {old_grad} -> {new_grad}")
+    if old_ac != new_ac:
+        reasons.append(f"autocast {old_ac} -> {new_ac}")
+    if old_extra != new_extra:
+        reasons.append("argument structure or module training flags changed")
+    if len(old_parts) != len(new_parts):  # type: ignore[arg-type]
+        reasons.append(f"{len(old_parts)} -> {len(new_parts)} inputs")  # type: ignore[arg-type]
+    for i, (a, b) in enumerate(zip(old_parts, new_parts)):  # type: ignore[call-overload]
+        if a == b:
+            continue
+        if len(a) == len(_TENSOR_FIELDS) and len(b) == len(_TENSOR_FIELDS):
+            for name, x, y in zip(_TENSOR_FIELDS, a, b):
+                if x != y:
+                    reasons.append(f"input {i} {name} {tuple(x) if name == 'shape' else x} -> "
+                                   f"{tuple(y) if name == 'shape' else y}")
+        else:
+            reasons.append(f"input {i} {a[-1]!r} -> {b[-1]!r}")
+    if old_alias != new_alias:
+        reasons.append("which inputs alias each other changed")
+    return "; ".join(reasons) or "unknown"
 
 
 class Dispatcher:
@@ -161,7 +182,7 @@ class Dispatcher:
                 return entry
             if self._entries:
                 last = next(reversed(self._entries))
-                reason = _describe_change(last, key)
+                reason = describe_change(last, key)
                 self.recompile_reasons.append(reason)
                 log.info("recompiling %s: %s", self._name, reason)
                 if len(self._entries) >= self._max:
