@@ -75,7 +75,7 @@ class CompiledRecord:
         out = [
             ("00_signature.txt", f"# stage: signature\n{self.name} (defined at {self.source})\n"
              f"{self.signature}\n# guards\n{self.guards}\n"),
-            ("01_metadata.txt", self.meta.format() + "\n"),
+            ("01_metadata.txt", self.meta.format() + "\n" + self.convention.format() + "\n"),
             ("02_joint.py", self.joint_graph.format("joint")),
         ]
         if self.partition is not None:

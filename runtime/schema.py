@@ -158,6 +158,25 @@ class CallingConvention:
     def is_trivial(self) -> bool:
         return not self.synthetic_bases and len(self.graph_sources) == len(self.tensor_leaves)
 
+    def format(self) -> str:
+        """Which user input each graph arg is; duplicates and synthetic bases spelled out."""
+        lines = ["# calling convention"]
+        bases = iter(self.synthetic_bases)
+        for g, src in enumerate(self.graph_sources):
+            if src is not None:
+                lines.append(f"graph_arg{g} = user_arg{src}")
+            else:
+                base = next(bases)
+                kind = "their common ._base" if base.base_is_common else "their storage"
+                members = ", ".join(f"user_arg{m}" for m in base.members)
+                lines.append(f"graph_arg{g} = synthetic base of {members} ({kind})")
+        first = {g: leaf for leaf, g in reversed(self.leaf_to_graph)}
+        for leaf, g in self.leaf_to_graph:
+            src = self.graph_sources[g]
+            if src is not None and src != leaf:
+                lines.append(f"user_arg{leaf} is a duplicate of user_arg{first[g]} (deduped)")
+        return "\n".join(lines)
+
 
 @dataclass(frozen=True, slots=True)
 class FwdOutputPlan:

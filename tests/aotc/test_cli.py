@@ -136,3 +136,39 @@ def test_dump_env_var_without_cli(script, tmp_path):
     subprocess.run([sys.executable, str(script)], env=env, check=True, capture_output=True,
                    timeout=300)
     assert len([p for p in out_dir.iterdir() if p.is_dir()]) == 3
+
+
+def test_dump_captures_torch_compile_backend(tmp_path):
+    script = tmp_path / "dyn.py"
+    script.write_text(textwrap.dedent('''
+        import torch
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+        compiled = torch.compile(model, backend="aotc")
+        compiled(torch.randn(2, 4)).sum().backward()
+    '''))
+    out_dir = tmp_path / "out"
+    result = run_cli("dump", str(script), "--out", str(out_dir), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    folders = [p for p in out_dir.iterdir() if p.is_dir()]
+    assert folders and (out_dir / "index.html").exists()
+    assert all((f / "04_forward.py").exists() for f in folders)
+
+
+def test_metadata_dump_shows_dedupe_and_synthetic_bases(tmp_path):
+    import torch
+
+    import aotc
+
+    def f(a, b, c):
+        a.add_(1)
+        return a * b + c
+
+    compiled = aotc.compile(f, dump=str(tmp_path))
+    base = torch.randn(2, 3)
+    x = torch.randn(3)
+    compiled(base[0], base[1], x)
+    compiled(x, x, x)
+    texts = sorted((p / "01_metadata.txt").read_text() for p in tmp_path.iterdir())
+    joined = "\n".join(texts)
+    assert "synthetic base of user_arg0, user_arg1" in joined
+    assert "user_arg1 is a duplicate of user_arg0 (deduped)" in joined
