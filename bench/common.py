@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import statistics
@@ -22,6 +23,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
 from torch._functorch.aot_autograd import make_boxed_compiler  # noqa: E402
 
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
@@ -131,3 +133,25 @@ def fmt_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
              for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, seq: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.register_buffer("mask", torch.tril(torch.ones(seq, seq, dtype=torch.bool)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        h = self.n_heads
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q = q.view(b, t, h, c // h).transpose(1, 2)
+        k = k.view(b, t, h, c // h).transpose(1, 2)
+        v = v.view(b, t, h, c // h).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // h))
+        att = att.masked_fill(~self.mask[:t, :t], float("-inf"))
+        att = torch.softmax(att, dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
+        return self.proj(y)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from torch._functorch.aot_autograd import aot_function, aot_module  # noqa: E402
 
 import aotc  # noqa: E402
 from common import (  # noqa: E402
+    CausalSelfAttention,
     fmt_table,
     median,
     noop_compiler,
@@ -77,28 +77,6 @@ def make_pointwise_fn() -> Callable[..., torch.Tensor]:
 
 def pointwise_inputs() -> tuple[torch.Tensor, ...]:
     return (torch.randn(64, 64, requires_grad=True),)
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, seq: int) -> None:
-        super().__init__()
-        self.n_heads = n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
-        self.register_buffer("mask", torch.tril(torch.ones(seq, seq, dtype=torch.bool)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        h = self.n_heads
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q = q.view(b, t, h, c // h).transpose(1, 2)
-        k = k.view(b, t, h, c // h).transpose(1, 2)
-        v = v.view(b, t, h, c // h).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // h))
-        att = att.masked_fill(~self.mask[:t, :t], float("-inf"))
-        att = torch.softmax(att, dim=-1)
-        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
-        return self.proj(y)
 
 
 class Block(nn.Module):

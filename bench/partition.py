@@ -28,7 +28,6 @@ import copy
 import cProfile
 import gc
 import io
-import math
 import pstats
 import sys
 import time
@@ -52,6 +51,7 @@ from torch._functorch.partitioners import (  # noqa: E402
 
 import aotc  # noqa: E402
 from common import (  # noqa: E402
+    CausalSelfAttention,
     fmt_table,
     interleaved_rounds,
     median,
@@ -107,28 +107,6 @@ class LayerNormMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(self.ln(x)))).sum()
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, seq: int) -> None:
-        super().__init__()
-        self.n_heads = n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
-        self.register_buffer("mask", torch.tril(torch.ones(seq, seq, dtype=torch.bool)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        h = self.n_heads
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q = q.view(b, t, h, c // h).transpose(1, 2)
-        k = k.view(b, t, h, c // h).transpose(1, 2)
-        v = v.view(b, t, h, c // h).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // h))
-        att = att.masked_fill(~self.mask[:t, :t], float("-inf"))
-        att = torch.softmax(att, dim=-1)
-        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
-        return self.proj(y)
 
 
 class GPTBlock(nn.Module):
