@@ -233,7 +233,7 @@ def _classify_outputs(
             out_of_id[id(o)] = UserOut(j)
     # A fresh output that is the base of an earlier alias: reclassify that alias.
     fixed = []
-    for j, (o, info) in enumerate(zip(outs, infos)):
+    for o, info in zip(outs, infos):
         if info.kind is OutputKind.ALIAS_OF_INTERMEDIATE and id(o._base) in out_of_id:  # type: ignore[union-attr]
             info = OutputInfo(
                 OutputKind.ALIAS_OF_OUTPUT, info.requires_grad, info.dtype,

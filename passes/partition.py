@@ -284,10 +284,13 @@ def _budget_saved(
     return best
 
 
+_DEFAULT_POLICY = RecomputePolicy()
+
+
 def partition(
     joint: JointGraph,
     mutated_args: frozenset[GraphArg] = frozenset(),
-    policy: RecomputePolicy = RecomputePolicy(),
+    policy: RecomputePolicy = _DEFAULT_POLICY,
     memory_budget: float | int | None = None,
     plan: str = "min_cut",
 ) -> PartitionResult:

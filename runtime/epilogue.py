@@ -29,7 +29,6 @@ from runtime.schema import (
     GraphArg,
     MutationAliasInfo,
     OutputKind,
-    UserArg,
     UserOut,
 )
 
