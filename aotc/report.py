@@ -16,7 +16,7 @@ the edges that cross the cut from a forward node into the backward cluster are r
       subgraph cluster_forward {
         "addmm" [label="addmm\\ncall_function aten.addmm.default\\n[32, 64] float32\\nsaved", ...];
       }
-      "addmm" -> "gelu_1" [color="#c0392b", penwidth=2];
+      "addmm" -> "gelu" [color="#c0392b", penwidth=2];
 
 Requires: every graph folder holds 08_graph.json. SVG pictures need the system `dot`
 (Debian: `apt-get install graphviz`) and the `graphviz` Python package; without them the .dot
@@ -29,6 +29,7 @@ JavaScript; links are relative, so the dump folder can be moved or zipped as a w
 from __future__ import annotations
 
 import html
+import importlib.util
 import json
 import os
 import re
@@ -108,6 +109,11 @@ def _graph_folders(dump_dir: str) -> list[str]:
 
 # --- DOT ------------------------------------------------------------------------------------
 
+_DOT_DEFAULTS = """\
+  graph [newrank=true, rankdir=TB, fontname="Helvetica", fontsize=12, nodesep=0.25, ranksep=0.35];
+  node [shape=box, style="rounded,filled", fillcolor=white, fontname="Helvetica", fontsize=9];
+  edge [color="#8a8a8a", arrowsize=0.6];"""
+
 
 def graph_dot(graph: Mapping[str, Any]) -> str:
     """The joint graph of one 08_graph.json as DOT text: forward and backward clusters."""
@@ -117,29 +123,45 @@ def graph_dot(graph: Mapping[str, Any]) -> str:
     for node in nodes:
         cluster = "forward" if node["side"] == "forward" else "backward"
         clusters[cluster].append(f"    {_quote(node['name'])} [{_attrs(_node_style(node))}];")
-    lines = [
-        f"digraph {_quote(graph['name'])} {{",
-        '  graph [rankdir=TB, fontname="Helvetica", fontsize=12, nodesep=0.25, ranksep=0.35];',
-        '  node [shape=box, style="rounded,filled", fillcolor=white, fontname="Helvetica", '
-        "fontsize=9, margin=\"0.08,0.03\"];",
-        '  edge [color="#8a8a8a", arrowsize=0.6];',
-    ]
+    lines = [f"digraph {_quote(graph['name'])} {{", _DOT_DEFAULTS]
     for cluster, body in clusters.items():
         fill = "#f4f8fc" if cluster == "forward" else "#fcf6f2"
-        lines += [
-            f"  subgraph cluster_{cluster} {{",
-            f'    label={_quote(cluster)}; style="filled,rounded"; fillcolor="{fill}"; '
-            'color="#b0b0b0";',
-            *body,
-            "  }",
-        ]
+        style = f'style="filled,rounded", fillcolor="{fill}", color="#b0b0b0"'
+        lines += [f"  subgraph cluster_{cluster} {{", f"    graph [label={cluster}, {style}];"]
+        lines += [*body, "  }"]
     for node in nodes:
         for src in node["inputs"]:
-            crosses_cut = side.get(src) == "forward" and node["side"] in ("backward", "both")
-            style = f' [color="{_SAVED_BORDER}", penwidth=2]' if crosses_cut else ""
+            style = _edge_style(side.get(src, ""), node)
             lines.append(f"  {_quote(src)} -> {_quote(node['name'])}{style};")
+    lines += _layout_edges(nodes)
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def _layout_edges(nodes: list[Mapping[str, Any]]) -> list[str]:
+    """Invisible edges through one invisible node, from the forward's last nodes to the
+    backward's first ones: the backward cluster is drawn below the forward one, not beside it."""
+    fwd = {n["name"] for n in nodes if n["side"] == "forward"}
+    feeds_fwd = {i for n in nodes if n["side"] == "forward" for i in n["inputs"]}
+    last = [n["name"] for n in nodes if n["name"] in fwd and n["name"] not in feeds_fwd]
+    first = [n["name"] for n in nodes if n["name"] not in fwd and set(n["inputs"]) <= fwd]
+    if not last or not first:
+        return []
+    return [
+        '  "__cut__" [shape=point, style=invis, width=0, label=""];',
+        *(f'  {_quote(name)} -> "__cut__" [style=invis];' for name in last),
+        *(f'  "__cut__" -> {_quote(name)} [style=invis];' for name in first),
+    ]
+
+
+def _edge_style(src_side: str, dst: Mapping[str, Any]) -> str:
+    if src_side == "forward" and dst["side"] in ("backward", "both"):
+        return f' [color="{_SAVED_BORDER}", penwidth=2]'  # crosses the cut: the value is saved
+    if dst["side"] == "forward" and src_side != "forward":
+        # A recomputed node also feeds the forward. Drawing it only in the backward cluster
+        # would pull the forward below the backward, so this edge does not rank the layout.
+        return " [style=dashed, constraint=false]"
+    return ""
 
 
 def _node_label(node: Mapping[str, Any]) -> str:
@@ -148,7 +170,11 @@ def _node_label(node: Mapping[str, Any]) -> str:
     lines = [node["name"], f"{node['op']} {what}".strip()]
     if "shape" in node:
         lines.append(f"{node['shape']} {node.get('dtype', '')}".strip())
-    marks = (["saved"] if node["saved"] else []) + (["recomputed"] if node["side"] == "both" else [])
+    marks = []
+    if node["saved"]:
+        marks.append("saved")
+    if node["side"] == "both":
+        marks.append("recomputed")
     if marks:
         lines.append(", ".join(marks))
     return "\n".join(lines)
@@ -179,18 +205,14 @@ def _quote(text: str) -> str:
 
 
 def _has_graphviz_package() -> bool:
-    try:
-        import graphviz  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("graphviz") is not None
 
 
 def _render_svg(dot: str, prefix: str) -> str:
     """SVG markup to inline into HTML: XML prolog dropped, element ids made unique per graph."""
-    import graphviz
+    import graphviz  # optional: imported only when drawing, see _has_graphviz_package
 
-    svg = graphviz.Source(dot).pipe(format="svg", encoding="utf-8")
+    svg = str(graphviz.Source(dot).pipe(format="svg", encoding="utf-8"))
     svg = svg[svg.index("<svg") :]
     return svg.replace(' id="', f' id="{prefix}-')
 
@@ -225,11 +247,15 @@ def _page_html(title: str, folders: list[str], notes: list[str], sections: list[
         f'<span style="background:{_RECOMPUTED_FILL};border:1px dashed #2e7d32">'
         "recomputed in backward</span>"
         f'<span style="border-color:{_SAVED_BORDER};color:{_SAVED_BORDER}">'
-        "red edge: crosses the cut</span></p>"
+        "red edge: crosses the cut</span>"
+        '<span style="border-style:dashed">dashed edge: a recomputed value the forward also '
+        "uses</span></p>"
     )
+    if notes:  # no pictures, nothing for the legend to explain
+        legend = ""
     empty = "" if folders else "<p>No compiled graphs (no folder with 08_graph.json).</p>"
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         f"<title>aotc report: {_esc(title)}</title>\n<style>{_STYLE}</style>\n</head>\n<body>\n"
         f"<h1>aotc report: {_esc(title)}</h1>\n{note_html}\n"
         f"<p>{len(folders)} compiled graph(s):</p><ul>{toc}</ul>{empty}\n{legend}\n"
@@ -261,8 +287,8 @@ def _section_html(folder: str, graph: Mapping[str, Any], svg: str | None, files:
     links = "".join(
         f'<li><a href="{quote(folder)}/{quote(name)}">{_esc(name)}</a></li>' for name in files
     )
-    picture = svg if svg is not None else (
-        f'<p class="note missing-dot">No picture: Graphviz is not available. '
+    picture = svg or (
+        '<p class="note missing-dot">No picture: Graphviz is not available. '
         f'See <a href="{quote(folder)}/{DOT_FILE}">{DOT_FILE}</a>.</p>'
     )
     return (
