@@ -11,7 +11,10 @@ from passes.recompute import RecomputePolicy
 
 @dataclass(frozen=True, slots=True)
 class CompileOptions:
-    backend: str = "aten"  # how graphs run; "aten" runs the fx graphs as ATen ops
+    # How graphs run: "aten" runs the fx graphs as ATen ops; "triton" runs generated Triton
+    # kernels (on CPU through Triton's interpreter); "auto" uses Triton for CUDA graphs only.
+    backend: str = "aten"
+    triton_interpret: bool = False  # set by from_env: Triton's interpreter runs CPU kernels
     dynamic: bool = False  # symbolic shapes (not yet supported: raises)
     recompile_warn_limit: int = 8  # warn once a function has this many compiled signatures
     max_signatures: int = 64  # refuse to compile more signatures than this (GuardError)
@@ -37,12 +40,29 @@ class CompileOptions:
         given = {k: v for k, v in overrides.items() if v is not None}
         opts = replace(opts, **given)  # type: ignore[arg-type]
         _check_partition_options(opts)
-        if opts.backend not in ("aten", "auto"):
+        if opts.backend not in ("aten", "auto", "triton"):
             raise ValueError(
-                f"aotc.compile(backend={opts.backend!r}): only 'aten' and 'auto' are available "
-                "in this version (Triton code generation is not built yet)."
+                f"aotc.compile(backend={opts.backend!r}): expected 'aten', 'triton' or 'auto'."
             )
+        if opts.backend == "triton":
+            opts = replace(opts, triton_interpret=_prepare_triton_interpreter())
         return opts
+
+
+def _prepare_triton_interpreter() -> bool:
+    """Whether Triton runs CPU kernels in its interpreter. TRITON_INTERPRET is read when triton
+    is imported, so it is set here, before the first import, on machines without CUDA (an
+    exception to "options only read env vars": Triton itself reads this one)."""
+    import sys
+
+    import torch
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    if "triton" in sys.modules or torch.cuda.is_available():
+        return False
+    os.environ["TRITON_INTERPRET"] = "1"
+    return True
 
 
 def _check_partition_options(opts: CompileOptions) -> None:
