@@ -85,6 +85,12 @@ def index_code(e: sympy.Expr) -> str:
     raise CodegenError(f"cannot print index {e}")
 
 
+def _block_index(e: sympy.Expr) -> str:
+    """An index expression that is a block even when it is a constant (pointers must be)."""
+    code = index_code(e)
+    return code if XINDEX in e.free_symbols else f"{code} + 0 * xindex"
+
+
 def _const(value: object, dtype: torch.dtype) -> str:
     if dtype == torch.bool:
         return "1" if value else "0"
@@ -146,7 +152,7 @@ class _Emitter:
                 return self.registers[e.buf]
             dtype = self.buffers[e.buf][3]
             mask = "xmask & rmask" if RINDEX in e.index.free_symbols else "xmask"
-            code = f"tl.load(in_{e.buf} + {index_code(e.index)}, {mask}, other=0)"
+            code = f"tl.load(in_{e.buf} + {_block_index(e.index)}, {mask}, other=0)"
             if dtype in (torch.float16, torch.bfloat16):
                 code += ".to(tl.float32)"
             elif dtype == torch.bool:
@@ -188,7 +194,7 @@ class _Emitter:
         return f"{value}.to({_STORE_TL[dtype]})"
 
     def store(self, comp: Computed, value: str, scope: _Scope, mask: str) -> None:
-        idx = index_code(store_index(comp, self.group.xnumel, self.group.rnumel))
+        idx = _block_index(store_index(comp, self.group.xnumel, self.group.rnumel))
         if comp.dtype in _STORE_TL:
             value = self.round_half(value, comp.dtype)
         elif comp.dtype == torch.bool:

@@ -308,7 +308,8 @@ def _record(group: _Group, gi: int, k: int, lowered: LoweredGraph, outputs: set[
         if op not in ops and op not in ("view", "permute", "expand", "getitem", "unsqueeze"):
             ops.append(op)
     kind = GroupKind.REDUCTION if group.is_reduction() else GroupKind.POINTWISE
-    name = "_".join([kind.value[:3] if kind is GroupKind.REDUCTION else "pw", *ops[:5]])
+    name = "_".join([kind.value[:3] if kind is GroupKind.REDUCTION else "pw",
+                     *(ops[:5] or ["copy"])])
     return FusionGroup(f"{name}_{k}", kind, tuple(group.members), group.xnumel, group.rnumel,
                        stores, tuple(reads), bytes_read, bytes_written,
                        tuple(_op_text(n) for n in cone))

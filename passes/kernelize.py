@@ -21,7 +21,7 @@ import torch.fx as fx
 from passes.codegen import generate_kernel
 from passes.decompose import decompose
 from passes.fusion import FusionPlan, GroupKind, plan_fusion
-from passes.lowering import Extern, lower
+from passes.lowering import Extern, _is_dense, lower
 from runtime.kernels import AtenStep, BufferSpec, CompiledGraph, KernelSource, KernelStep, Step
 from runtime.kernels import load_kernel
 
@@ -97,7 +97,7 @@ def _node_runner(nodes: list[fx.Node], keep: list[str]) -> Callable[[dict[str, A
             out = local[node.name]
             if (isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor)
                     and out.stride() != val.stride() and node.name in keep
-                    and val.numel() > 1):
+                    and val.numel() > 1 and _is_dense(val.shape, val.stride())):
                 fixed = torch.empty_strided(val.shape, val.stride(), dtype=out.dtype,
                                             device=out.device)
                 local[node.name] = fixed.copy_(out)

@@ -187,7 +187,12 @@ class _Lowering:
     def extern(self, node: fx.Node) -> None:
         reads = []
         for inp in node.all_input_nodes:
-            if isinstance(self.env.get(inp), _Value):
+            value = self.env.get(inp)
+            lazy = isinstance(value, tuple) or (isinstance(value, _Value) and value.buffer is None)
+            if lazy and _is_view(inp):
+                self.extern(inp)  # a view feeding an ATen call stays an ATen view, no copy
+                reads.append(inp.name)
+            elif isinstance(value, _Value):
                 reads.append(self.realize(inp))
             elif inp.op != "placeholder" or isinstance(_val(inp), torch.Tensor):
                 reads.append(inp.name)
@@ -224,7 +229,7 @@ class _Lowering:
     def lower_node(self, node: fx.Node) -> None:
         val = _val(node)
         lowering = LOWERINGS.get(node.target)
-        is_view_out = node in self.outputs and node.target in VIEW_OPS
+        is_view_out = node in self.outputs and _is_view(node)
         if (lowering is None or is_view_out or not isinstance(val, (torch.Tensor, tuple, list))
                 or (isinstance(val, torch.Tensor) and val.dtype not in KERNEL_TYPES)):
             self.extern(node)
@@ -258,6 +263,12 @@ class _Lowering:
         if isinstance(a, (list, tuple)):
             return type(a)(self._arg(x) for x in a)
         return a
+
+
+def _is_view(node: fx.Node) -> bool:
+    if node.target is operator.getitem:
+        return isinstance(node.args[0], fx.Node) and node.args[0].target in VIEW_OPS
+    return node.target in VIEW_OPS
 
 
 def _is_dense(size: Sequence[int], stride: Sequence[int]) -> bool:
