@@ -24,7 +24,8 @@ import sympy
 import torch
 
 from passes.fusion import (
-    RINDEX, XINDEX, FusionGroup, FusionPlan, GroupKind, is_row_level, member_expr, store_index,
+    RINDEX, XINDEX, YINDEX, FusionGroup, FusionPlan, GroupKind, is_row_level, member_expr,
+    store_index, tile_columns,
 )
 from passes.loop_ir import Const, Expr, FloorDiv, IndexValue, Load, ModIdx, Op
 from passes.lowering import Computed
@@ -85,10 +86,12 @@ def index_code(e: sympy.Expr) -> str:
     raise CodegenError(f"cannot print index {e}")
 
 
-def _block_index(e: sympy.Expr) -> str:
-    """An index expression that is a block even when it is a constant (pointers must be)."""
+def _block_index(e: sympy.Expr, blocks: tuple[sympy.Symbol, ...] = (XINDEX,)) -> str:
+    """An index expression with the kernel's full block shape even when it does not depend on
+    every block index (pointers must be blocks of the mask's shape)."""
     code = index_code(e)
-    return code if XINDEX in e.free_symbols else f"{code} + 0 * xindex"
+    missing = [str(b) for b in blocks if b not in e.free_symbols]
+    return " + ".join([code, *[f"0 * {b}" for b in missing]])
 
 
 def _const(value: object, dtype: torch.dtype) -> str:
@@ -128,8 +131,9 @@ class _Scope:
 
 
 class _Emitter:
-    def __init__(self, group: FusionGroup, plan: FusionPlan, interpret: bool) -> None:
-        self.group, self.plan, self.interpret = group, plan, interpret
+    def __init__(self, group: FusionGroup, plan: FusionPlan, interpret: bool, cols: int) -> None:
+        self.group, self.plan, self.interpret, self.cols = group, plan, interpret, cols
+        self.blocks = (YINDEX, XINDEX) if cols else (XINDEX,)
         self.counter = 0
         self.registers: dict[str, str] = {}  # reduction member -> its row value variable
         self.buffers = plan.lowered.buffers
@@ -152,7 +156,7 @@ class _Emitter:
                 return self.registers[e.buf]
             dtype = self.buffers[e.buf][3]
             mask = "xmask & rmask" if RINDEX in e.index.free_symbols else "xmask"
-            code = f"tl.load(in_{e.buf} + {_block_index(e.index)}, {mask}, other=0)"
+            code = f"tl.load(in_{e.buf} + {_block_index(e.index, self.blocks)}, {mask}, other=0)"
             if dtype in (torch.float16, torch.bfloat16):
                 code += ".to(tl.float32)"
             elif dtype == torch.bool:
@@ -194,7 +198,8 @@ class _Emitter:
         return f"{value}.to({_STORE_TL[dtype]})"
 
     def store(self, comp: Computed, value: str, scope: _Scope, mask: str) -> None:
-        idx = _block_index(store_index(comp, self.group.xnumel, self.group.rnumel))
+        idx = _block_index(
+            store_index(comp, self.group.xnumel, self.group.rnumel, self.cols), self.blocks)
         if comp.dtype in _STORE_TL:
             value = self.round_half(value, comp.dtype)
         elif comp.dtype == torch.bool:
@@ -232,7 +237,8 @@ def _needs_int64(group: FusionGroup, plan: FusionPlan) -> bool:
 def generate_kernel(plan: FusionPlan, group: FusionGroup, device: str, interpret: bool
                     ) -> KernelSource:
     members = [m for m in group.members if isinstance(m, Computed)]
-    em = _Emitter(group, plan, interpret)
+    cols = tile_columns(group)
+    em = _Emitter(group, plan, interpret, cols)
     x, r = group.xnumel, group.rnumel
     reduction = group.kind is GroupKind.REDUCTION
     persistent = reduction and r <= PERSISTENT_RNUMEL
@@ -240,8 +246,16 @@ def generate_kernel(plan: FusionPlan, group: FusionGroup, device: str, interpret
     int64 = _needs_int64(group, plan)
     body: list[str] = []
     pid = "tl.program_id(0).to(tl.int64)" if int64 else "tl.program_id(0)"
-    body.append(f"    xoffset = {pid} * XBLOCK")
-    if reduction:
+    if cols:
+        body += [f"    pid = {pid}", "    xtiles = (xnumel + XBLOCK - 1) // XBLOCK",
+                 "    yindex = (pid // xtiles) * YBLOCK + tl.arange(0, YBLOCK)[:, None]",
+                 "    xindex = (pid % xtiles) * XBLOCK + tl.arange(0, XBLOCK)[None, :]",
+                 "    xmask = (xindex < xnumel) & (yindex < ynumel)"]
+    else:
+        body.append(f"    xoffset = {pid} * XBLOCK")
+    if cols:
+        pass  # the 2-D index lines are above
+    elif reduction:
         body += ["    xindex = xoffset + tl.arange(0, XBLOCK)[:, None]",
                  "    xmask = xindex < xnumel", "    rbase = tl.arange(0, RBLOCK)[None, :]"]
     else:
@@ -251,7 +265,7 @@ def generate_kernel(plan: FusionPlan, group: FusionGroup, device: str, interpret
     if persistent:
         outer.lines += ["    rindex = rbase", "    rmask = rindex < rnumel"]
         outer.level = "r"
-    exprs = {m.name: member_expr(m, members, x, r) for m in members}
+    exprs = {m.name: member_expr(m, members, x, r, cols) for m in members}
     late: list[Computed] = []
     for m in members:
         e = exprs[m.name]
@@ -262,7 +276,8 @@ def generate_kernel(plan: FusionPlan, group: FusionGroup, device: str, interpret
         elif m.name in stores:
             row = reduction and is_row_level(m, x, r)
             if row or not reduction or persistent:
-                shape = "[XBLOCK, 1]" if row else ("[XBLOCK, RBLOCK]" if reduction else "[XBLOCK]")
+                shape = ("[XBLOCK, 1]" if row else "[XBLOCK, RBLOCK]" if reduction
+                         else "[YBLOCK, XBLOCK]" if cols else "[XBLOCK]")
                 value = em.emit(e, outer)
                 if isinstance(e, Const):
                     value = _full(value, m.dtype, shape)
@@ -282,9 +297,12 @@ def generate_kernel(plan: FusionPlan, group: FusionGroup, device: str, interpret
         body += ["    for roffset in range(0, rnumel, RBLOCK):", "        rindex = roffset + rbase",
                  "        rmask = rindex < rnumel", *loop.lines]
     params = [f"in_{b}" for b in group.reads] + [f"out_{s}" for s in group.stores]
-    sig = ", ".join([*params, "xnumel", "rnumel", "XBLOCK: tl.constexpr", "RBLOCK: tl.constexpr"])
+    second = "Y" if cols else "R"
+    sig = ", ".join([*params, "xnumel", f"{second.lower()}numel", "XBLOCK: tl.constexpr",
+                     f"{second}BLOCK: tl.constexpr"])
     header = [f"# kernel {group.name}: {group.kind.value}, x={x} r={r}"
-              + (" (persistent)" if persistent else (" (looped)" if reduction else "")),
+              + (" (persistent)" if persistent else (" (looped)" if reduction else ""))
+              + (f" (2-D tiles over {x // cols}x{cols})" if cols else ""),
               f"# bytes_read={group.bytes_read} bytes_written={group.bytes_written}",
               "# source ops:", *[f"#   {op}" for op in group.source_ops]]
     helpers = _ROUND_BF16 if "_round_bf16(" in "\n".join(body) else ""
@@ -292,8 +310,9 @@ def generate_kernel(plan: FusionPlan, group: FusionGroup, device: str, interpret
                         "@triton.jit", f"def {group.name}({sig}):", *body, ""])
     return KernelSource(
         name=group.name, source=source, reduction=reduction, inputs=group.reads,
-        outputs=group.stores, xnumel=x, rnumel=r, persistent_rblock=rblock if persistent else 0,
-        device=device, bytes_read=group.bytes_read, bytes_written=group.bytes_written,
+        outputs=group.stores, xnumel=cols or x, rnumel=x // cols if cols else r,
+        persistent_rblock=rblock if persistent else 0, device=device,
+        bytes_read=group.bytes_read, bytes_written=group.bytes_written, tiled=bool(cols),
     )
 
 

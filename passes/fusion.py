@@ -32,13 +32,14 @@ from dataclasses import dataclass
 import sympy
 
 from passes.loop_ir import (
-    Expr, IndexValue, Load, Op, Ranges, flat_index, floordiv, index_symbol, mod, simplify,
-    unflatten,
+    Expr, IndexValue, Load, Op, Ranges, flat_index, floordiv, index_symbol, loads_of, mod,
+    simplify, unflatten,
 )
 from passes.lowering import Computed, Extern, Item, LoweredGraph, NodeKind, _itemsize, _prod
 
 XINDEX = index_symbol("xindex")
 RINDEX = index_symbol("rindex")
+YINDEX = index_symbol("yindex")  # rows of a 2-D tiled pointwise kernel (x is then the column)
 
 # Heuristic: how many recent groups a node may join; bounds scheduling time on large graphs.
 FUSION_WINDOW = 16
@@ -89,13 +90,18 @@ class FusionPlan:
 
 # ---- iteration spaces ----------------------------------------------------------------------
 
-def group_ranges(xnumel: int, rnumel: int) -> Ranges:
+def group_ranges(xnumel: int, rnumel: int, cols: int = 0) -> Ranges:
+    if cols:
+        return {XINDEX: cols, YINDEX: max(xnumel // cols, 1), RINDEX: 1}
     return {XINDEX: max(xnumel, 1), RINDEX: max(rnumel, 1)}
 
 
-def member_index(comp: Computed, xnumel: int, rnumel: int) -> list[sympy.Expr]:
-    """The index at which a member is evaluated (its src index for a reduction)."""
-    ranges = group_ranges(xnumel, rnumel)
+def member_index(comp: Computed, xnumel: int, rnumel: int, cols: int = 0) -> list[sympy.Expr]:
+    """The index at which a member is evaluated (its src index for a reduction). With `cols`,
+    a pointwise group is tiled 2-D: the flat index is `yindex * cols + xindex`."""
+    ranges = group_ranges(xnumel, rnumel, cols)
+    if cols:
+        return unflatten(YINDEX * cols + XINDEX, comp.size, ranges)
     if comp.reduction is not None:
         red = comp.reduction
         outer = iter(unflatten(XINDEX, red.outer, ranges))
@@ -110,8 +116,8 @@ def is_row_level(comp: Computed, xnumel: int, rnumel: int) -> bool:
     return comp.reduction is None and (comp.numel == xnumel or rnumel == 1)
 
 
-def store_index(comp: Computed, xnumel: int, rnumel: int) -> sympy.Expr:
-    ranges = group_ranges(xnumel, rnumel)
+def store_index(comp: Computed, xnumel: int, rnumel: int, cols: int = 0) -> sympy.Expr:
+    ranges = group_ranges(xnumel, rnumel, cols)
     if comp.reduction is not None:
         red = comp.reduction
         outer = iter(unflatten(XINDEX, red.outer, ranges))
@@ -120,7 +126,7 @@ def store_index(comp: Computed, xnumel: int, rnumel: int) -> sympy.Expr:
         if not keep:
             idx = [i for d, i in enumerate(idx) if d not in red.dims]
         return simplify(flat_index(idx, comp.stride), ranges)
-    return simplify(flat_index(member_index(comp, xnumel, rnumel), comp.stride), ranges)
+    return simplify(flat_index(member_index(comp, xnumel, rnumel, cols), comp.stride), ranges)
 
 
 def _storage_to_index(comp: Computed, offset: sympy.Expr) -> list[sympy.Expr]:
@@ -156,11 +162,33 @@ def expand(e: Expr, inline: dict[str, Computed], rows: dict[str, sympy.Expr],
     return e
 
 
-def member_expr(comp: Computed, members: Sequence[Computed], xnumel: int, rnumel: int) -> Expr:
-    ranges = group_ranges(xnumel, rnumel)
+def member_expr(comp: Computed, members: Sequence[Computed], xnumel: int, rnumel: int,
+                cols: int = 0) -> Expr:
+    ranges = group_ranges(xnumel, rnumel, cols)
     inline = {m.name: m for m in members if m.reduction is None and m is not comp}
     rows = {m.name: store_index(m, xnumel, rnumel) for m in members if m.reduction is not None}
-    return expand(comp.fn(member_index(comp, xnumel, rnumel)), inline, rows, ranges)
+    return expand(comp.fn(member_index(comp, xnumel, rnumel, cols)), inline, rows, ranges)
+
+
+def tile_columns(group: FusionGroup) -> int:
+    """Columns of a 2-D tiling for a pointwise group that reads some input transposed (unit
+    stride along rows, not along columns), so both the reads and the writes can be coalesced;
+    0 for a 1-D kernel.
+
+    Heuristic: tile when the last dim of the first member is > 1 and some load has unit stride
+    along the rows; otherwise the 1-D flat index is already contiguous."""
+    members = [m for m in group.members if isinstance(m, Computed)]
+    if group.kind is not GroupKind.POINTWISE or not members or len(members[0].size) < 2:
+        return 0
+    cols = members[0].size[-1]
+    if cols <= 1 or group.xnumel // cols <= 1 or any(m.numel != group.xnumel for m in members):
+        return 0
+    for m in members:
+        for load in loads_of(member_expr(m, members, group.xnumel, 1, cols)):
+            e = sympy.expand(load.index)
+            if e.coeff(YINDEX) == 1 and e.coeff(XINDEX) != 1:
+                return cols
+    return 0
 
 
 # ---- scheduling ----------------------------------------------------------------------------

@@ -46,6 +46,7 @@ class KernelSource:
     device: str
     bytes_read: int
     bytes_written: int
+    tiled: bool = False  # 2-D tiled pointwise: xnumel = columns, rnumel = rows
 
     @cached_property
     def key(self) -> str:
@@ -130,8 +131,13 @@ def _next_pow2(n: int) -> int:
 
 
 def candidate_configs(kernel: KernelSource, on_cuda: bool) -> list[tuple[int, int, int]]:
-    """(XBLOCK, RBLOCK, num_warps) choices; the first is used when not autotuning."""
+    """(XBLOCK, RBLOCK or YBLOCK, num_warps) choices; the first is used when not autotuning."""
     x = max(kernel.xnumel, 1)
+    if kernel.tiled:
+        rows = max(kernel.rnumel, 1)
+        if not on_cuda:
+            return [(min(_next_pow2(x), 64), min(_next_pow2(rows), 64), 4)]
+        return [(32, 32, 4), (64, 16, 4), (16, 64, 4), (64, 64, 8)]
     if not kernel.reduction:
         if not on_cuda:
             return [(min(_next_pow2(x), 4096), 1, 4)]
@@ -151,7 +157,7 @@ def candidate_configs(kernel: KernelSource, on_cuda: bool) -> list[tuple[int, in
 
 def launch(kernel: KernelSource, args: list[torch.Tensor]) -> None:
     fn = load_kernel(kernel)
-    if kernel.xnumel == 0:
+    if kernel.xnumel == 0 or (kernel.tiled and kernel.rnumel == 0):
         return
     on_cuda = kernel.device.startswith("cuda")
     configs = candidate_configs(kernel, on_cuda)
@@ -165,9 +171,11 @@ def launch(kernel: KernelSource, args: list[torch.Tensor]) -> None:
 
 def _run(fn: Any, kernel: KernelSource, args: list[torch.Tensor],
          config: tuple[int, int, int]) -> None:
-    xblock, rblock, warps = config
-    grid = ((kernel.xnumel + xblock - 1) // xblock,)
-    fn[grid](*args, kernel.xnumel, kernel.rnumel, XBLOCK=xblock, RBLOCK=rblock, num_warps=warps)
+    xblock, second, warps = config  # second: RBLOCK, or YBLOCK of a tiled kernel
+    tiles = (kernel.xnumel + xblock - 1) // xblock
+    if kernel.tiled:
+        tiles *= (kernel.rnumel + second - 1) // second
+    fn[(tiles,)](*args, kernel.xnumel, kernel.rnumel, xblock, second, num_warps=warps)
 
 
 def _autotune(fn: Any, kernel: KernelSource, args: list[torch.Tensor],

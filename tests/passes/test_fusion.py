@@ -134,3 +134,13 @@ def test_horizontal_fusion_of_independent_loops() -> None:
         lambda x, y: (x.sin() + 1, y.cos() * 2),
         lambda: (torch.randn(8, 9), torch.randn(72)), backward=False, backend="triton")
     assert num_kernels(compiled) == [1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_transposed_read_tiles_2d(device: str) -> None:
+    compiled = assert_matches_eager(
+        lambda x, y: x.t().sin() + y, lambda: (torch.randn(37, 19, device=device),
+                                               torch.randn(19, 37, device=device)),
+        backward=False, backend="triton")
+    [kernel] = __import__("aotc").inspect(compiled)[0].kernels
+    assert kernel.tiled and "2-D tiles" in kernel.source
