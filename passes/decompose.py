@@ -1,6 +1,7 @@
 """Decompose a stage graph to the small core ATen op set that kernel lowering understands.
 
-Stage: `decompose(module) -> fx.GraphModule` (a new module; the input is not changed).
+Stage: `decompose(module) -> fx.GraphModule` (a new module, or the input itself when no node
+needs decomposing; the input is never changed).
 Requires: a functional ATen fx graph whose placeholders carry fake tensors in `meta["val"]`.
 Ensures: every composite op with an entry in torch's public decomposition tables
 (`torch._decomp`) is replaced by its decomposition, except the ops in `EXTERN_OPS` (matmul,
@@ -83,13 +84,16 @@ def _var_mean(
 
 
 def decompose(module: fx.GraphModule) -> fx.GraphModule:
+    table = decomposition_table()
+    if not any(n.op == "call_function" and n.target in table for n in module.graph.nodes):
+        return module  # nothing to decompose; lowering does not modify it either
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     args = [_fresh(n.meta.get("val"), mode) for n in placeholders]
     interp = fx.Interpreter(module)
     with mode:
         traced = make_fx(
-            lambda *a: interp.run(*a), decomposition_table=decomposition_table(),
+            lambda *a: interp.run(*a), decomposition_table=table,
             tracing_mode="real",
         )(*args)
     traced.graph.eliminate_dead_code()
