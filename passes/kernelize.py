@@ -21,7 +21,7 @@ import torch.fx as fx
 from passes.codegen import generate_kernel
 from passes.decompose import decompose
 from passes.fusion import FusionPlan, GroupKind, plan_fusion
-from passes.lowering import Extern, _is_dense, lower
+from passes.lowering import Extern, _non_overlapping, lower, view_output_positions
 from runtime.kernels import AtenStep, BufferSpec, CompiledGraph, KernelSource, KernelStep, Step
 from runtime.kernels import load_kernel
 
@@ -38,7 +38,7 @@ def graph_device(module: fx.GraphModule) -> torch.device | None:
 
 def lower_graph(module: fx.GraphModule, interpret: bool) -> CompiledGraph:
     decomposed = decompose(module)
-    plan = plan_fusion(lower(decomposed))
+    plan = plan_fusion(lower(decomposed, view_output_positions(module)))
     device = str(graph_device(decomposed) or "cpu")
     outputs = {o for o in plan.lowered.outputs if isinstance(o, str)}
     extern_reads = {b for g in plan.groups if g.kind is GroupKind.EXTERN for b in g.reads}
@@ -48,11 +48,12 @@ def lower_graph(module: fx.GraphModule, interpret: bool) -> CompiledGraph:
         if group.kind is GroupKind.EXTERN:
             ext = group.members[0]
             assert isinstance(ext, Extern)
-            steps.append(AtenStep(ext.name, _node_runner([ext.node], [ext.name])))
+            steps.append(AtenStep(ext.name, _node_runner([ext.node], [ext.name],
+                                                         plan.lowered.aliases)))
             continue
         nodes = sorted({n for m in group.members for n in m.cone},
                        key=_position(decomposed))
-        fallback = _node_runner(nodes, list(group.stores))
+        fallback = _node_runner(nodes, list(group.stores), plan.lowered.aliases)
         try:
             kernel = generate_kernel(plan, group, device, interpret)
             load_kernel(kernel)
@@ -68,7 +69,14 @@ def lower_graph(module: fx.GraphModule, interpret: bool) -> CompiledGraph:
     return CompiledGraph(
         kernels=tuple(kernels), steps=tuple(steps), placeholders=tuple(plan.lowered.placeholders),
         outputs=tuple(plan.lowered.outputs), num_slots=num_slots, fusion_text=plan.format(),
+        input_strides=tuple(_input_stride(plan, name) for name in plan.lowered.placeholders),
     )
+
+
+def _input_stride(plan: FusionPlan, name: str) -> tuple[int, ...] | None:
+    """The traced strides of a placeholder that some kernel reads (ATen calls take any)."""
+    read = any(name in g.reads for g in plan.kernel_groups)
+    return plan.lowered.buffers[name][1] if read and name in plan.lowered.buffers else None
 
 
 def _position(module: fx.GraphModule) -> Callable[[fx.Node], int]:
@@ -81,15 +89,21 @@ def _spec(plan: FusionPlan, name: str, device: str) -> BufferSpec:
     return BufferSpec(name, size, stride, dtype, device, None)
 
 
-def _node_runner(nodes: list[fx.Node], keep: list[str]) -> Callable[[dict[str, Any]], None]:
+def _node_runner(nodes: list[fx.Node], keep: list[str], aliases: dict[str, str]
+                 ) -> Callable[[dict[str, Any]], None]:
     """Run fx nodes as ATen calls, reading and writing buffers by node name."""
     def run(env: dict[str, Any]) -> None:
         local: dict[str, Any] = {}
 
         def get(n: fx.Node) -> Any:
-            return local[n.name] if n.name in local else env[n.name]
+            if n.name in local:
+                return local[n.name]
+            return env[n.name] if n.name in env else env[aliases[n.name]]
 
         for node in nodes:
+            if node.op == "get_attr":
+                local[node.name] = _fetch_attr(node.graph.owning_module, str(node.target))
+                continue
             args = fx.node.map_arg(node.args, get)
             kwargs = fx.node.map_arg(node.kwargs, get)
             local[node.name] = node.target(*args, **kwargs)  # type: ignore[operator]
@@ -97,13 +111,19 @@ def _node_runner(nodes: list[fx.Node], keep: list[str]) -> Callable[[dict[str, A
             out = local[node.name]
             if (isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor)
                     and out.stride() != val.stride() and node.name in keep
-                    and val.numel() > 1 and _is_dense(val.shape, val.stride())):
+                    and val.numel() > 1 and _non_overlapping(val.shape, val.stride())):
                 fixed = torch.empty_strided(val.shape, val.stride(), dtype=out.dtype,
                                             device=out.device)
                 local[node.name] = fixed.copy_(out)
         for name in keep:
             env[name] = local[name]
     return run
+
+
+def _fetch_attr(module: Any, target: str) -> Any:
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
 
 
 def _plan_buffers(steps: list[Step], plan: FusionPlan, pinned: set[str]

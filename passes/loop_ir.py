@@ -195,7 +195,7 @@ def unflatten(flat: sympy.Expr, size: Sequence[int], ranges: Ranges) -> list[sym
     """The multi-index of a row-major flat index into `size`."""
     out = []
     for s, st in zip(size, contiguous_strides(size), strict=True):
-        out.append(sympy.Integer(0) if s == 1 else mod(floordiv(flat, st, ranges), s, ranges))
+        out.append(sympy.Integer(0) if s <= 1 else mod(floordiv(flat, st, ranges), s, ranges))
     return out
 
 

@@ -108,6 +108,7 @@ class LoweredGraph:
     buffers: dict[str, tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype]]
     outputs: list[object]  # per graph output: a buffer name (str) or a constant
     placeholders: list[str]
+    aliases: dict[str, str]  # fx node name -> buffer name, where they differ (ATen args)
 
 
 class Unsupported(Exception):
@@ -139,14 +140,19 @@ def _val(node: fx.Node) -> Any:
 
 
 class _Lowering:
-    def __init__(self, module: fx.GraphModule) -> None:
+    def __init__(self, module: fx.GraphModule, view_outputs: frozenset[int] | None) -> None:
         self.module = module
         self.items: list[Item] = []
         self.env: dict[fx.Node, Any] = {}
         self.buffers: dict[str, tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype]] = {}
+        self.aliases: dict[str, str] = {}  # fx node name -> the buffer holding its value
         out_node = next(n for n in reversed(module.graph.nodes) if n.op == "output")
         self.outputs = set(out_node.all_input_nodes)
         self.out_node = out_node
+        returned = out_node.args[0] if isinstance(out_node.args[0], (list, tuple)) \
+            else (out_node.args[0],)
+        positions = view_output_positions(module) if view_outputs is None else view_outputs
+        self.view_outputs = {returned[i] for i in positions if isinstance(returned[i], fx.Node)}
 
     # -- materialization --
     def buffer_value(self, name: str, val: torch.Tensor) -> _Value:
@@ -167,7 +173,7 @@ class _Lowering:
             raise Unsupported(f"{node.name} is not a tensor value")
         val = _val(node)
         stride = tuple(val.stride()) if node in self.outputs else contiguous_strides(value.size)
-        if val.storage_offset() != 0 or not _is_dense(value.size, stride):
+        if val.storage_offset() != 0 or not _non_overlapping(value.size, stride):
             stride = contiguous_strides(value.size)
         comp = Computed(node.name, NodeKind.POINTWISE, value.size, stride, value.dtype, value.fn,
                         None, node)
@@ -193,7 +199,10 @@ class _Lowering:
                 self.extern(inp)  # a view feeding an ATen call stays an ATen view, no copy
                 reads.append(inp.name)
             elif isinstance(value, _Value):
-                reads.append(self.realize(inp))
+                buf = self.realize(inp)
+                reads.append(buf)
+                if buf != inp.name:  # e.g. a no-op reshape: the node's value is that buffer
+                    self.aliases[inp.name] = buf
             elif inp.op != "placeholder" or isinstance(_val(inp), torch.Tensor):
                 reads.append(inp.name)
         self.items.append(Extern(node.name, node, tuple(sorted(set(reads)))))
@@ -224,12 +233,18 @@ class _Lowering:
                                else value.name)
             else:
                 outputs.append(value)
-        return LoweredGraph(self.module, self.items, self.buffers, outputs, placeholders)
+        return LoweredGraph(self.module, self.items, self.buffers, outputs, placeholders,
+                            self.aliases)
 
     def lower_node(self, node: fx.Node) -> None:
         val = _val(node)
         lowering = LOWERINGS.get(node.target)
-        is_view_out = node in self.outputs and _is_view(node)
+        is_view_out = node in self.view_outputs and _is_view(node)
+        if node.op == "get_attr":
+            self.items.append(Extern(node.name, node, ()))
+            self.env[node] = (self.buffer_value(node.name, val) if isinstance(val, torch.Tensor)
+                              else node.name)
+            return
         if (lowering is None or is_view_out or not isinstance(val, (torch.Tensor, tuple, list))
                 or (isinstance(val, torch.Tensor) and val.dtype not in KERNEL_TYPES)):
             self.extern(node)
@@ -271,6 +286,17 @@ def _is_view(node: fx.Node) -> bool:
     return node.target in VIEW_OPS
 
 
+def _non_overlapping(size: Sequence[int], stride: Sequence[int]) -> bool:
+    """No two indices share an element (gaps allowed): each stride covers the smaller dims."""
+    dims = sorted((st, s) for s, st in zip(size, stride) if s > 1)
+    extent = 1
+    for st, s in dims:
+        if st < extent:
+            return False
+        extent = st * (s - 1) + extent
+    return True
+
+
 def _is_dense(size: Sequence[int], stride: Sequence[int]) -> bool:
     """A permutation of a contiguous layout (size-1 dims may have any stride)."""
     dims = sorted((st, s) for s, st in zip(size, stride) if s > 1)
@@ -295,8 +321,18 @@ def _cone(origin: fx.Node, stops: set[str]) -> tuple[fx.Node, ...]:
     return tuple(sorted(seen, key=order.__getitem__))
 
 
-def lower(module: fx.GraphModule) -> LoweredGraph:
-    return _Lowering(module).run()
+def lower(module: fx.GraphModule, view_outputs: frozenset[int] | None = None) -> LoweredGraph:
+    """`view_outputs`: positions of graph outputs that are views in the graph before
+    decomposition (they stay ATen views so aliasing matches eager); default: the view nodes
+    among this graph's outputs."""
+    return _Lowering(module, view_outputs).run()
+
+
+def view_output_positions(module: fx.GraphModule) -> frozenset[int]:
+    out = next(n for n in reversed(module.graph.nodes) if n.op == "output")
+    returned = out.args[0] if isinstance(out.args[0], (list, tuple)) else (out.args[0],)
+    return frozenset(i for i, v in enumerate(returned) if isinstance(v, fx.Node) and _is_view(v)
+                     and v.target != aten._unsafe_view.default)  # that one returns a fresh tensor
 
 
 # ---- op lowerings ----------------------------------------------------------------------------
@@ -326,7 +362,7 @@ def _broadcast_fn(v: Any, size: tuple[int, ...], dtype: torch.dtype) -> Callable
     lead = len(size) - len(v.size)
 
     def fn(idx: Sequence[sympy.Expr]) -> Expr:
-        sub = [sympy.Integer(0) if s == 1 else idx[lead + d] for d, s in enumerate(v.size)]
+        sub = [sympy.Integer(0) if s <= 1 else idx[lead + d] for d, s in enumerate(v.size)]
         e = v.fn(sub)
         return e if v.dtype == dtype else Op("cast", (e,), dtype)
     return fn
@@ -494,7 +530,7 @@ def _reshape(ctx: _Lowering, node: fx.Node, a: _Value, shape: Sequence[int]) -> 
         flat = flat_index(idx, strides)
         src = []
         for s, st in zip(a.size, contiguous_strides(a.size), strict=True):
-            src.append(sympy.Integer(0) if s == 1 else mod(floordiv(flat, st, {}), s, {}))
+            src.append(sympy.Integer(0) if s <= 1 else mod(floordiv(flat, st, {}), s, {}))
         return a.fn(src)
     return _view_of(a, size, fn)
 
@@ -600,6 +636,6 @@ def _reduce(ctx: _Lowering, node: fx.Node, a: _Value, dims: Any = None, keepdim:
     fn = a.fn if a.dtype == acc else (lambda idx: Op("cast", (a.fn(idx),), acc))
     red = ReductionInfo(a.size, dims, kind)
     stride = (tuple(out.stride()) if node in ctx.outputs and out.storage_offset() == 0
-              and _is_dense(out.shape, out.stride()) else contiguous_strides(out.shape))
+              and _non_overlapping(out.shape, out.stride()) else contiguous_strides(out.shape))
     return Computed(node.name, NodeKind.REDUCTION, tuple(out.shape), stride, out.dtype, fn,
                     red, node)

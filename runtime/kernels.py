@@ -92,7 +92,8 @@ class CompiledGraph:
     outputs: tuple[object, ...]  # per graph output: a buffer name or a constant
     num_slots: int
     fusion_text: str = ""  # the fusion plan, printable
-    slot_specs: tuple[BufferSpec, ...] = field(default=())  # len == num_slots
+    # per placeholder: the strides kernels index it with (None: not a tensor); see run()
+    input_strides: tuple[tuple[int, ...] | None, ...] = field(default=())
 
     @cached_property
     def callable(self) -> Callable[..., tuple[Any, ...]]:
@@ -200,8 +201,13 @@ def _autotune(fn: Any, kernel: KernelSource, args: list[torch.Tensor],
 def _make_runner(graph: CompiledGraph) -> Callable[..., tuple[Any, ...]]:
     steps, placeholders, outputs = graph.steps, graph.placeholders, graph.outputs
     num_slots = graph.num_slots
+    strides = graph.input_strides or (None,) * len(placeholders)
 
     def run(*args: Any) -> tuple[Any, ...]:
+        # Kernels bake the traced strides of their inputs into index expressions; a tensor that
+        # arrives with other strides (a cotangent autograd made non-contiguous) is copied into
+        # the traced layout first. Guards make this impossible for user inputs.
+        args = tuple(_restride(a, st) for a, st in zip(args, strides, strict=True))
         env: dict[str, Any] = dict(zip(placeholders, args, strict=True))
         slots: list[torch.Tensor | None] = [None] * num_slots
         for step in steps:
@@ -214,6 +220,14 @@ def _make_runner(graph: CompiledGraph) -> Callable[..., tuple[Any, ...]]:
         return tuple(env[o] if isinstance(o, str) else o for o in outputs)
 
     return run
+
+
+def _restride(arg: Any, stride: tuple[int, ...] | None) -> Any:
+    if stride is None or not isinstance(arg, torch.Tensor) or arg.stride() == stride:
+        return arg
+    if all(st == want for st, want, n in zip(arg.stride(), stride, arg.shape) if n > 1):
+        return arg
+    return torch.empty_strided(arg.shape, stride, dtype=arg.dtype, device=arg.device).copy_(arg)
 
 
 def _run_kernel_step(step: KernelStep, env: dict[str, Any],
