@@ -28,6 +28,7 @@ class CompileOptions:
     @staticmethod
     def from_env(**overrides: object) -> CompileOptions:
         opts = CompileOptions(
+            backend=os.environ.get("AOTC_BACKEND") or "aten",  # e.g. the OpInfo sweep on Triton
             dump_dir=os.environ.get("AOTC_DUMP_DIR") or None,
             check_invariants=os.environ.get("AOTC_CHECK_INVARIANTS", "0") == "1",
         )

@@ -162,7 +162,7 @@ class _Emitter:
             elif dtype == torch.bool:
                 code = f"({code} != 0)"
         elif isinstance(e, IndexValue):
-            code = f"({index_code(e.index)}).to({_TL[e.dtype]})"
+            code = f"({_block_index(e.index, self.blocks)}).to({_TL[e.dtype]})"
         else:
             args = [self.emit(a, scope) for a in e.args]
             code = self.op_code(e, args)
@@ -326,9 +326,10 @@ def _reduce(em: _Emitter, m: Computed, e: Expr, outer: _Scope, persistent: bool)
         value = em.emit(e, outer)
         if isinstance(e, Const):
             value = _full(value, m.dtype, "[XBLOCK, RBLOCK]")
-        name = em.var()
-        outer.lines.append(f"    {name} = {combine}(tl.where(xmask & rmask, {value}, {init}), 1)"
-                           f"[:, None].to({acc_tl})")
+        masked, name = em.var(), em.var()
+        outer.lines += [f"    {masked} = tl.where(xmask & rmask, {value}, {init})",
+                        f"    {name} = {combine}({masked}, 1)[:, None].to({acc_tl})"]
+        outer.lines += _propagate_nan(red.kind, m.dtype, masked, name, "    ")
         return name
     acc = em.var()
     loop = _Scope("        ", outer, "r")
@@ -336,15 +337,26 @@ def _reduce(em: _Emitter, m: Computed, e: Expr, outer: _Scope, persistent: bool)
     if isinstance(e, Const):
         value = _full(value, m.dtype, "[XBLOCK, RBLOCK]")
     masked = f"tl.where(xmask & rmask, {value}, {init})"
-    step = {"sum": f"{acc} + {masked}", "max": f"tl.maximum({acc}, {masked})",
-            "min": f"tl.minimum({acc}, {masked})"}[red.kind]
+    nan = ", propagate_nan=tl.PropagateNan.ALL" if m.dtype.is_floating_point else ""
+    step = {"sum": f"{acc} + {masked}", "max": f"tl.maximum({acc}, {masked}{nan})",
+            "min": f"tl.minimum({acc}, {masked}{nan})"}[red.kind]
     outer.lines += [f"    {acc} = tl.full([XBLOCK, RBLOCK], {init}, {acc_tl})",
                     "    for roffset in range(0, rnumel, RBLOCK):",
                     "        rindex = roffset + rbase", "        rmask = rindex < rnumel",
                     *loop.lines, f"        {acc} = {step}"]
     name = em.var()
     outer.lines.append(f"    {name} = {combine}({acc}, 1)[:, None]")
+    outer.lines += _propagate_nan(red.kind, m.dtype, acc, name, "    ")
     return name
+
+
+def _propagate_nan(kind: str, dtype: torch.dtype, block: str, result: str, indent: str
+                   ) -> list[str]:
+    """torch's amax/amin return NaN for a row with a NaN; tl.max/tl.min may skip it."""
+    if kind == "sum" or not dtype.is_floating_point:
+        return []
+    return [f"{indent}{result} = tl.where(tl.sum(({block} != {block}).to(tl.int32), 1)[:, None]"
+            f" > 0, float(\"nan\"), {result})"]
 
 
 _ROUND_BF16 = '''@triton.jit

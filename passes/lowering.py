@@ -245,7 +245,9 @@ class _Lowering:
             self.env[node] = (self.buffer_value(node.name, val) if isinstance(val, torch.Tensor)
                               else node.name)
             return
-        if (lowering is None or is_view_out or not isinstance(val, (torch.Tensor, tuple, list))
+        devices = {v.device for v in [val, *[_val(a) for a in node.all_input_nodes]]
+                   if isinstance(v, torch.Tensor)}
+        if (lowering is None or is_view_out or len(devices) > 1 or not isinstance(val, (torch.Tensor, tuple, list))
                 or (isinstance(val, torch.Tensor) and val.dtype not in KERNEL_TYPES)):
             self.extern(node)
             return

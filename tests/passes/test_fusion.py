@@ -144,3 +144,15 @@ def test_transposed_read_tiles_2d(device: str) -> None:
         backward=False, backend="triton")
     [kernel] = __import__("aotc").inspect(compiled)[0].kernels
     assert kernel.tiled and "2-D tiles" in kernel.source
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cols", [7, 2100])
+def test_amax_propagates_nan(device: str, cols: int) -> None:
+    def make() -> torch.Tensor:
+        x = torch.randn(3, cols, device=device)
+        x[1, cols // 2] = float("nan")
+        return x
+
+    assert_matches_eager(lambda x: (x.amax(-1), x.amin(0)), make, backward=False,
+                         backend="triton")
