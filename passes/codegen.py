@@ -154,7 +154,14 @@ class _Emitter:
         if isinstance(e, Load):
             if e.buf in self.registers:
                 return self.registers[e.buf]
-            dtype = self.buffers[e.buf][3]
+            size, _, _, dtype = self.buffers[e.buf]
+            if 0 in size:  # only a reduction over an empty dim reads it: every lane is masked
+                shape = ("[XBLOCK, RBLOCK]" if self.group.kind is GroupKind.REDUCTION
+                         else "[YBLOCK, XBLOCK]" if self.cols else "[XBLOCK]")
+                name = self.var()
+                target.lines.append(f"{target.indent}{name} = tl.zeros({shape}, {_TL[dtype]})")
+                target.cache[e] = name
+                return name
             mask = "xmask & rmask" if RINDEX in e.index.free_symbols else "xmask"
             code = f"tl.load(in_{e.buf} + {_block_index(e.index, self.blocks)}, {mask}, other=0)"
             if dtype in (torch.float16, torch.bfloat16):

@@ -156,3 +156,10 @@ def test_amax_propagates_nan(device: str, cols: int) -> None:
 
     assert_matches_eager(lambda x: (x.amax(-1), x.amin(0)), make, backward=False,
                          backend="triton")
+
+
+def test_sum_over_empty_dim() -> None:
+    assert_matches_eager(lambda x, w, b: F.linear(x, w, b),
+                         lambda: (torch.randn(0, 3, requires_grad=True),
+                                  torch.randn(4, 3, requires_grad=True),
+                                  torch.randn(4, requires_grad=True)), backend="triton")
