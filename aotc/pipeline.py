@@ -34,13 +34,13 @@ from passes.ir import JointGraph
 from passes.cleanup import cleanup
 from passes.lint import lint_graph
 from passes.partition import PartitionResult, partition
+from passes.select import select_backend
 from runtime.autograd import AutogradPlan
 from runtime.convention import alias_groups, plan_convention
 from runtime.epilogue import EpiloguePlan, plan_epilogue
 from runtime.schema import CallingConvention, FwdOut, GraphArg, MutationAliasInfo, UserArg
 from runtime.kernels import KernelSource
 from runtime.launch import make_callable
-from passes.select import select_backend
 from runtime.wrappers import CompiledEntry, RuntimePlan
 
 
@@ -251,7 +251,10 @@ def _log_record(
         graphs.info("%s: joint graph\n%s", record.name, record.joint_graph.format("joint"))
     if partition_log.isEnabledFor(logging.INFO) and record.partition is not None:
         partition_log.info("%s:\n%s", record.name, record.partition.format())
-    if kernels.isEnabledFor(logging.INFO):
+    if kernels.isEnabledFor(logging.INFO) and record.kernels:
+        kernels.info("%s: %d generated kernels\n%s", record.name, len(record.kernels),
+                     "\n".join(k.source for k in record.kernels))
+    elif kernels.isEnabledFor(logging.INFO):
         for label, module in (("forward", fwd), ("backward", bwd)):
             if module is not None:
                 kernels.info("%s %s: runs as ATen calls\n%s", record.name, label,

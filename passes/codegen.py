@@ -24,8 +24,16 @@ import sympy
 import torch
 
 from passes.fusion import (
-    RINDEX, XINDEX, YINDEX, FusionGroup, FusionPlan, GroupKind, is_row_level, member_expr,
-    store_index, tile_columns,
+    RINDEX,
+    XINDEX,
+    YINDEX,
+    FusionGroup,
+    FusionPlan,
+    GroupKind,
+    is_row_level,
+    member_expr,
+    store_index,
+    tile_columns,
 )
 from passes.loop_ir import Const, Expr, FloorDiv, IndexValue, Load, ModIdx, Op
 from passes.lowering import Computed

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 from torch._decomp import core_aten_decompositions, get_decompositions
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx

@@ -32,10 +32,20 @@ from dataclasses import dataclass
 import sympy
 
 from passes.loop_ir import (
-    Expr, IndexValue, Load, Op, Ranges, flat_index, floordiv, index_symbol, loads_of, mod,
-    simplify, unflatten,
+    Expr,
+    IndexValue,
+    Load,
+    Op,
+    Ranges,
+    flat_index,
+    floordiv,
+    index_symbol,
+    loads_of,
+    mod,
+    simplify,
+    unflatten,
 )
-from passes.lowering import Computed, Extern, Item, LoweredGraph, NodeKind, _itemsize, _prod
+from passes.lowering import Computed, Extern, Item, LoweredGraph, _itemsize, _prod
 
 XINDEX = index_symbol("xindex")
 RINDEX = index_symbol("rindex")

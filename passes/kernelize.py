@@ -16,14 +16,21 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from passes.codegen import generate_kernel
 from passes.decompose import decompose
 from passes.fusion import FusionPlan, GroupKind, plan_fusion
 from passes.lowering import Extern, _non_overlapping, lower, view_output_positions
-from runtime.kernels import AtenStep, BufferSpec, CompiledGraph, KernelSource, KernelStep, Step
-from runtime.kernels import load_kernel
+from runtime.kernels import (
+    AtenStep,
+    BufferSpec,
+    CompiledGraph,
+    KernelSource,
+    KernelStep,
+    Step,
+    load_kernel,
+)
 
 log = logging.getLogger("aotc.kernels")
 

@@ -25,11 +25,21 @@ from typing import Any
 
 import sympy
 import torch
-import torch.fx as fx
+from torch import fx
 
 from passes.loop_ir import (
-    Const, Expr, IndexFn, IndexValue, Load, Op, contiguous_strides, flat_index,
-    floordiv, index_symbol, loads_of, mod,
+    Const,
+    Expr,
+    IndexFn,
+    IndexValue,
+    Load,
+    Op,
+    contiguous_strides,
+    flat_index,
+    floordiv,
+    index_symbol,
+    loads_of,
+    mod,
 )
 
 aten = torch.ops.aten
@@ -406,7 +416,7 @@ def _compute_dtype(node: fx.Node) -> torch.dtype:
             if isinstance(a, (fx.Node, int, float, bool))]
     try:
         return torch.result_type(*vals[:2]) if len(vals) >= 2 else vals[0].dtype
-    except Exception as e:  # noqa: BLE001 - an odd argument mix: let ATen run it
+    except Exception as e:
         raise Unsupported(f"type promotion: {e}") from e
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-import torch.fx as fx
+from torch import fx
 
 from runtime.kernels import CompiledGraph
 

@@ -6,11 +6,10 @@ import logging
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import aotc
 import runtime.kernels as rk
-from torch.fx.experimental.proxy_tensor import make_fx
-
 from passes import codegen
 from passes.kernelize import lower_graph
 from tests.conftest import assert_matches_eager
