@@ -98,33 +98,87 @@ def _spec(plan: FusionPlan, name: str, device: str) -> BufferSpec:
 
 def _node_runner(nodes: list[fx.Node], keep: list[str], aliases: dict[str, str]
                  ) -> Callable[[dict[str, Any]], None]:
-    """Run fx nodes as ATen calls, reading and writing buffers by node name."""
+    """Run fx nodes as ATen calls, reading and writing buffers by node name. Each node's call is
+    prepared once here (its C++ op entry, which arguments are buffers, whether its result's
+    strides need fixing), so a run does little more than the ATen calls themselves."""
+    calls = [_prepare_call(node, node.name in keep) for node in nodes]
+    produced = {node.name for node in nodes}
+
     def run(env: dict[str, Any]) -> None:
         local: dict[str, Any] = {}
-
-        def get(n: fx.Node) -> Any:
-            if n.name in local:
-                return local[n.name]
-            return env[n.name] if n.name in env else env[aliases[n.name]]
-
-        for node in nodes:
-            if node.op == "get_attr":
-                local[node.name] = _fetch_attr(node.graph.owning_module, str(node.target))
-                continue
-            args = fx.node.map_arg(node.args, get)
-            kwargs = fx.node.map_arg(node.kwargs, get)
-            local[node.name] = node.target(*args, **kwargs)  # type: ignore[operator]
-            val = node.meta.get("val")
-            out = local[node.name]
-            if (isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor)
-                    and out.stride() != val.stride() and node.name in keep
-                    and val.numel() > 1 and _non_overlapping(val.shape, val.stride())):
-                fixed = torch.empty_strided(val.shape, val.stride(), dtype=out.dtype,
-                                            device=out.device)
-                local[node.name] = fixed.copy_(out)
+        for name, fn, arg_refs, kwargs, fix in calls:
+            args = [_resolve(a, local, env, aliases, produced) for a in arg_refs]
+            out = fn(*args, **kwargs)
+            local[name] = fix(out) if fix is not None else out
         for name in keep:
             env[name] = local[name]
     return run
+
+
+class _Ref:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _to_ref(a: Any) -> Any:
+    if isinstance(a, fx.Node):
+        return _Ref(a.name)
+    if isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a):
+        return [_to_ref(x) for x in a]
+    return a
+
+
+def _resolve(a: Any, local: dict[str, Any], env: dict[str, Any], aliases: dict[str, str],
+             produced: set[str]) -> Any:
+    if isinstance(a, _Ref):
+        if a.name in produced:
+            return local[a.name]
+        return env[a.name] if a.name in env else env[aliases[a.name]]
+    if isinstance(a, list):
+        return [_resolve(x, local, env, aliases, produced) for x in a]
+    return a
+
+
+def _prepare_call(node: fx.Node, keep: bool) -> tuple[str, Callable[..., Any], list[Any],
+                                                       dict[str, Any], Any]:
+    if node.op == "get_attr":
+        value = _fetch_attr(node.graph.owning_module, str(node.target))
+        return node.name, lambda: value, [], {}, None
+    target = node.target
+    fn = target._op if isinstance(target, torch._ops.OpOverload) else target
+    if any(isinstance(v, fx.Node) for v in fx.node.map_arg(node.kwargs, lambda n: n).values()):
+        args = [_to_ref(a) for a in node.args]
+        kw_refs = {k: _to_ref(v) for k, v in node.kwargs.items()}
+        return node.name, _with_kwargs(fn, list(kw_refs)), [*args, *kw_refs.values()], {}, \
+            _stride_fix(node, keep)
+    return node.name, fn, [_to_ref(a) for a in node.args], dict(node.kwargs), \
+        _stride_fix(node, keep)  # type: ignore[return-value]
+
+
+def _with_kwargs(fn: Callable[..., Any], names: list[str]) -> Callable[..., Any]:
+    def call(*values: Any) -> Any:
+        n = len(values) - len(names)
+        return fn(*values[:n], **dict(zip(names, values[n:], strict=True)))
+    return call
+
+
+def _stride_fix(node: fx.Node, keep: bool) -> Callable[[Any], Any] | None:
+    """ATen results whose strides differ from the traced ones (which kernels index with) are
+    copied into the traced layout."""
+    val = node.meta.get("val")
+    if not keep or not isinstance(val, torch.Tensor) or val.numel() <= 1:
+        return None
+    if not _non_overlapping(val.shape, val.stride()):
+        return None
+    shape, stride = tuple(val.shape), tuple(val.stride())
+
+    def fix(out: Any) -> Any:
+        if not isinstance(out, torch.Tensor) or out.stride() == stride:
+            return out
+        return torch.empty_strided(shape, stride, dtype=out.dtype, device=out.device).copy_(out)
+    return fix
 
 
 def _fetch_attr(module: Any, target: str) -> Any:
