@@ -157,14 +157,14 @@ def candidate_configs(kernel: KernelSource, on_cuda: bool) -> list[tuple[int, in
 
 
 def launch(kernel: KernelSource, args: list[torch.Tensor]) -> None:
-    fn = load_kernel(kernel)
+    fn = _KERNELS.get((kernel.key, kernel.device)) or load_kernel(kernel)
     if kernel.xnumel == 0 or (kernel.tiled and kernel.rnumel == 0):
         return
-    on_cuda = kernel.device.startswith("cuda")
-    configs = candidate_configs(kernel, on_cuda)
     shape_key = (kernel.key, kernel.device, kernel.xnumel, kernel.rnumel)
     best = _BEST.get(shape_key)
     if best is None:
+        on_cuda = kernel.device.startswith("cuda")
+        configs = candidate_configs(kernel, on_cuda)
         best = _autotune(fn, kernel, args, configs) if on_cuda and len(configs) > 1 else configs[0]
         _BEST[shape_key] = best
     _run(fn, kernel, args, best)
