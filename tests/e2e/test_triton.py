@@ -11,7 +11,7 @@ import aotc
 from examples.gpt_block import Block
 from examples.mlp import MLP
 from tests.conftest import assert_module_matches_eager
-from tests.triton_helpers import DEVICES
+from tests.triton_helpers import DEVICES, needs_interpreter
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -44,6 +44,7 @@ def test_backend_auto_uses_aten_on_cpu() -> None:
     assert [len(r.kernels) for r in aotc.inspect(compiled)] == [0]
 
 
+@needs_interpreter
 def test_dump_lists_kernels(tmp_path: object) -> None:
     compiled = aotc.compile(lambda x: torch.softmax(x, -1), backend="triton",
                             dump_dir=str(tmp_path))

@@ -14,6 +14,9 @@ from passes.decompose import decompose
 from passes.fusion import plan_fusion
 from passes.kernelize import lower_graph
 from passes.lowering import lower
+from tests.triton_helpers import needs_interpreter
+
+pytestmark = needs_interpreter
 
 UNARY: list[Callable[[torch.Tensor], torch.Tensor]] = [
     torch.sin, torch.tanh, torch.sigmoid, torch.relu, lambda t: t * 0.5 + 1, torch.neg,

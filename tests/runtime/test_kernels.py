@@ -13,6 +13,9 @@ import runtime.kernels as rk
 from passes import codegen
 from passes.kernelize import lower_graph
 from tests.conftest import assert_matches_eager
+from tests.triton_helpers import needs_interpreter
+
+pytestmark = needs_interpreter
 
 
 def test_kernel_cache_reused_across_signatures() -> None:
