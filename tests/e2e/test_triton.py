@@ -54,3 +54,10 @@ def test_dump_lists_kernels(tmp_path: object) -> None:
     files = list(pathlib.Path(str(tmp_path)).rglob("09_kernels/*.py"))
     assert len(files) == 1 and "@triton.jit" in files[0].read_text()
     assert "bytes_read=" in files[0].read_text()
+
+
+@needs_interpreter
+def test_gpt_block_with_dropout_training_step() -> None:
+    # native_dropout stays an ATen call (same RNG stream as eager); its mask math fuses
+    assert_module_matches_eager(lambda: Block(16, 2, dropout=0.1, use_sdpa=False),
+                                lambda: (torch.randn(2, 5, 16),), steps=2, backend="triton")
