@@ -20,6 +20,8 @@ Worked example (softmax rows of float[4, 5], persistent):
 
 from __future__ import annotations
 
+import math
+
 import sympy
 import torch
 
@@ -107,7 +109,7 @@ def _const(value: object, dtype: torch.dtype) -> str:
         return "1" if value else "0"
     if dtype.is_floating_point:
         v = float(value)  # type: ignore[arg-type]
-        if v != v:
+        if math.isnan(v):
             return 'float("nan")'
         if v in (float("inf"), float("-inf")):
             return 'float("inf")' if v > 0 else 'float("-inf")'
@@ -370,8 +372,9 @@ def _propagate_nan(kind: str, dtype: torch.dtype, block: str, result: str, inden
     """torch's amax/amin return NaN for a row with a NaN; tl.max/tl.min may skip it."""
     if kind == "sum" or not dtype.is_floating_point:
         return []
-    return [f"{indent}{result} = tl.where(tl.sum(({block} != {block}).to(tl.int32), 1)[:, None]"
-            f" > 0, float(\"nan\"), {result})"]
+    line = (f"{indent}{result} = tl.where(tl.sum(({block} != {block}).to(tl.int32), 1)[:, None]"
+            f" > 0, float(\"nan\"), {result})")
+    return [line]
 
 
 _ROUND_BF16 = '''@triton.jit
