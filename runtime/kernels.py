@@ -132,13 +132,16 @@ def _next_pow2(n: int) -> int:
 
 
 def candidate_configs(kernel: KernelSource, on_cuda: bool) -> list[tuple[int, int, int]]:
-    """(XBLOCK, RBLOCK or YBLOCK, num_warps) choices; the first is used when not autotuning."""
+    """(XBLOCK, RBLOCK or YBLOCK, num_warps) choices; the first is used when not autotuning.
+
+    Heuristic (not yet measured on a GPU): block sizes common for memory-bound kernels; every
+    candidate costs one Triton compile on the first launch at a shape, so the sets stay small."""
     x = max(kernel.xnumel, 1)
     if kernel.tiled:
         rows = max(kernel.rnumel, 1)
         if not on_cuda:
             return [(min(_next_pow2(x), 64), min(_next_pow2(rows), 64), 4)]
-        return [(32, 32, 4), (64, 16, 4), (16, 64, 4), (64, 64, 8)]
+        return [(32, 32, 4), (64, 16, 4), (16, 64, 4)]
     if not kernel.reduction:
         if not on_cuda:
             return [(min(_next_pow2(x), 4096), 1, 4)]
@@ -147,13 +150,15 @@ def candidate_configs(kernel: KernelSource, on_cuda: bool) -> list[tuple[int, in
     if kernel.persistent_rblock:
         r = kernel.persistent_rblock
         cap = max(1, (4096 if on_cuda else 16384) // r)
-        xb = [min(cap, _next_pow2(x))] + ([b for b in (1, 2, 4, 8, 16) if b < min(cap, x)]
-                                          if on_cuda else [])
+        first = min(cap, _next_pow2(x))
+        # Heuristic: at most three row blocks, so cold compiles stay few (each config is a compile)
+        xb = [first] + ([b for b in sorted({max(1, first // 4), 1}) if b < first]
+                        if on_cuda else [])
         warps = 8 if r >= 2048 else 4 if r >= 256 else 2
         return [(b, r, warps) for b in xb]
     if not on_cuda:
         return [(min(8, _next_pow2(x)), 256, 4)]
-    return [(1, 1024, 8), (4, 256, 4), (8, 128, 4), (1, 2048, 8)]
+    return [(1, 1024, 8), (4, 256, 4), (8, 128, 4)]
 
 
 def launch(kernel: KernelSource, args: list[torch.Tensor]) -> None:
