@@ -234,7 +234,8 @@ def _compile_signature(
         guards=_GUARDS,
         stage_seconds=times,
         kernels=tuple(k for c in (fwd_compiled, bwd_compiled) if c for k in c.kernels),
-        fusion_text="".join(c.fusion_text for c in (fwd_compiled, bwd_compiled) if c),
+        fusion_text="".join(f"# {label} graph\n{c.fusion_text}" for label, c in
+                            (("forward", fwd_compiled), ("backward", bwd_compiled)) if c),
     )
     _log_record(entry.record, fwd_module, bwd_module)
     if options.dump_dir:
