@@ -44,7 +44,9 @@ from runtime.errors import UnsupportedError
 
 
 def symbolic_mode() -> FakeTensorMode:
-    return FakeTensorMode(allow_non_fake_inputs=False, shape_env=ShapeEnv())
+    # No duck sizing: two dims that happen to be equal in the first call (batch 8, hidden 8)
+    # get separate symbols, so a later call where they differ needs no recompile.
+    return FakeTensorMode(allow_non_fake_inputs=False, shape_env=ShapeEnv(duck_shape=False))
 
 
 def symbolic_leaves(
