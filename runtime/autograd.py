@@ -66,7 +66,9 @@ def make_autograd_function(
                 "part that needs higher-order gradients, or call backward without create_graph."
             )
         grads = tuple(g if g.is_contiguous() else g.contiguous() for g in grads)
-        computed = bwd(*ctx.saved_tensors, *ctx.aotc_sizes, *grads)
+        # The backward graph carries its dtypes already (Note [Graphs run without autocast]).
+        with torch._C._DisableAutocast():
+            computed = bwd(*ctx.saved_tensors, *ctx.aotc_sizes, *grads)
         result: list[torch.Tensor | None] = [None] * n_result
         for slot, g in zip(grad_slots, computed):
             result[slot] = g
