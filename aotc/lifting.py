@@ -204,6 +204,11 @@ def _visit(value: object, name: str, slot: Slot, depth: int, walk: _Walk) -> Non
     if isinstance(value, torch.Tensor):
         _add_tensor(value, name, slot, walk)
         return
+    if isinstance(value, types.MethodType) and not isinstance(
+        value.__self__, (type, types.ModuleType)
+    ):  # `opt.step` held in a closure: walk the object it is bound to
+        _visit(value.__self__, f"{name}.__self__", slot, depth, walk)
+        return
     if id(value) in walk.seen or depth >= _MAX_DEPTH or not _walkable(value):
         return
     walk.seen.add(id(value))
