@@ -56,7 +56,6 @@ def symbolic_leaves(
     from torch._dynamo.source import LocalSource
 
     shape_env = mode.shape_env
-    assert shape_env is not None
     out: list[object] = []
     memo: dict[int, object] = {}
     for i, leaf in enumerate(leaves):
@@ -76,6 +75,7 @@ def symbolic_leaves(
             out.append(memo[id(leaf)])
             continue
         if dynamic[i] and leaf.dim() > 0:
+            assert shape_env is not None, "symbolic_leaves: dynamic dims need a ShapeEnv"
             context = StatelessSymbolicContext(
                 dynamic_sizes=[DimDynamic.DYNAMIC] * leaf.dim(),
                 constraint_sizes=[None] * leaf.dim(),
