@@ -57,6 +57,8 @@ def aotc_backend(
         options["dump_dir"] = options.pop("dump")
     opts = CompileOptions.from_env(**options)
     fake_mode = detect_fake_mode(example_inputs)
+    if fake_mode is not None and fake_mode.shape_env is not None:
+        _specialize_float_inputs(fake_mode.shape_env)
     fakes = _fake_inputs(gm, example_inputs, fake_mode)
     problem = _why_not_ahead(fakes, fake_mode)
     if problem is None:
@@ -76,6 +78,26 @@ def aotc_backend(
 
     run_lazily.aotc_compiled = compiled  # type: ignore[attr-defined]
     return run_lazily
+
+
+def _specialize_float_inputs(shape_env: Any) -> None:
+    """Dynamo passes Python floats it treats as dynamic (`dynamic=True`) as 0-d tensors read
+    with `.item()`, expecting the backend to fold them into tensor ops; aotc does not, so it asks
+    Dynamo to restart with those floats as constants (Dynamo's own protocol for this, guarded
+    by value)."""
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+    from torch._dynamo.symbolic_convert import TensorifyState
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+    values = getattr(shape_env, "backed_var_to_val", None) or getattr(shape_env, "var_to_val", {})
+    floats = [
+        str(s) for s in values
+        if symbol_is_type(s, SymT.FLOAT) and not TensorifyState.should_specialize(str(s))
+    ]
+    if floats:
+        for name in floats:
+            TensorifyState.specialize(name)
+        raise TensorifyScalarRestartAnalysis
 
 
 def _fake_inputs(

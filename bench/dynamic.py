@@ -1,0 +1,158 @@
+"""Dynamic shapes and whole models: recompile counts, compile time and step time.
+
+1. Recompile counts: one training step (forward + backward) of a 1-layer GPT for each of 10
+   different batch sizes, through aotc.compile (static / dynamic=True) and torch.compile with
+   backend="aotc" (dynamic=False / automatic dynamic / dynamic=True). Counted: aotc entries
+   (aotc.compile) or Dynamo graphs handed to the backend (torch.compile).
+2. Compile time (first training step after a reset) and step time (median of timed steps after
+   warm-up) of the test models (tests/e2e/models.py) for aotc.compile, torch.compile(backend=
+   "aotc"), torch.compile(backend="aot_eager") and Inductor (torch.compile default), with eager's
+   step time as the reference, all in the same run. Ratios are against aot_eager and Inductor.
+
+Run from the repo root: .venv/bin/python bench/dynamic.py [--steps N] [--models gpt,llama,...]
+Writes bench/results/dynamic.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch._dynamo  # noqa: E402
+
+import aotc  # noqa: E402
+import aotc.backend  # noqa: E402
+from common import fmt_table, median, ratio, write_results  # noqa: E402
+from tests.e2e import models as M  # noqa: E402
+
+BATCH_SIZES = [3, 5, 2, 8, 4, 7, 6, 9, 11, 10]
+MODELS: dict[str, tuple[Callable[[], torch.nn.Module], Callable[..., tuple[torch.Tensor, ...]]]] = {
+    "gpt": (lambda: M.GPT(layers=2, dropout=0.0), M.gpt_batch),
+    "bert": (lambda: M.BERT(layers=2, dropout=0.0), M.bert_batch),
+    "llama": (M.LlamaBlock, M.llama_batch),
+    "conv_bn": (M.ConvNet, M.conv_batch),
+    "lstm_loop": (M.LSTMLoop, M.lstm_batch),
+}
+
+
+def _step(model: Callable[..., torch.Tensor], batch: tuple[torch.Tensor, ...]) -> None:
+    model(*batch).backward()
+
+
+def _backend_graphs() -> int:
+    return aotc.backend.stats["ahead"] + aotc.backend.stats["fallback"]
+
+
+def recompile_counts() -> dict[str, Any]:
+    results: dict[str, Any] = {"batch_sizes": BATCH_SIZES}
+    systems: dict[str, Callable[[torch.nn.Module], Any]] = {
+        "aotc.compile static": lambda m: aotc.compile(m),
+        "aotc.compile dynamic=True": lambda m: aotc.compile(m, dynamic=True),
+        "torch.compile aotc dynamic=False": lambda m: torch.compile(
+            m, backend="aotc", dynamic=False),
+        "torch.compile aotc automatic dynamic": lambda m: torch.compile(m, backend="aotc"),
+        "torch.compile aotc dynamic=True": lambda m: torch.compile(
+            m, backend="aotc", dynamic=True),
+    }
+    for name, make in systems.items():
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = M.GPT(layers=1, dropout=0.0)
+        compiled = make(model)
+        before = _backend_graphs()
+        start = time.perf_counter()
+        for b in BATCH_SIZES:
+            _step(compiled, M.gpt_batch(b))
+        seconds = time.perf_counter() - start
+        count = (len(compiled.records) if isinstance(compiled, aotc.CompiledModule)
+                 else _backend_graphs() - before)
+        results[name] = {"compilations": count, "seconds_for_10_steps": seconds}
+    return results
+
+
+def _systems() -> dict[str, Callable[[torch.nn.Module], Any]]:
+    return {
+        "eager": lambda m: m,
+        "aotc.compile": lambda m: aotc.compile(m),
+        "torch.compile(aotc)": lambda m: torch.compile(m, backend="aotc"),
+        "torch.compile(aot_eager)": lambda m: torch.compile(m, backend="aot_eager"),
+        "inductor": lambda m: torch.compile(m),
+    }
+
+
+def model_times(names: list[str], steps: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for model_name in names:
+        make_model, make_batch = MODELS[model_name]
+        torch.manual_seed(0)
+        base = make_model()
+        batch = make_batch()
+        row: dict[str, Any] = {}
+        for system, wrap in _systems().items():
+            torch._dynamo.reset()
+            model = copy.deepcopy(base)
+            compiled = wrap(model)
+            start = time.perf_counter()
+            _step(compiled, batch)
+            compile_s = time.perf_counter() - start
+            for _ in range(3):
+                _step(compiled, batch)
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                _step(compiled, batch)
+                times.append(time.perf_counter() - t0)
+            row[system] = {"first_step_s": compile_s, "step_ms": median(times) * 1e3}
+        for system in ("aotc.compile", "torch.compile(aotc)"):
+            for base_name in ("torch.compile(aot_eager)", "inductor"):
+                row[system][f"compile_ratio_vs_{base_name}"] = ratio(
+                    row[system]["first_step_s"], row[base_name]["first_step_s"])
+                row[system][f"step_ratio_vs_{base_name}"] = ratio(
+                    row[system]["step_ms"], row[base_name]["step_ms"])
+        results[model_name] = row
+        print(f"[{model_name}] " + ", ".join(
+            f"{s}: first {v['first_step_s']:.2f} s, step {v['step_ms']:.2f} ms"
+            for s, v in row.items()), flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=20, help="timed steps per model and system")
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated model names")
+    args = p.parse_args(argv)
+    warnings.simplefilter("ignore", UserWarning)
+    torch._dynamo.config.cache_size_limit = 64
+    counts = recompile_counts()
+    print(fmt_table(["system", "compilations for 10 batch sizes", "seconds"],
+                    [(k, v["compilations"], v["seconds_for_10_steps"])
+                     for k, v in counts.items() if isinstance(v, dict)]), flush=True)
+    times = model_times(args.models.split(","), args.steps)
+    rows = []
+    for model_name, row in times.items():
+        for system, v in row.items():
+            rows.append((model_name, system, v["first_step_s"], v["step_ms"]))
+    print(fmt_table(["model", "system", "first step (s)", "step (ms)"], rows))
+    path = write_results(
+        "dynamic",
+        {"recompiles": counts, "models": times},
+        goal="one compilation for all batch sizes with dynamic shapes; compile and step time "
+             "against aot_eager and Inductor measured in the same run",
+        steps=args.steps,
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
