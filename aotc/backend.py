@@ -89,7 +89,8 @@ def _specialize_float_inputs(shape_env: Any) -> None:
     from torch._dynamo.symbolic_convert import TensorifyState
     from torch.utils._sympy.symbol import SymT, symbol_is_type
 
-    values = getattr(shape_env, "backed_var_to_val", None) or getattr(shape_env, "var_to_val", {})
+    values = (shape_env.backed_var_to_val if hasattr(shape_env, "backed_var_to_val")
+              else shape_env.var_to_val)  # torch < 2.13
     floats = [
         str(s) for s in values
         if symbol_is_type(s, SymT.FLOAT) and not TensorifyState.should_specialize(str(s))

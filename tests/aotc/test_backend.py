@@ -73,7 +73,7 @@ def test_backend_name_resolves_in_a_fresh_process_without_import(tmp_path):
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, check=False,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "'ahead': 1" in done.stdout
@@ -134,7 +134,7 @@ def test_backend_relies_on_dynamo_guards_and_lifts_buffers():
         x = torch.randn(5, 6)
         torch.testing.assert_close(compiled(x), ref(x))
     for (name, b), (_, r) in zip(model.named_buffers(), ref.named_buffers()):
-        torch.testing.assert_close(b, r, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(b, r, msg=lambda m, name=name: f"{name}: {m}")
     assert int(model[1].num_batches_tracked) == 2
 
 

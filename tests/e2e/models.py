@@ -9,8 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 VOCAB, SEQ, DIM, HEADS = 37, 12, 32, 4
 
@@ -236,19 +236,19 @@ def train_against_eager(
         torch.manual_seed(200 + step)
         got = compiled(*batch)
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol,
-                                   msg=lambda m: f"step {step} loss: {m}")
+                                   msg=lambda m, step=step: f"step {step} loss: {m}")
         want.backward()
         got.backward()
         for (name, pe), (_, pc) in zip(eager.named_parameters(), twin.named_parameters()):
             assert (pe.grad is None) == (pc.grad is None), f"step {step} grad {name}"
             if pe.grad is not None:
                 torch.testing.assert_close(pc.grad, pe.grad, rtol=rtol, atol=atol,
-                                           msg=lambda m: f"step {step} grad {name}: {m}")
+                                           msg=lambda m, step=step, name=name: f"step {step} grad {name}: {m}")
         opt_e.step()
         opt_c.step()
         opt_e.zero_grad()
         opt_c.zero_grad()
         for (name, be), (_, bc) in zip(eager.state_dict().items(), twin.state_dict().items()):
             torch.testing.assert_close(bc, be, rtol=rtol, atol=atol,
-                                       msg=lambda m: f"step {step} state {name}: {m}")
+                                       msg=lambda m, step=step, name=name: f"step {step} state {name}: {m}")
     return compiled

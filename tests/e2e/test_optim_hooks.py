@@ -40,7 +40,7 @@ def _train_with_adamw(compile_step, steps=4, **opt_kwargs):
         opt_c.zero_grad()
         for (name, pe), (_, pc) in zip(eager.named_parameters(), twin.named_parameters()):
             torch.testing.assert_close(pc, pe, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"step {step} {name}: {m}")
+                                       msg=lambda m, step=step, name=name: f"step {step} {name}: {m}")
         for pe, pc in zip(eager.parameters(), twin.parameters()):
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 torch.testing.assert_close(opt_c.state[pc][key], opt_e.state[pe][key],

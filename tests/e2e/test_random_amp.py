@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import aotc
 from tests.conftest import assert_matches_eager
-from tests.e2e.models import DropoutMLP, GPT, gpt_batch, mlp_batch, train_against_eager
+from tests.e2e.models import GPT, DropoutMLP, gpt_batch, mlp_batch, train_against_eager
 
 
 def _dynamo(model):
