@@ -23,6 +23,8 @@ from aotc.lifting import Lifted, find_free_tensors, module_accesses, module_trai
 from aotc.options import CompileOptions
 from aotc.pipeline import CompiledRecord, compile_signature
 from aotc.symbolic import check_static_geometry, guard_expression, symbolic_leaves, symbolic_mode
+from runtime.convention import alias_groups
+from runtime.errors import UnsupportedError
 from runtime.symbolic import SymbolicDispatcher
 from runtime.wrappers import CompiledEntry, Dispatcher
 
@@ -93,6 +95,7 @@ class CompiledFunction:
         fakes = symbolic_leaves(mode, leaves, [i < num_user for i in range(len(leaves))])
         entry = self._compile(leaves, key, fakes, mode)
         check_static_geometry(entry.plan.epilogue, self._name)
+        _refuse_mutated_aliases(entry, leaves, self._name)
         return entry, guard_expression(mode, fakes)
 
     def _compile(
@@ -133,6 +136,19 @@ class CompiledFunction:
         for listener in COMPILE_LISTENERS:
             listener(self, entry.record, reason)  # type: ignore[arg-type]
         return entry
+
+
+def _refuse_mutated_aliases(entry: CompiledEntry, leaves: list[object], name: str) -> None:
+    """Symbolic entries have no synthetic bases (see Note [Symbolic compilations])."""
+    graph_of = dict(entry.plan.convention.leaf_to_graph)
+    inputs = entry.record.meta.inputs  # type: ignore[union-attr]
+    for group in alias_groups(leaves):
+        if any(inputs[graph_of[m]].mutation.value != "none" for m in group):
+            raise UnsupportedError(
+                f"{name}: with dynamic=True, inputs {list(group)} share storage and one of them is "
+                "mutated; aotc replays such mutations only with static shapes. Pass separate "
+                "tensors (a .clone()), or compile without dynamic=True."
+            )
 
 
 def _source_of(fn: Callable[..., Any]) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 import time
 import warnings
@@ -26,6 +27,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Inductor compiles in a pool of worker processes that keep running after its first compile; on a
+# small machine they slow down every later measurement. Compile in-process instead.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
