@@ -12,7 +12,7 @@ from passes.recompute import RecomputePolicy
 @dataclass(frozen=True, slots=True)
 class CompileOptions:
     backend: str = "aten"  # how graphs run; "aten" runs the fx graphs as ATen ops
-    dynamic: bool = False  # symbolic shapes (not yet supported: raises)
+    dynamic: bool = False  # symbolic sizes for tensor arguments (see aotc/symbolic.py)
     recompile_warn_limit: int = 8  # warn once a function has this many compiled signatures
     max_signatures: int = 64  # refuse to compile more signatures than this (GuardError)
     check_invariants: bool = False  # lint graphs between stages

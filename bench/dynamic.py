@@ -4,8 +4,8 @@
    different batch sizes, through aotc.compile (static / dynamic=True) and torch.compile with
    backend="aotc" (dynamic=False / automatic dynamic / dynamic=True). Counted: aotc entries
    (aotc.compile) or Dynamo graphs handed to the backend (torch.compile).
-2. Compile time (first training step after a reset) and step time (median of timed steps after
-   warm-up) of the test models (tests/e2e/models.py) for aotc.compile, torch.compile(backend=
+2. Compile time (first training step after a reset; Inductor's caches off) and step time
+   (interleaved rounds, median of per-round medians) of the test models (tests/e2e/models.py) for aotc.compile, torch.compile(backend=
    "aotc"), torch.compile(backend="aot_eager") and Inductor (torch.compile default), with eager's
    step time as the reference, all in the same run. Ratios are against aot_eager and Inductor.
 
@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # Inductor compiles in a pool of worker processes that keep running after its first compile; on a
 # small machine they slow down every later measurement. Compile in-process instead.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # cold compile times
 
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
@@ -94,7 +95,10 @@ def _systems() -> dict[str, Callable[[torch.nn.Module], Any]]:
     }
 
 
-def model_times(names: list[str], steps: int) -> dict[str, Any]:
+def model_times(names: list[str], steps: int, rounds: int) -> dict[str, Any]:
+    """Compile every system first (timing the first step), then time steps in `rounds`
+    interleaved rounds (each system `steps` steps per round); step time is the median over rounds
+    of per-round medians, so load changes on a shared machine hit every system alike."""
     results: dict[str, Any] = {}
     for model_name in names:
         make_model, make_batch = MODELS[model_name]
@@ -102,21 +106,27 @@ def model_times(names: list[str], steps: int) -> dict[str, Any]:
         base = make_model()
         batch = make_batch()
         row: dict[str, Any] = {}
+        compiled: dict[str, Any] = {}
         for system, wrap in _systems().items():
             torch._dynamo.reset()
-            model = copy.deepcopy(base)
-            compiled = wrap(model)
+            fn = wrap(copy.deepcopy(base))
             start = time.perf_counter()
-            _step(compiled, batch)
-            compile_s = time.perf_counter() - start
+            _step(fn, batch)
+            row[system] = {"first_step_s": time.perf_counter() - start}
             for _ in range(3):
-                _step(compiled, batch)
-            times = []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                _step(compiled, batch)
-                times.append(time.perf_counter() - t0)
-            row[system] = {"first_step_s": compile_s, "step_ms": median(times) * 1e3}
+                _step(fn, batch)
+            compiled[system] = fn
+        per_round: dict[str, list[float]] = {s: [] for s in compiled}
+        for _ in range(rounds):
+            for system, fn in compiled.items():
+                times = []
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    _step(fn, batch)
+                    times.append(time.perf_counter() - t0)
+                per_round[system].append(median(times))
+        for system, meds in per_round.items():
+            row[system]["step_ms"] = median(meds) * 1e3
         for system in ("aotc.compile", "torch.compile(aotc)"):
             for base_name in ("torch.compile(aot_eager)", "inductor"):
                 row[system][f"compile_ratio_vs_{base_name}"] = ratio(
@@ -132,7 +142,8 @@ def model_times(names: list[str], steps: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=20, help="timed steps per model and system")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per system and round")
+    p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated model names")
     args = p.parse_args(argv)
     warnings.simplefilter("ignore", UserWarning)
@@ -141,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     print(fmt_table(["system", "compilations for 10 batch sizes", "seconds"],
                     [(k, v["compilations"], v["seconds_for_10_steps"])
                      for k, v in counts.items() if isinstance(v, dict)]), flush=True)
-    times = model_times(args.models.split(","), args.steps)
+    times = model_times(args.models.split(","), args.steps, args.rounds)
     rows = []
     for model_name, row in times.items():
         for system, v in row.items():
@@ -153,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         goal="one compilation for all batch sizes with dynamic shapes; compile and step time "
              "against aot_eager and Inductor measured in the same run",
         steps=args.steps,
+        rounds=args.rounds,
+        note="shared CPU machine under load from other jobs: step times are noisy; compile "
+             "times are cold (Inductor's caches disabled)",
     )
     print(f"wrote {path}")
     return 0
