@@ -8,6 +8,7 @@
    (interleaved rounds, median of per-round medians) of the test models (tests/e2e/models.py) for aotc.compile, torch.compile(backend=
    "aotc"), torch.compile(backend="aot_eager") and Inductor (torch.compile default), with eager's
    step time as the reference, all in the same run. Ratios are against aot_eager and Inductor.
+3. Per-call overhead of a tiny training call for each entry point, against aot_eager.
 
 Run from the repo root: .venv/bin/python bench/dynamic.py [--steps N] [--models gpt,llama,...]
 Writes bench/results/dynamic.json.
@@ -140,6 +141,41 @@ def model_times(names: list[str], steps: int, rounds: int) -> dict[str, Any]:
     return results
 
 
+def call_overhead(iters: int, rounds: int) -> dict[str, Any]:
+    """Per-call time of a tiny training call (`(x * w).sin().sum()` forward + backward): what
+    each system adds on top of two ATen ops. torch.compile(aotc) runs its entry behind Dynamo's
+    guards only; aotc.compile checks its own key (and, with dynamic=True, the shape guard)."""
+
+    def tiny(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x * w).sin().sum()
+
+    systems = {
+        "eager": tiny,
+        "aotc.compile": aotc.compile(tiny),
+        "aotc.compile dynamic=True": aotc.compile(tiny, dynamic=True),
+        "torch.compile(aotc)": torch.compile(tiny, backend="aotc"),
+        "torch.compile(aot_eager)": torch.compile(tiny, backend="aot_eager"),
+    }
+    x, w = torch.randn(8), torch.randn(8, requires_grad=True)
+    per_round: dict[str, list[float]] = {name: [] for name in systems}
+    for fn in systems.values():
+        for _ in range(20):
+            fn(x, w).backward()
+    for _ in range(rounds):
+        for name, fn in systems.items():
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn(x, w).backward()
+            per_round[name].append((time.perf_counter() - start) / iters)
+    results: dict[str, Any] = {name: {"us_per_call": median(v) * 1e6}
+                               for name, v in per_round.items()}
+    base = results["torch.compile(aot_eager)"]["us_per_call"]
+    for name in results:
+        results[name]["ratio_vs_torch.compile(aot_eager)"] = ratio(
+            results[name]["us_per_call"], base)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=5, help="timed steps per system and round")
@@ -152,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     print(fmt_table(["system", "compilations for 10 batch sizes", "seconds"],
                     [(k, v["compilations"], v["seconds_for_10_steps"])
                      for k, v in counts.items() if isinstance(v, dict)]), flush=True)
+    overhead = call_overhead(iters=300, rounds=args.rounds)
+    print(fmt_table(["system", "us per tiny fwd+bwd call", "vs aot_eager"],
+                    [(k, v["us_per_call"], v["ratio_vs_torch.compile(aot_eager)"])
+                     for k, v in overhead.items()]), flush=True)
     times = model_times(args.models.split(","), args.steps, args.rounds)
     rows = []
     for model_name, row in times.items():
@@ -160,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     print(fmt_table(["model", "system", "first step (s)", "step (ms)"], rows))
     path = write_results(
         "dynamic",
-        {"recompiles": counts, "models": times},
+        {"recompiles": counts, "call_overhead": overhead, "models": times},
         goal="one compilation for all batch sizes with dynamic shapes; compile and step time "
              "against aot_eager and Inductor measured in the same run",
         steps=args.steps,
