@@ -17,11 +17,15 @@ from typing import Any, overload
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from aotc.lifting import Lifted, find_free_tensors, module_accesses, module_training_flags, swapped
 from aotc.options import CompileOptions
 from aotc.pipeline import CompiledRecord, compile_signature
+from aotc.symbolic import check_static_geometry, guard_expression, symbolic_leaves, symbolic_mode
+from runtime.convention import alias_groups
 from runtime.errors import UnsupportedError
+from runtime.symbolic import SymbolicDispatcher
 from runtime.wrappers import CompiledEntry, Dispatcher
 
 Tensor = torch.Tensor
@@ -51,9 +55,15 @@ class CompiledFunction:
         self._lifted_names = [a.name for a in lifted.accesses]
         self._extra_key = extra_key
         self._name = name
-        self._dispatch = Dispatcher(
-            self._compile, name, options.recompile_warn_limit, options.max_signatures
-        )
+        self._dispatch: Dispatcher | SymbolicDispatcher
+        if options.dynamic:
+            self._dispatch = SymbolicDispatcher(
+                self._compile_symbolic, name, options.max_signatures
+            )
+        else:
+            self._dispatch = Dispatcher(
+                self._compile, name, options.recompile_warn_limit, options.max_signatures
+            )
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -75,12 +85,26 @@ class CompiledFunction:
     def recompile_reasons(self) -> list[str]:
         return list(self._dispatch.recompile_reasons)
 
-    def _compile(self, leaves: list[object], key: tuple[object, ...]) -> CompiledEntry:
-        if self._options.dynamic:
-            raise UnsupportedError(
-                "aotc.compile(dynamic=True) is not supported yet: every new input shape "
-                "compiles a new graph. Pass dynamic=False."
-            )
+    def _compile_symbolic(
+        self, leaves: list[object], key: tuple[object, ...]
+    ) -> tuple[CompiledEntry, str | None]:
+        """dynamic=True: trace once with symbolic sizes for the user's tensor arguments (see
+        Note [Symbolic compilations] in aotc/symbolic.py)."""
+        mode = symbolic_mode()
+        num_user = len(leaves) - len(self._accesses)
+        fakes = symbolic_leaves(mode, leaves, [i < num_user for i in range(len(leaves))])
+        entry = self._compile(leaves, key, fakes, mode)
+        check_static_geometry(entry.plan.epilogue, self._name)
+        _refuse_mutated_aliases(entry, leaves, self._name)
+        return entry, guard_expression(mode, fakes)
+
+    def _compile(
+        self,
+        leaves: list[object],
+        key: tuple[object, ...],
+        fakes: list[object] | None = None,
+        fake_mode: FakeTensorMode | None = None,
+    ) -> CompiledEntry:
         spec = key[0][0] if self._extra_key is not None else key[0]
         num_lifted = len(self._accesses)
         num_user = len(leaves) - num_lifted
@@ -103,7 +127,8 @@ class CompiledFunction:
         progress.info("aotc: compiling %s (signature %d) ...", self._name, n)
         start = time.perf_counter()
         entry = compile_signature(
-            program, leaves, names, self._options, self._name, self._source
+            program, fakes if fakes is not None else leaves, names, self._options, self._name,
+            self._source, fake_mode,
         )
         progress.info("aotc: compiled %s (signature %d) in %.2f s", self._name, n,
                       time.perf_counter() - start)
@@ -111,6 +136,19 @@ class CompiledFunction:
         for listener in COMPILE_LISTENERS:
             listener(self, entry.record, reason)  # type: ignore[arg-type]
         return entry
+
+
+def _refuse_mutated_aliases(entry: CompiledEntry, leaves: list[object], name: str) -> None:
+    """Symbolic entries have no synthetic bases (see Note [Symbolic compilations])."""
+    graph_of = dict(entry.plan.convention.leaf_to_graph)
+    inputs = entry.record.meta.inputs  # type: ignore[union-attr]
+    for group in alias_groups(leaves):
+        if any(inputs[graph_of[m]].mutation.value != "none" for m in group):
+            raise UnsupportedError(
+                f"{name}: with dynamic=True, inputs {list(group)} share storage and one of them is "
+                "mutated; aotc replays such mutations only with static shapes. Pass separate "
+                "tensors (a .clone()), or compile without dynamic=True."
+            )
 
 
 def _source_of(fn: Callable[..., Any]) -> str:

@@ -18,6 +18,7 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensor,
     FakeTensorMode,
     UnsupportedOperatorException,
 )
@@ -111,7 +112,13 @@ def fakeify(
     mode: FakeTensorMode, tensors: Sequence[torch.Tensor], *, as_leaves: bool
 ) -> list[torch.Tensor]:
     """Fake copies. `as_leaves=False` keeps non-leafness and aliasing (metadata pass);
-    `as_leaves=True` gives leaves with the same requires_grad (joint trace primals)."""
+    `as_leaves=True` gives leaves with the same requires_grad (joint trace primals).
+
+    Tensors that are fake already (symbolic compilations, see Note [Symbolic compilations])
+    get fresh fakes of the same (symbolic) geometry, so runs never share tensors or symbols
+    differ between runs."""
+    if tensors and all(isinstance(t, FakeTensor) for t in tensors):
+        return [fresh_fake(t, as_leaves=as_leaves) for t in tensors]
     if not as_leaves:
         return [mode.from_tensor(t) for t in tensors]
     fakes = []
@@ -123,3 +130,37 @@ def fakeify(
             fake.requires_grad_(True)
         fakes.append(fake)
     return fakes
+
+
+def fresh_fake(t: torch.Tensor, *, as_leaves: bool) -> torch.Tensor:
+    """A new fake tensor (in the ambient fake mode) with `t`'s sizes, strides, dtype, device and
+    requires_grad; also its non-leafness unless `as_leaves`. Sizes may be SymInts: the copy
+    shares their symbols. Storage offsets and aliasing between inputs are not kept (symbolic
+    compilations have no synthetic bases; see Note [Symbolic compilations])."""
+    fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    if t.requires_grad:
+        fake.requires_grad_(True)
+        if not as_leaves and not t.is_leaf:
+            with torch.enable_grad():
+                fake = fake.clone()
+    return fake
+
+
+@contextlib.contextmanager
+def compiling() -> Iterator[None]:
+    """`torch.compiler.is_compiling()` is True while aotc traces, as under torch.compile.
+
+    Library code checks the flag to take its traceable path: torch.optim's Adam/AdamW keep the
+    step count a tensor instead of calling `.item()` on it, and group tensors lazily. The flag is
+    torch.compiler's own (set by Dynamo for the duration of its compilations)."""
+    session = getattr(torch.compiler, "_compile_session_context", None)
+    if session is not None:
+        with session():
+            yield
+        return
+    old = torch.compiler._is_compiling_flag  # type: ignore[attr-defined]
+    torch.compiler._is_compiling_flag = True  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old  # type: ignore[attr-defined]

@@ -137,6 +137,7 @@ class Lifted:
 
     accesses: tuple[Access, ...]
     containers: tuple[dict, ...]  # type: ignore[type-arg]
+    optimizers: tuple[torch.optim.Optimizer, ...] = ()  # see Note [Optimizers take the capturable path]
 
 
 @dataclass
@@ -144,6 +145,7 @@ class _Walk:
     accesses: list[Access] = field(default_factory=list)
     containers: list[dict] = field(default_factory=list)  # type: ignore[type-arg]
     seen: set[int] = field(default_factory=set)
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     # Lift `.grad` of leaves requiring grad: a fake tensor swapped in has no .grad, so code
     # reading it (`if p.grad is None`) would silently take another branch. Off only for a
     # compiled module's own parameters (its forward does not read them).
@@ -170,7 +172,7 @@ def find_free_tensors(fn: Callable[..., object]) -> Lifted:
         fn = fn.__func__
     code = getattr(fn, "__code__", None)
     if code is None:
-        return Lifted(tuple(walk.accesses), tuple(walk.containers))
+        return Lifted(tuple(walk.accesses), tuple(walk.containers), tuple(walk.optimizers))
     for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
         try:
             value = cell.cell_contents
@@ -181,7 +183,7 @@ def find_free_tensors(fn: Callable[..., object]) -> Lifted:
     for name in sorted(_global_names(code)):
         if name in globals_:
             _visit(globals_[name], f"global {name}", ItemSlot(globals_, name), 0, walk)
-    return Lifted(tuple(walk.accesses), tuple(walk.containers))
+    return Lifted(tuple(walk.accesses), tuple(walk.containers), tuple(walk.optimizers))
 
 
 def _global_names(code: types.CodeType) -> set[str]:
@@ -202,12 +204,18 @@ def _visit(value: object, name: str, slot: Slot, depth: int, walk: _Walk) -> Non
     if isinstance(value, torch.Tensor):
         _add_tensor(value, name, slot, walk)
         return
+    if isinstance(value, types.MethodType) and not isinstance(
+        value.__self__, (type, types.ModuleType)
+    ):  # `opt.step` held in a closure: walk the object it is bound to
+        _visit(value.__self__, f"{name}.__self__", slot, depth, walk)
+        return
     if id(value) in walk.seen or depth >= _MAX_DEPTH or not _walkable(value):
         return
     walk.seen.add(id(value))
     if isinstance(value, torch.nn.Module):
         _visit_module(value, name.split(" ", 1)[-1], walk)
     elif isinstance(value, torch.optim.Optimizer):
+        walk.optimizers.append(value)
         attrs = vars(value)
         for attr in ("param_groups", "state"):
             _visit(attrs[attr], f"{name}.{attr}", ItemSlot(attrs, attr), depth + 1, walk)
@@ -288,7 +296,8 @@ def swapped(lifted: Lifted, values: Sequence[object]) -> Iterator[None]:
             a.slot.write(v)
             written += 1
         snapshot = _container_snapshot(lifted)
-        yield
+        with _capturable(lifted.optimizers):
+            yield
         _check_unchanged(accesses, values, snapshot)
     finally:
         for container, keys in snapshot:
@@ -331,3 +340,29 @@ def _check_unchanged(
                 "tensors from (e.g. an optimizer creating its state on the first step). "
                 "aotc cannot replay that; run that first call eagerly, then compile."
             )
+
+
+# Note [Optimizers take the capturable path]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Adam/AdamW (and others with a `capturable` flag) read their step count with `.item()` unless
+# `capturable=True`, and a value read from a tensor cannot be traced. While aotc traces (with
+# `torch.compiler.is_compiling()` True, see aotc/functional.py::compiling), every optimizer reached
+# through lifting runs with `capturable=True`: the step count stays a tensor and the update is the
+# same math in tensor ops (what torch.compile does for CUDA optimizers). The flag is restored right
+# after the trace, so eager steps of the same optimizer are unchanged. Results equal eager's to
+# float rounding (the capturable formula orders the bias corrections differently).
+
+
+@contextlib.contextmanager
+def _capturable(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[None]:
+    changed = [
+        group for opt in optimizers for group in opt.param_groups
+        if group.get("capturable") is False
+    ]
+    for group in changed:
+        group["capturable"] = True
+    try:
+        yield
+    finally:
+        for group in changed:
+            group["capturable"] = False

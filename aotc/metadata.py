@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from aotc.functional import FlatProgram, fakeify, functionalization, to_functional, user_errors
@@ -105,7 +105,9 @@ def collect_metadata(
             torch._sync(w)
         mutations = [_mutation_of(w, arg_names, g) for g, w in enumerate(wrappers)]
     # Run 2, plain fake tensors: eager's own view of outputs, aliasing and geometry.
-    eager_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    # A symbolic compilation's fakes carry its ShapeEnv's symbols: stay in its mode.
+    symbolic = any(isinstance(a, FakeTensor) for a in graph_args)
+    eager_mode = fake_mode if symbolic else FakeTensorMode(allow_non_fake_inputs=False)
     with eager_mode:
         plain = fakeify(eager_mode, graph_args, as_leaves=False)
         before = [(p.storage_offset(), p.requires_grad, p.is_leaf, p) for p in plain]

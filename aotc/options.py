@@ -15,7 +15,7 @@ class CompileOptions:
     # kernels (on CPU through Triton's interpreter); "auto" uses Triton for CUDA graphs only.
     backend: str = "aten"
     triton_interpret: bool = False  # set by from_env: Triton's interpreter runs CPU kernels
-    dynamic: bool = False  # symbolic shapes (not yet supported: raises)
+    dynamic: bool = False  # symbolic sizes for tensor arguments (see aotc/symbolic.py)
     recompile_warn_limit: int = 8  # warn once a function has this many compiled signatures
     max_signatures: int = 64  # refuse to compile more signatures than this (GuardError)
     check_invariants: bool = False  # lint graphs between stages

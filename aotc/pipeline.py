@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from aotc.functional import FlatProgram
+from aotc.functional import FlatProgram, compiling
 from aotc.metadata import MetadataResult, collect_metadata
 from aotc.options import CompileOptions
 from aotc.tracer import trace_joint
@@ -124,10 +124,13 @@ def compile_signature(
     options: CompileOptions,
     name: str,
     source: str = "<unknown>",
+    fake_mode: FakeTensorMode | None = None,
 ) -> CompiledEntry:
+    """`fake_mode`: a symbolic compilation; `leaves` are its fakes (see Note [Symbolic
+    compilations] in aotc/symbolic.py)."""
     # Tracing saves fake tensors for autograd; the user's saved-tensor hooks must not see them.
-    with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
-        return _compile_signature(program, leaves, names, options, name, source)
+    with torch.autograd.graph.saved_tensors_hooks(_identity, _identity), compiling():
+        return _compile_signature(program, leaves, names, options, name, source, fake_mode)
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -141,6 +144,7 @@ def _compile_signature(
     options: CompileOptions,
     name: str,
     source: str,
+    given_mode: FakeTensorMode | None,
 ) -> CompiledEntry:
     times: dict[str, float] = {}
     clock = time.perf_counter()
@@ -152,10 +156,11 @@ def _compile_signature(
         clock = now
 
     grad_enabled = torch.is_grad_enabled()
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fake_mode = given_mode or FakeTensorMode(allow_non_fake_inputs=False)
     convention = plan_convention(leaves, names=names)
     metadata = collect_metadata(program, leaves, convention, fake_mode, grad_enabled, names)
-    groups = _mutated_alias_groups(leaves, convention, metadata)
+    symbolic = given_mode is not None  # no synthetic bases: see Note [Symbolic compilations]
+    groups = [] if symbolic else _mutated_alias_groups(leaves, convention, metadata)
     if groups:
         convention = plan_convention(leaves, groups, names)
         fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -194,6 +199,7 @@ def _compile_signature(
             ),
             num_saved=len(part.saved),
             grad_args=grad_args,
+            num_saved_symints=part.num_saved_symints,
         )
         detach = _statically_no_grad(joint, leaves, convention)
     epilogue = plan_epilogue(metadata.meta, metadata.fwd_plan, convention)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from passes.ir import StageGraph, make_module
 from passes.recompute import is_random
@@ -96,8 +97,9 @@ def _is_noop(node: fx.Node) -> bool:
     if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
         return False
     same = (
-        src.shape == out.shape and src.stride() == out.stride() and src.dtype == out.dtype
-        and src.storage_offset() == out.storage_offset()
+        _known_equal(src.shape, out.shape) and _known_equal(src.stride(), out.stride())
+        and src.dtype == out.dtype
+        and _known_equal((src.storage_offset(),), (out.storage_offset(),))
     )
     if node.target in _IDENTITY_VIEWS:
         return same
@@ -105,6 +107,14 @@ def _is_noop(node: fx.Node) -> bool:
         # A copy of a value nothing mutates is the value (graphs here are functional).
         return same and src.device == out.device and not node.kwargs.get("memory_format")
     return False
+
+
+def _known_equal(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
+    """Equal sizes/strides, deciding symbolic ones without adding a guard to the ShapeEnv (a
+    comparison that is not known statically counts as different)."""
+    return len(a) == len(b) and all(
+        statically_known_true(x == y) for x, y in zip(a, b)  # type: ignore[arg-type]
+    )
 
 
 def remove_noop_views(graph: StageGraph) -> StageGraph:

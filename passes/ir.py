@@ -66,8 +66,22 @@ def make_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
 
 
 def node_nbytes(node: fx.Node) -> int:
-    """Bytes of the tensor a node produces (0 for non-tensors); sizes are static here."""
+    """Bytes of the tensor a node produces (0 for non-tensors). Symbolic sizes count at the
+    size the trace was made with (its hint), without adding a guard."""
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
-        return int(val.numel()) * val.element_size()
+        return size_hint(val.numel()) * val.element_size()
     return 0
+
+
+def size_hint(value: object) -> int:
+    """An int, or a SymInt's example value (never guards)."""
+    if isinstance(value, torch.SymInt):
+        hint = value.node.hint
+        return int(hint) if hint is not None else 1
+    return int(value)  # type: ignore[call-overload]
+
+
+def is_sym_node(node: fx.Node) -> bool:
+    """A node computing a size (SymInt/SymFloat/SymBool), not a tensor."""
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))

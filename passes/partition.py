@@ -53,7 +53,7 @@ from passes.descriptors import (
     SavedOutput,
     TangentInput,
 )
-from passes.ir import JointGraph, StageGraph, make_module, node_nbytes
+from passes.ir import JointGraph, StageGraph, is_sym_node, make_module, node_nbytes
 from passes.recompute import RecomputePolicy, can_recompute, is_random, recompute_cost
 from runtime.schema import GraphArg
 
@@ -68,6 +68,7 @@ class SavedValue:
     dtype: torch.dtype | None
     producer: str  # the op that produced it, or "input"
     source: str  # the user source line, when known
+    is_symint: bool = False  # a size, saved as an int (see Note [Saved SymInts])
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,10 @@ class PartitionResult:
     @property
     def saved_bytes(self) -> int:
         return sum(s.nbytes for s in self.saved)
+
+    @property
+    def num_saved_symints(self) -> int:
+        return sum(s.is_symint for s in self.saved)
 
     def format(self) -> str:
         lines = [
@@ -183,6 +188,15 @@ def _tensor_saves(saved: set[fx.Node]) -> set[fx.Node]:
 
 _SOURCE, _SINK = "__source__", "__sink__"
 
+# Note [Saved SymInts]
+# ~~~~~~~~~~~~~~~~~~~~
+# With symbolic sizes the backward reads sizes (`expand(tangent, [sym_size(x, 0), 4])`). A size
+# node costs almost nothing to save (a Python int at run time, kept on ctx outside autograd's
+# saved tensors) and is recomputable from any saved tensor it is a size of, so it gets a capacity
+# of one byte: the cut saves the size itself rather than a tensor only to read its shape, and
+# recomputes it when that tensor is saved anyway. Saved sizes come after saved tensors.
+_SYM_BYTES = 1
+
 
 def _min_cut_saved(roles: _Roles, policy: RecomputePolicy, unbanned: frozenset[fx.Node]) -> set[fx.Node]:
     grads = [v for v, _ in roles.grad_pairs]
@@ -197,7 +211,10 @@ def _min_cut_saved(roles: _Roles, policy: RecomputePolicy, unbanned: frozenset[f
             continue
         val = node.meta.get("val")
         # Saving a view keeps its root's whole storage alive: charge the root's bytes.
-        capacity = node_nbytes(_view_root(node)) if isinstance(val, torch.Tensor) else inf
+        if isinstance(val, torch.Tensor):
+            capacity = node_nbytes(_view_root(node))
+        else:  # See Note [Saved SymInts]
+            capacity = _SYM_BYTES if is_sym_node(node) else inf
         n_in, n_out = (node, "in"), (node, "out")
         cut_edges.append((n_in, n_out, capacity))
         if node.op == "placeholder" or (
@@ -334,7 +351,8 @@ def _build(
     joint: JointGraph, roles: _Roles, saved: set[fx.Node], mutated_args: frozenset[GraphArg]
 ) -> tuple[StageGraph, StageGraph, list[fx.Node], list[fx.Node]]:
     graph = joint.module.graph
-    saved_nodes = sorted(saved, key=roles.order.__getitem__)
+    # Tensors first, then sizes: see Note [Saved SymInts].
+    saved_nodes = sorted(saved, key=lambda n: (is_sym_node(n), roles.order[n]))
     stop = frozenset(saved) | frozenset(roles.tangents)
     bwd_nodes = _ancestors((v for v, _ in roles.grad_pairs), stop) - frozenset(saved)
     bwd_nodes -= set(roles.tangents)
@@ -424,6 +442,7 @@ def _saved_value(node: fx.Node) -> SavedValue:
         dtype=val.dtype if is_tensor else None,
         producer="input" if node.op == "placeholder" else str(node.target),
         source=source_line(node),
+        is_symint=is_sym_node(node),
     )
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from passes.ir import is_sym_node, size_hint
+
 aten = torch.ops.aten
 
 
@@ -74,14 +76,14 @@ def is_random(node: fx.Node) -> bool:
 def _input_numel(node: fx.Node) -> int:
     first = node.args[0] if node.args else None
     val = first.meta.get("val") if isinstance(first, fx.Node) else None
-    return int(val.numel()) if isinstance(val, torch.Tensor) else 0
+    return size_hint(val.numel()) if isinstance(val, torch.Tensor) else 0
 
 
 def can_recompute(node: fx.Node, policy: RecomputePolicy) -> bool:
     if node.op != "call_function" or is_random(node):
         return False
     target = node.target
-    if target is operator.getitem:
+    if target is operator.getitem or is_sym_node(node):  # sizes: see Note [Saved SymInts]
         return True
     if not isinstance(target, torch._ops.OpOverload):
         return False
@@ -101,13 +103,13 @@ def can_recompute(node: fx.Node, policy: RecomputePolicy) -> bool:
 def recompute_cost(node: fx.Node) -> float:
     """Rough work to recompute a node: multiply-adds for matmul-like ops, elements touched else."""
     val = node.meta.get("val")
-    out_numel = int(val.numel()) if isinstance(val, torch.Tensor) else 1
+    out_numel = size_hint(val.numel()) if isinstance(val, torch.Tensor) else 1
     if node.target in _MATMUL_LIKE:
         # Heuristic: 2*M*N*K ~ 2 * out_numel * K, with K the contracted size of the first input.
         with_bias = node.target in (aten.addmm.default, aten.baddbmm.default)
         first = node.args[1] if with_bias else node.args[0]
         val_in = first.meta.get("val") if isinstance(first, fx.Node) else None
-        k = int(val_in.shape[-1]) if isinstance(val_in, torch.Tensor) and val_in.dim() else 1
+        k = size_hint(val_in.shape[-1]) if isinstance(val_in, torch.Tensor) and val_in.dim() else 1
         return 2.0 * out_numel * k
     return float(max(out_numel, _input_numel(node), 1))
 

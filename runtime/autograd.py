@@ -32,8 +32,9 @@ class AutogradPlan:
     num_graph_args: int
     num_fwd_outs: int
     diff_outs: tuple[FwdOut, ...]  # fwd outputs returned through autograd; tangent order
-    num_saved: int
+    num_saved: int  # saved tensors, then saved sizes (ints)
     grad_args: tuple[GraphArg, ...]  # graph args the backward returns gradients for, in order
+    num_saved_symints: int = 0  # the last saved values are sizes: kept on ctx as ints
 
 
 def make_autograd_function(
@@ -46,10 +47,14 @@ def make_autograd_function(
     diff = plan.diff_outs
     grad_slots = tuple(1 + g for g in plan.grad_args)
     n_result = 1 + plan.num_graph_args
+    n_tensors = n_out + plan.num_saved - plan.num_saved_symints
 
     def forward(ctx, holder: list, *args: torch.Tensor):  # type: ignore[no-untyped-def]
         outs = fwd(*args)
-        ctx.save_for_backward(*outs[n_out:])
+        # Every saved tensor goes through save_for_backward, so saved-tensor hooks
+        # (saved_tensors_hooks, save_on_cpu) around the call see exactly these values.
+        ctx.save_for_backward(*outs[n_out:n_tensors])
+        ctx.aotc_sizes = outs[n_tensors:]
         holder.extend(outs[:n_out])
         return tuple(outs[k] for k in diff)
 
@@ -61,7 +66,9 @@ def make_autograd_function(
                 "part that needs higher-order gradients, or call backward without create_graph."
             )
         grads = tuple(g if g.is_contiguous() else g.contiguous() for g in grads)
-        computed = bwd(*ctx.saved_tensors, *grads)
+        # The backward graph carries its dtypes already (Note [Graphs run without autocast]).
+        with torch._C._DisableAutocast():
+            computed = bwd(*ctx.saved_tensors, *ctx.aotc_sizes, *grads)
         result: list[torch.Tensor | None] = [None] * n_result
         for slot, g in zip(grad_slots, computed):
             result[slot] = g

@@ -71,6 +71,12 @@ class CompiledEntry:
         self._unflatten = _unflattener(plan.out_spec)
 
     def run(self, leaves: list[object]) -> object:
+        if torch._C._is_any_autocast_enabled():  # See Note [Graphs run without autocast]
+            with torch._C._DisableAutocast():
+                return self._run(leaves)
+        return self._run(leaves)
+
+    def _run(self, leaves: list[object]) -> object:
         plan = self.plan
         args = apply_convention(plan.convention, leaves)
         if self._fn is not None:
@@ -90,6 +96,13 @@ class CompiledEntry:
             apply_mutations(plan.epilogue, apply_convention(plan.convention, leaves), fwd_outs)
         return self._unflatten(build_outputs(plan.epilogue, leaves, fwd_outs))
 
+
+# Note [Graphs run without autocast]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A trace under torch.autocast records the ops autocast produced (the casts and the low-precision
+# matmuls), so the graphs already carry eager's dtypes; running them under autocast again would
+# cast a second time (an fp32 matmul the user wrapped in `autocast(enabled=False)` would become
+# bf16). The autocast state is part of the guard key, so each state has its own graphs.
 
 # Note [Direct apply]
 # ~~~~~~~~~~~~~~~~~~~

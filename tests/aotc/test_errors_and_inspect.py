@@ -69,9 +69,14 @@ def test_bad_options_name_the_option():
         aotc.compile(3)
 
 
-def test_dynamic_is_refused_not_guessed():
+def test_dynamic_mutation_through_aliased_inputs_is_refused_not_guessed():
+    def f(a, b):
+        a.mul_(2)
+        return a + b
+
+    base = torch.randn(8)
     with pytest.raises(aotc.UnsupportedError, match="dynamic=True"):
-        aotc.compile(lambda x: x * 2, dynamic=True)(torch.randn(3))
+        aotc.compile(f, dynamic=True)(base[:4], base[4:])
 
 
 def test_storage_swap_of_input_raises():

@@ -1,0 +1,122 @@
+"""Dynamic shapes: one symbolic artifact serves every batch size / sequence length it admits;
+without dynamic, each new shape recompiles. Compared with eager on outputs and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+
+import aotc
+import aotc.backend
+from tests.e2e.models import GPT, ConvNet, conv_batch, gpt_batch, train_against_eager
+
+SIZES = [3, 5, 2, 8, 4, 7, 6, 9, 11, 10]
+
+
+def mlp(x, w1, w2):
+    return torch.nn.functional.gelu(x @ w1).softmax(-1) @ w2
+
+
+def _check_sizes(compiled, sizes):
+    w1 = torch.randn(16, 8, requires_grad=True)
+    w2 = torch.randn(8, 4, requires_grad=True)
+    for b in sizes:
+        x = torch.randn(b, 16, requires_grad=True)
+        got = compiled(x, w1, w2)
+        grads = torch.autograd.grad(got.sum(), (x, w1, w2))
+        want = mlp(x, w1, w2)
+        torch.testing.assert_close(got, want)
+        for g, w in zip(grads, torch.autograd.grad(want.sum(), (x, w1, w2))):
+            torch.testing.assert_close(g, w)
+
+
+def test_dynamic_one_artifact_for_all_batch_sizes():
+    compiled = aotc.compile(mlp, dynamic=True, check_invariants=True)
+    _check_sizes(compiled, SIZES)
+    assert len(compiled.records) == 1
+    rec = compiled.records[0]
+    assert "s" in rec.signature  # symbolic sizes in the signature
+
+
+def test_static_recompiles_per_shape():
+    compiled = aotc.compile(mlp)
+    _check_sizes(compiled, SIZES)
+    assert len(compiled.records) == len(set(SIZES))
+
+
+def test_dynamic_size_one_is_specialized_and_still_correct():
+    compiled = aotc.compile(mlp, dynamic=True)
+    _check_sizes(compiled, [4, 1, 6])
+    assert len(compiled.records) == 2  # sizes 0/1 are specialized, as in Dynamo
+
+
+def test_backward_sizes_saved_as_symints():
+    def f(x):
+        return x.sum() * 2  # the backward expands the tangent to x's (symbolic) shape
+
+    compiled = aotc.compile(f, dynamic=True, check_invariants=True)
+    for b in (3, 6):
+        x = torch.randn(b, 5, requires_grad=True)
+        (g,) = torch.autograd.grad(compiled(x), x)
+        torch.testing.assert_close(g, torch.full((b, 5), 2.0))
+    part = compiled.records[0].partition
+    assert part.num_saved_symints == 2 and len(part.saved) == 2  # sizes only, no tensor
+    assert len(compiled.records) == 1
+
+
+@pytest.mark.slow
+def test_dynamic_sequence_length_gpt():
+    compiled = train_against_eager(
+        lambda: GPT(layers=1, dropout=0.0), lambda b: gpt_batch(2, b),
+        lambda m: aotc.compile(m, dynamic=True), batch_sizes=[5, 9, 12],
+    )
+    assert len(compiled.records) == 1
+
+
+def test_dynamic_batchnorm_module():
+    compiled = train_against_eager(
+        ConvNet, conv_batch, lambda m: aotc.compile(m, dynamic=True), batch_sizes=[4, 6, 3]
+    )
+    assert len(compiled.records) == 1
+
+
+def test_torch_compile_dynamic_true_compiles_once():
+    torch._dynamo.reset()
+    before = aotc.backend.stats["ahead"]
+    compiled = torch.compile(mlp, backend="aotc", dynamic=True)
+    _check_sizes(compiled, SIZES)
+    assert aotc.backend.stats["ahead"] - before == 1
+
+
+def test_torch_compile_automatic_dynamic_compiles_twice():
+    torch._dynamo.reset()
+    before = aotc.backend.stats["ahead"]
+    compiled = torch.compile(mlp, backend="aotc")
+    _check_sizes(compiled, SIZES)
+    assert aotc.backend.stats["ahead"] - before == 2  # static first, then symbolic
+
+
+def test_dynamic_output_view_of_input_is_refused():
+    def f(x):
+        return x.view(-1)
+
+    compiled = aotc.compile(f, dynamic=True)
+    with pytest.raises(aotc.UnsupportedError, match="dynamic shapes"):
+        compiled(torch.randn(4, 3))
+
+
+def test_torch_compile_output_view_of_input_falls_back():
+    torch._dynamo.reset()
+
+    def f(x):
+        return x.view(-1), x * 2
+
+    before = aotc.backend.stats["fallback"]
+    compiled = torch.compile(f, backend="aotc", dynamic=True)
+    for b in (3, 5):
+        x = torch.randn(b, 4)
+        got = compiled(x)
+        assert got[0]._base is x
+        torch.testing.assert_close(got[1], x * 2)
+    assert aotc.backend.stats["fallback"] - before == 1
