@@ -34,6 +34,11 @@ def select_backend(module: fx.GraphModule, backend: str, interpret: bool) -> Com
                     "switched on before triton is imported (TRITON_INTERPRET=1); running ATen "
                     "calls instead", device)
         return None
+    if _has_symbolic_sizes(module):
+        # TODO(lead): symbolic sizes in the loop IR and kernel arguments (#4/#5)
+        log.warning("backend=%r: the graph has symbolic sizes (dynamic=True), which the Triton "
+                    "lowering does not handle yet; running this graph as ATen calls", backend)
+        return None
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -45,3 +50,21 @@ def select_backend(module: fx.GraphModule, backend: str, interpret: bool) -> Com
         log.warning("Triton lowering failed (%s: %s); running this graph as ATen calls",
                     type(e).__name__, e)
         return None
+
+
+def _has_symbolic_sizes(module: fx.GraphModule) -> bool:
+    """Any value with a SymInt size or stride, or a SymInt placeholder. Looks only at node meta,
+    never compares a SymInt (a comparison would add a guard to the ShapeEnv)."""
+    import torch
+
+    for node in module.graph.nodes:
+        val = node.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else (val,)
+        for v in vals:
+            if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                return True
+            if isinstance(v, torch.Tensor) and any(
+                isinstance(d, torch.SymInt) for d in (*v.shape, *v.stride())
+            ):
+                return True
+    return False
