@@ -9,10 +9,12 @@
       │ passes.partition.partition          → PartitionResult      (min-cut; training only)
       │ runtime.epilogue.plan_epilogue      → EpiloguePlan
       ▼ runtime.wrappers.CompiledEntry      → the callable for this signature
+      (aotc.persist.store_entry writes the records for the next process)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -24,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from aotc import persist
 from aotc.functional import FlatProgram
 from aotc.metadata import MetadataResult, collect_metadata
 from aotc.options import CompileOptions
@@ -143,6 +146,18 @@ def _compile_signature(
         clock = now
 
     grad_enabled = torch.is_grad_enabled()
+    key: str | None = None
+    if persist.is_enabled(options):
+        key = persist.cache_key(program, leaves, names, options, grad_enabled).key
+        lap("cache_key")
+        cached = persist.load_entry(options, key) if key is not None else None
+        if cached is not None:
+            entry = _entry_from_cache(cached, leaves, names, name, source, times)
+            lap("cache_load")
+            _log_record(entry.record, entry.record.forward, entry.record.backward)
+            if options.dump_dir:
+                dump_record(entry.record, options.dump_dir)
+            return entry
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     convention = plan_convention(leaves, names=names)
     metadata = collect_metadata(program, leaves, convention, fake_mode, grad_enabled, names)
@@ -219,9 +234,38 @@ def _compile_signature(
         guards=_GUARDS,
         stage_seconds=times,
     )
+    if key is not None:
+        persist.store_entry(options, key, _record_fields(entry.record), plan)
     _log_record(entry.record, fwd_module, bwd_module)
     if options.dump_dir:
         dump_record(entry.record, options.dump_dir)
+    return entry
+
+
+def _record_fields(record: CompiledRecord) -> dict[str, object]:
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+
+
+def _entry_from_cache(
+    cached: dict[str, object],
+    leaves: list[object],
+    names: list[str],
+    name: str,
+    source: str,
+    times: dict[str, float],
+) -> CompiledEntry:
+    """A compiled entry from a cache hit (see Note [Cache key] in aotc/persist.py)."""
+    plan = dataclasses.replace(cached["plan"], name=name)  # type: ignore[type-var]
+    fields = dict(cached["record"])  # type: ignore[call-overload]
+    fields.update(
+        name=name, source=source, signature=describe_signature(leaves, names), stage_seconds=times
+    )
+    record = CompiledRecord(**fields)
+    entry = CompiledEntry(
+        plan, make_callable(record.forward),
+        make_callable(record.backward) if record.backward is not None else None,
+    )
+    entry.record = record
     return entry
 
 

@@ -9,9 +9,12 @@ flags, shapes and strides.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +23,12 @@ import torch
 import torch.utils._pytree as pytree
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# The suite never writes to the user's real cache: one fresh cache directory per session (also
+# inherited by the subprocesses tests start). Tests that need their own directory pass cache_dir.
+_SESSION_CACHE = tempfile.mkdtemp(prefix="aotc-test-cache-")
+os.environ["AOTC_CACHE_DIR"] = _SESSION_CACHE
+atexit.register(shutil.rmtree, _SESSION_CACHE, True)
 
 import aotc  # noqa: E402
 
