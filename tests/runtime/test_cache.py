@@ -330,7 +330,7 @@ WRITER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("writers", [3, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("writers", [2, pytest.param(6, marks=pytest.mark.slow)])
 def test_concurrent_writers_share_one_valid_entry(tmp_path, writers):
     d = str(tmp_path / "shared")
     script = tmp_path / "writer.py"
