@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -328,13 +329,15 @@ _GUARDS = (
 )
 
 _dump_counter: dict[str, int] = {}
+_dump_lock = threading.Lock()
 
 
 def dump_record(record: CompiledRecord, root: str) -> str:
     """Write every stage of one compiled signature under `root/<name>_<n>/`."""
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in record.name)
-    n = _dump_counter.get(safe, 0)
-    _dump_counter[safe] = n + 1
+    with _dump_lock:
+        n = _dump_counter.get(safe, 0)
+        _dump_counter[safe] = n + 1
     folder = os.path.join(root, f"{safe}_{n}")
     os.makedirs(folder, exist_ok=True)
     for file_name, text in record.stages:
