@@ -96,15 +96,35 @@ def user_errors(what: str) -> Iterator[None]:
         ) from e
     except (RuntimeError, AssertionError) as e:
         text = str(e)
+        where = _user_frame(traceback.extract_tb(sys.exc_info()[2]))
         if "FakeTensor" in text and ("non-Fake" in text or "convert all Tensors" in text):
             found = text.split("Found in", 1)[-1].strip()[:200]
-            where = _user_frame(traceback.extract_tb(sys.exc_info()[2]))
             raise UnsupportedError(
                 f"{what}: the program reads a tensor that is neither an argument nor reachable "
                 f"from a closure, global or module attribute aotc can lift (in {found}, at "
                 f"{where}). Pass it as an argument (or register it as a module buffer)."
             ) from e
+        if isinstance(e, RuntimeError) and where != "<unknown>":
+            raise UnsupportedError(_program_error(what, e, where)) from e
         raise
+
+
+def _program_error(what: str, e: RuntimeError, where: str) -> str:
+    """The user program raised while being traced: eager raises the same for these inputs (a
+    device mismatch, an in-place op autograd forbids), so say where and keep torch's reason."""
+    reason = str(e).strip().splitlines()[0][:300].rstrip(".") if str(e).strip() else type(e).__name__
+    if "device" in reason and ("same device" in reason or "expected device" in reason):
+        hint = ("Move every tensor the op reads to one device before the call (or with .to() "
+                "inside the function).")
+    elif "fake impl" in reason or "fake kernel" in reason or "Meta" in reason:
+        hint = ("aotc traces with fake tensors: give the op a fake kernel "
+                "(torch.library.register_fake / `<op>.register_fake`), or call it outside the "
+                "compiled function.")
+    else:
+        hint = ("Eager PyTorch rejects such programs too (e.g. an in-place op autograd forbids): "
+                "use the out-of-place op or .clone() the tensor before modifying it. If eager "
+                "runs this line, call it outside the compiled function and report it.")
+    return f"{what}: the program failed at {where}: {type(e).__name__}: {reason}. {hint}"
 
 
 def fakeify(
