@@ -201,6 +201,7 @@ def _compile_signature(
             ),
             num_saved=len(part.saved),
             grad_args=grad_args,
+            backward_error=metadata.backward_error,
         )
         detach = _statically_no_grad(joint, leaves, convention)
     epilogue = plan_epilogue(metadata.meta, metadata.fwd_plan, convention)
