@@ -22,6 +22,8 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from runtime.errors import AotcError, UnsupportedError
 
 # A user program after flattening: takes the user leaves, returns (output leaves, output spec).
@@ -143,3 +145,37 @@ def fakeify(
             fake.requires_grad_(True)
         fakes.append(fake)
     return fakes
+
+
+class OverlapCheck(TorchDispatchMode):
+    """Eager refuses in-place writes into a tensor whose elements share memory (an `expand`ed
+    view); fake tensors do not check. This mode notes the first such write during the plain
+    metadata run (raising inside a dispatch can abort from C++ callers) and `check()` raises it
+    afterwards with the user's line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.problem: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if self.problem is None and func._schema.is_mutable:
+            for arg, value in zip(func._schema.arguments, args):
+                if (
+                    arg.alias_info is not None and arg.alias_info.is_write
+                    and isinstance(value, torch.Tensor)
+                    and torch._debug_has_internal_overlap(value) == 1
+                ):
+                    where = _user_frame(traceback.extract_stack())
+                    self.problem = (
+                        f"metadata pass: the program failed at {where}: {func} writes into a "
+                        "tensor in which several elements share memory (e.g. an expand()ed view); "
+                        "eager PyTorch raises 'unsupported operation: more than one element of "
+                        "the written-to tensor refers to a single memory location' here too. "
+                        ".clone() the tensor before modifying it."
+                    )
+        return func(*args, **kwargs)
+
+    def check(self) -> None:
+        if self.problem is not None:
+            raise UnsupportedError(self.problem)

@@ -48,7 +48,14 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from aotc.functional import FlatProgram, fakeify, functionalization, to_functional, user_errors
+from aotc.functional import (
+    FlatProgram,
+    OverlapCheck,
+    fakeify,
+    functionalization,
+    to_functional,
+    user_errors,
+)
 from runtime.autograd import stale_saved_value, version_checked_saves
 from runtime.convention import apply_convention, expand_graph_args
 from runtime.errors import UnsupportedError
@@ -113,10 +120,12 @@ def collect_metadata(
     with eager_mode:
         plain = fakeify(eager_mode, graph_args, as_leaves=False)
         before = [(p.storage_offset(), p.requires_grad, p.is_leaf, p) for p in plain]
+        overlap = OverlapCheck()
         with user_errors("metadata pass"), torch.set_grad_enabled(grad_enabled), \
-                version_checked_saves():
+                version_checked_saves(), overlap:
             p_leaves = expand_graph_args(convention, plain, constants)
             p_outs, _ = program(p_leaves)
+        overlap.check()
         inputs = tuple(
             _input_info(kind, *state) for kind, state in zip(mutations, before)
         )

@@ -63,6 +63,12 @@ def no_grad_view_mutation(x):
     return v
 
 
+def expanded_inplace(x, y):
+    v = y.unsqueeze(0).expand(2, 4, 6)
+    v.add_(x)
+    return v
+
+
 class Opaque:
     pass
 
@@ -113,6 +119,9 @@ CASES = {
     "no_grad_view_mutated_with_grad": Case(
         no_grad_view_mutation, lambda: (torch.randn(4, requires_grad=True) * 1,),
         aotc.UnsupportedError, (HERE, "v.mul_(2)"), ("clone",)),
+    "inplace_into_expanded_view": Case(
+        expanded_inplace, lambda: (torch.randn(4, 6), torch.randn(4, 6)), aotc.UnsupportedError,
+        (HERE, "v.add_(x)", "aten.add_"), ("clone",)),
     "unknown_output_type": Case(opaque_output, lambda: (torch.randn(3),), aotc.UnsupportedError,
                                 ("output 1", "Opaque"), ("Return tensors",)),
     "mixed_devices": Case(mixed_devices, lambda: (torch.randn(3), torch.randn(3, device="meta")),
