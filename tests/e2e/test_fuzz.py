@@ -100,9 +100,16 @@ def check_program(steps: list[Step], num_outputs: int) -> None:
     for backward in (False, True):
         try:
             run_side(program, backward)
-        except Exception as e:  # eager rejects it: aotc must raise the same type of error
-            with pytest.raises(type(e)):
+        except Exception as e:  # eager rejects it: aotc must raise the same error
+            with pytest.raises(Exception) as info:
                 run_side(aotc.compile(program), backward)
+            got = info.value
+            # Same type, or an aotc error that carries eager's reason (fake tensors' Python
+            # decompositions sometimes raise RuntimeError where eager's kernel raises IndexError).
+            reason = str(e).strip().splitlines()[0].rstrip(".")
+            assert isinstance(got, type(e)) or (
+                isinstance(got, aotc.AotcError) and reason in str(got)
+            ), f"eager raised {type(e).__name__}: {e}\naotc raised {type(got).__name__}: {got}"
             return
     assert_matches_eager(program, make_args, runs=1)
 
