@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from runtime.errors import AotcError, UnsupportedError
@@ -160,22 +161,55 @@ class OverlapCheck(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if self.problem is None and func._schema.is_mutable:
-            for arg, value in zip(func._schema.arguments, args):
-                if (
-                    arg.alias_info is not None and arg.alias_info.is_write
-                    and isinstance(value, torch.Tensor)
-                    and torch._debug_has_internal_overlap(value) == 1
-                ):
-                    where = _user_frame(traceback.extract_stack())
-                    self.problem = (
-                        f"metadata pass: the program failed at {where}: {func} writes into a "
-                        "tensor in which several elements share memory (e.g. an expand()ed view); "
-                        "eager PyTorch raises 'unsupported operation: more than one element of "
-                        "the written-to tensor refers to a single memory location' here too. "
-                        ".clone() the tensor before modifying it."
-                    )
+            try:
+                self._check(func, args)
+            except Exception:  # noqa: S110 best effort: a failing check must not fail a compile
+                self.problem = None
         return func(*args, **kwargs)
+
+    def _check(self, func: torch._ops.OpOverload, args: tuple[object, ...]) -> None:
+        written = [
+            value for arg, value in zip(func._schema.arguments, args)
+            if arg.alias_info is not None and arg.alias_info.is_write
+            and isinstance(value, torch.Tensor)
+        ]
+        read = [a for a in args if isinstance(a, torch.Tensor) and all(a is not w for w in written)]
+        for w in written:
+            if torch._debug_has_internal_overlap(w) == 1:
+                self.problem = self._message(
+                    func, "writes into a tensor in which several elements share memory (e.g. "
+                    "an expand()ed view)", "more than one element of the written-to tensor "
+                    "refers to a single memory location")
+            elif func._schema.name.endswith("_") and any(_partial_overlap(w, r) for r in read):
+                self.problem = self._message(
+                    func, "writes into a tensor that partially overlaps one of its inputs",
+                    "some elements of the input tensor and the written-to tensor refer to a "
+                    "single memory location")
+
+    @staticmethod
+    def _message(func: object, what: str, eager: str) -> str:
+        where = _user_frame(traceback.extract_stack())
+        return (
+            f"metadata pass: the program failed at {where}: {func} {what}; eager PyTorch raises "
+            f"'unsupported operation: {eager}' here too. .clone() the tensor before modifying it."
+        )
 
     def check(self) -> None:
         if self.problem is not None:
             raise UnsupportedError(self.problem)
+
+
+def _partial_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """eager's partial-overlap check (TensorIterator's assert_no_partial_overlap): two dense
+    tensors on one storage whose byte ranges intersect, other than the same range and strides."""
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
+
+    if a.device != b.device or not (dense(a) and dense(b)):
+        return False
+    if StorageWeakRef(a.untyped_storage()) != StorageWeakRef(b.untyped_storage()):
+        return False
+    a0, b0 = a.storage_offset() * a.element_size(), b.storage_offset() * b.element_size()
+    a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
+    if (a0, a1) == (b0, b1):
+        return a.stride() != b.stride()
+    return a0 < b1 and b0 < a1
