@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test opinfo bench clean
+.PHONY: setup demo test opinfo bench bench-gpu clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,6 +26,10 @@ opinfo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py
+
+# On a GPU machine with torch + triton preinstalled: PYTHONPATH=. python bench/gpu.py
+bench-gpu:
+	PYTHONPATH=. $(PY) bench/gpu.py
 
 clean:
 	rm -rf $(VENV) aotc_dump *.egg-info
