@@ -21,7 +21,6 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
-
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -163,7 +162,7 @@ class OverlapCheck(TorchDispatchMode):
         if self.problem is None and func._schema.is_mutable:
             try:
                 self._check(func, args)
-            except Exception:  # noqa: S110 best effort: a failing check must not fail a compile
+            except Exception:  # noqa: BLE001 best effort: a failing check must not fail a compile
                 self.problem = None
         return func(*args, **kwargs)
 

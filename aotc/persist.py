@@ -119,7 +119,7 @@ def cache_key(
         parts.append(_trace_text(program, leaves, grad_enabled))
     except _Unkeyable as e:
         return CacheKey(None, str(e), time.perf_counter() - start)
-    except Exception as e:  # the key trace failed: the full compile reports it properly
+    except Exception as e:  # noqa: BLE001 the key trace failed: the full compile reports it
         return CacheKey(None, f"key trace failed ({type(e).__name__})", time.perf_counter() - start)
     text = "\n".join(parts)
     if " at 0x" in text:
@@ -309,7 +309,7 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         try:
             text = f"{func}({self._arg(args)}, {self._arg(kwargs)}) grad={int(torch.is_grad_enabled())}"
-        except Exception as e:  # see __init__: never raise from here
+        except Exception as e:  # noqa: BLE001 see __init__: never raise from here
             self.unkeyable, text = f"cannot print the arguments of {func} ({e})", ""
         out = func(*args, **kwargs)
         try:
@@ -322,7 +322,7 @@ class _Recorder(TorchDispatchMode):
                 else:
                     results.append(self._arg(o))
             self.lines.append(f"{', '.join(results)} = {text}")
-        except Exception as e:  # see __init__
+        except Exception as e:  # noqa: BLE001 see __init__
             self.unkeyable = f"cannot print the result of {func} ({e})"
         return out
 

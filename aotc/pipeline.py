@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.fx as fx
+from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from aotc import persist
@@ -32,16 +32,16 @@ from aotc.functional import FlatProgram
 from aotc.metadata import MetadataResult, collect_metadata
 from aotc.options import CompileOptions
 from aotc.tracer import trace_joint
+from passes.cleanup import cleanup
 from passes.descriptors import GradOutput
 from passes.ir import JointGraph
-from passes.cleanup import cleanup
 from passes.lint import lint_graph
 from passes.partition import PartitionResult, partition
 from runtime.autograd import AutogradPlan
 from runtime.convention import alias_groups, plan_convention
 from runtime.epilogue import EpiloguePlan, plan_epilogue
-from runtime.schema import CallingConvention, FwdOut, GraphArg, MutationAliasInfo, UserArg
 from runtime.launch import make_callable
+from runtime.schema import CallingConvention, FwdOut, GraphArg, MutationAliasInfo, UserArg
 from runtime.wrappers import CompiledEntry, RuntimePlan
 
 

@@ -19,10 +19,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import torch
+from common import fmt_table, write_results
 
-import aotc  # noqa: E402
-from common import fmt_table, write_results  # noqa: E402
+import aotc
 
 
 def rss_bytes() -> int:

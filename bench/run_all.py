@@ -15,12 +15,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import cache as cache_bench  # noqa: E402
-import compile_time  # noqa: E402
-import memory as memory_bench  # noqa: E402
-import overhead  # noqa: E402
-import partition as partition_bench  # noqa: E402
-import threads as threads_bench  # noqa: E402
+import cache as cache_bench
+import compile_time
+import memory as memory_bench
+import overhead
+import partition as partition_bench
+import threads as threads_bench
 
 
 def main(argv: list[str] | None = None) -> int:

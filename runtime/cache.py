@@ -41,6 +41,7 @@ import dataclasses
 import enum
 import hashlib
 import json
+import math
 import operator
 import os
 import tempfile
@@ -49,8 +50,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch import fx
 
 from runtime.errors import CacheError
 
@@ -195,11 +196,11 @@ _FORMATS = {
 def encode(value: Any, graphs: list[dict[str, Any]] | None = None,
            graph_ids: dict[int, int] | None = None) -> Any:
     """A JSON value for `value`; GraphModules go to `graphs` (shared ones stored once)."""
-    enc: Callable[[Any], Any] = lambda v: encode(v, graphs, graph_ids)  # noqa: E731
+    enc: Callable[[Any], Any] = lambda v: encode(v, graphs, graph_ids)
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
-        return value if value == value and abs(value) != float("inf") else {"F": repr(value)}
+        return value if math.isfinite(value) else {"F": repr(value)}
     if isinstance(value, complex):
         return {"C": [enc(value.real), enc(value.imag)]}
     if isinstance(value, torch.dtype):
@@ -246,7 +247,7 @@ def _registered_name(cls: type) -> str:
 
 def decode(value: Any, graphs: list[fx.GraphModule] | None = None) -> Any:
     """Inverse of `encode`. Raises CacheError on anything not produced by `encode`."""
-    dec: Callable[[Any], Any] = lambda v: decode(v, graphs)  # noqa: E731
+    dec: Callable[[Any], Any] = lambda v: decode(v, graphs)
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, list):

@@ -49,7 +49,15 @@ class CompiledEntry:
     """One compiled signature. `run(leaves)` is the per-call hot path."""
 
     __slots__ = (
-        "plan", "record", "_fwd", "_fn", "_apply", "_detach", "_diff", "_unflatten", "_mutates"
+        "_apply",
+        "_detach",
+        "_diff",
+        "_fn",
+        "_fwd",
+        "_mutates",
+        "_unflatten",
+        "plan",
+        "record"
     )
 
     def __init__(

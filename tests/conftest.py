@@ -30,7 +30,7 @@ _SESSION_CACHE = tempfile.mkdtemp(prefix="aotc-test-cache-")
 os.environ["AOTC_CACHE_DIR"] = _SESSION_CACHE
 atexit.register(shutil.rmtree, _SESSION_CACHE, True)
 
-import aotc  # noqa: E402
+import aotc
 
 
 def _tensor_leaves(tree: Any) -> list[torch.Tensor]:

@@ -148,7 +148,7 @@ def test_error_names_where_and_what_to_do(name):
     case = CASES[name]
     compiled = aotc.compile(case.fn, **case.options)
     with pytest.raises(aotc.AotcError) as info:
-        out = compiled(*case.make_args())
+        compiled(*case.make_args())
         if case.backward:
             x = case.make_args()[0]
             y = compiled(x)

@@ -71,9 +71,7 @@ def build(steps: list[Step], num_outputs: int):
             table = KINDS[s.kind]
             op = table[sorted(table)[s.op % len(table)]]
             a, b = pool[s.a % len(pool)], pool[s.b % len(pool)]
-            if s.kind == "binary":
-                pool.append(op(a, b))
-            elif s.kind == "inplace":
+            if s.kind == "binary" or s.kind == "inplace":
                 pool.append(op(a, b))
             else:
                 pool.append(op(a))
@@ -100,7 +98,7 @@ def check_program(steps: list[Step], num_outputs: int) -> None:
     for backward in (False, True):
         try:
             run_side(program, backward)
-        except Exception as e:  # eager rejects it: aotc must raise the same error
+        except Exception as e:  # noqa: BLE001 eager rejects it: aotc must raise the same error
             with pytest.raises(Exception) as info:
                 run_side(aotc.compile(program), backward)
             got = info.value

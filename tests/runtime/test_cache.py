@@ -130,7 +130,7 @@ def test_key_changes_with_body_closure_and_hyperparameters():
     drop.eval()
     assert module_key(drop) != train_key
     # A Python int argument, requires_grad, grad mode and options are all in the key.
-    f = lambda x, n: x.sum(n)  # noqa: E731
+    f = lambda x, n: x.sum(n)
     assert keys(f, x, 0) != keys(f, x, 1)
     assert keys(body_a, x) != keys(body_a, x.detach())
     with torch.no_grad():
@@ -165,7 +165,7 @@ def test_custom_autograd_function_is_not_cached(tmp_path):
             return g * 2
 
     x = torch.randn(3, requires_grad=True)
-    program = lambda leaves: ([Double.apply(leaves[0])], None)  # noqa: E731
+    program = lambda leaves: ([Double.apply(leaves[0])], None)
     result = persist.cache_key(program, [x], ["x"], CompileOptions(cache_dir="/unused"), True)
     assert result.key is None and "autograd.Function" in result.reason
 
@@ -194,17 +194,22 @@ def _rewrite_body(path: str, edit) -> None:
 
 
 CORRUPTIONS = {
-    "truncated": lambda p: open(p, "r+b").truncate(os.path.getsize(p) // 2),
+    "truncated": lambda p: os.truncate(p, os.path.getsize(p) // 2),
     "flipped_byte": lambda p: _flip(p),
     "wrong_version": lambda p: _edit_header(p, version=999),
-    "foreign_json": lambda p: open(p, "w").write('{"hello": "world"}\n{"a": 1}'),
-    "empty": lambda p: open(p, "w").close(),
+    "foreign_json": lambda p: _write(p, b'{"hello": "world"}\n{"a": 1}'),
+    "empty": lambda p: _write(p, b""),
     "foreign_key": lambda p: _edit_header(p, key="0" * 64),
     "disallowed_op": lambda p: _rewrite_body(p, _evil_target),
     "unknown_record": lambda p: _rewrite_body(
         p, lambda b: json.loads(json.dumps(b).replace("runtime.wrappers.RuntimePlan", "os.system"))
     ),
 }
+
+
+def _write(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 def _flip(path: str) -> None:

@@ -27,11 +27,11 @@ def variations() -> dict[str, object]:
         return x.t().contiguous().t(), w  # same values and shape, column-major strides
 
     def strided():
-        x, w = base_args()
+        _, w = base_args()
         return torch.randn(6, 10)[:, ::2], w
 
     def offset():
-        x, w = base_args()
+        _, w = base_args()
         return torch.randn(7, 5)[1:], w  # same geometry, nonzero storage offset
 
     def bigger():

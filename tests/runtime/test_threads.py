@@ -24,7 +24,7 @@ def run_threads(target, n: int = THREADS) -> list[object]:
         try:
             barrier.wait()
             results[i] = target(i)
-        except BaseException as e:  # reported below with the thread's traceback
+        except BaseException as e:  # noqa: BLE001 reported below with the thread's traceback
             errors.append(e)
 
     threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
