@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect as pyinspect
 import logging
 import time
+import inspect as pyinspect
 from collections.abc import Callable
 from typing import Any, overload
 

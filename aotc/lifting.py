@@ -248,7 +248,7 @@ def _walkable(value: object) -> bool:
 class _TupleItemSlot(Slot):
     """An element of a tuple held in `parent`: writing rebuilds the tuple."""
 
-    __slots__ = ("index", "parent")
+    __slots__ = ("parent", "index")
 
     def __init__(self, parent: Slot, index: int) -> None:
         self.parent, self.index = parent, index

@@ -1,6 +1,7 @@
 """The compile driver: the one place to read the data flow for one input signature.
 
     program, leaves, CompileOptions
+      │ aotc.persist.cache_key, load_entry  → a stored entry       (hit: straight to the callable)
       │ runtime.convention.plan_convention  → CallingConvention    (dedupe)
       │ aotc.metadata.collect_metadata      → MetadataResult       (mutations, aliases)
       │   (aliased inputs with a mutation: plan synthetic bases, collect again)
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import fx
+import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from aotc import persist
@@ -32,16 +33,16 @@ from aotc.functional import FlatProgram
 from aotc.metadata import MetadataResult, collect_metadata
 from aotc.options import CompileOptions
 from aotc.tracer import trace_joint
-from passes.cleanup import cleanup
 from passes.descriptors import GradOutput
 from passes.ir import JointGraph
+from passes.cleanup import cleanup
 from passes.lint import lint_graph
 from passes.partition import PartitionResult, partition
 from runtime.autograd import AutogradPlan
 from runtime.convention import alias_groups, plan_convention
 from runtime.epilogue import EpiloguePlan, plan_epilogue
-from runtime.launch import make_callable
 from runtime.schema import CallingConvention, FwdOut, GraphArg, MutationAliasInfo, UserArg
+from runtime.launch import make_callable
 from runtime.wrappers import CompiledEntry, RuntimePlan
 
 

@@ -16,7 +16,7 @@ Worked example (CSE then no-op removal then DCE):
 from __future__ import annotations
 
 import torch
-from torch import fx
+import torch.fx as fx
 
 from passes.ir import StageGraph, make_module
 from passes.recompute import is_random

@@ -49,15 +49,7 @@ class CompiledEntry:
     """One compiled signature. `run(leaves)` is the per-call hot path."""
 
     __slots__ = (
-        "_apply",
-        "_detach",
-        "_diff",
-        "_fn",
-        "_fwd",
-        "_mutates",
-        "_unflatten",
-        "plan",
-        "record"
+        "plan", "record", "_fwd", "_fn", "_apply", "_detach", "_diff", "_unflatten", "_mutates"
     )
 
     def __init__(
