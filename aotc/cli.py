@@ -131,6 +131,14 @@ def _explain(script: str, script_args: list[str]) -> int:
     return code
 
 
+def _kernels_text(rec: Any, aten_calls: int) -> str:
+    kernels = getattr(rec, "kernels", ())
+    if not kernels:
+        return f"{aten_calls} ATen calls (backend 'aten'; backend='triton' generates kernels)"
+    names = ", ".join(k.name for k in kernels[:6]) + (" ..." if len(kernels) > 6 else "")
+    return f"{len(kernels)} generated Triton kernels ({names}) plus ATen calls for the rest"
+
+
 def explain_text(compiled: list[tuple[Any, Any, str | None]]) -> str:
     """One table per compiled graph, from (compiled function, record, recompile reason)."""
     if not compiled:
@@ -147,8 +155,7 @@ def explain_text(compiled: list[tuple[Any, Any, str | None]]) -> str:
             ("function", f"{rec.name}  ({rec.source})"),
             ("mode", "training (forward + backward)" if rec.training else "inference (forward)"),
             ("ops", ", ".join(f"{k} {v}" for k, v in ops.items())),
-            ("kernels", f"{ops.get('forward', 0) + ops.get('backward', 0)} ATen calls "
-                        "(Triton code generation not built yet)"),
+            ("kernels", _kernels_text(rec, ops.get("forward", 0) + ops.get("backward", 0))),
         ]
         if part is not None:
             ratio = part.saved_bytes / part.save_everything_bytes if part.save_everything_bytes else 0

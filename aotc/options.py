@@ -11,7 +11,10 @@ from passes.recompute import RecomputePolicy
 
 @dataclass(frozen=True, slots=True)
 class CompileOptions:
-    backend: str = "aten"  # how graphs run; "aten" runs the fx graphs as ATen ops
+    # How graphs run: "aten" runs the fx graphs as ATen ops; "triton" runs generated Triton
+    # kernels (on CPU through Triton's interpreter); "auto" uses Triton for CUDA graphs only.
+    backend: str = "aten"
+    triton_interpret: bool = False  # set by from_env: Triton's interpreter runs CPU kernels
     dynamic: bool = False  # symbolic shapes (not yet supported: raises)
     recompile_warn_limit: int = 8  # warn once a function has this many compiled signatures
     max_signatures: int = 64  # refuse to compile more signatures than this (GuardError)
@@ -30,6 +33,7 @@ class CompileOptions:
     @staticmethod
     def from_env(**overrides: object) -> CompileOptions:
         opts = CompileOptions(
+            backend=os.environ.get("AOTC_BACKEND") or "aten",  # e.g. the OpInfo sweep on Triton
             dump_dir=os.environ.get("AOTC_DUMP_DIR") or None,
             check_invariants=os.environ.get("AOTC_CHECK_INVARIANTS", "0") == "1",
             cache=os.environ.get("AOTC_CACHE", "1").strip().lower() not in ("0", "false", "off"),
@@ -45,11 +49,12 @@ class CompileOptions:
         given = {k: v for k, v in overrides.items() if v is not None}
         opts = replace(opts, **given)  # type: ignore[arg-type]
         _check_partition_options(opts)
-        if opts.backend not in ("aten", "auto"):
+        if opts.backend not in ("aten", "auto", "triton"):
             raise ValueError(
-                f"aotc.compile(backend={opts.backend!r}): only 'aten' and 'auto' are available "
-                "in this version (Triton code generation is not built yet)."
+                f"aotc.compile(backend={opts.backend!r}): expected 'aten', 'triton' or 'auto'."
             )
+        if opts.backend == "triton":
+            opts = replace(opts, triton_interpret=_prepare_triton_interpreter())
         return opts
 
 
@@ -60,6 +65,22 @@ def default_cache_dir() -> str:
         return os.path.abspath(os.path.expanduser(explicit))
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "aotc")
+
+
+def _prepare_triton_interpreter() -> bool:
+    """Whether Triton runs CPU kernels in its interpreter. TRITON_INTERPRET is read when triton
+    is imported, so it is set here, before the first import, on machines without CUDA (an
+    exception to "options only read env vars": Triton itself reads this one)."""
+    import sys
+
+    import torch
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    if "triton" in sys.modules or torch.cuda.is_available():
+        return False
+    os.environ["TRITON_INTERPRET"] = "1"
+    return True
 
 
 def _check_partition_options(opts: CompileOptions) -> None:

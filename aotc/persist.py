@@ -102,7 +102,10 @@ class CacheKey:
 
 
 def is_enabled(options: CompileOptions) -> bool:
-    return bool(options.cache and options.cache_dir)
+    # TODO(cache): store entries of the Triton backends too: on a hit, regenerate kernels with
+    # passes.select.select_backend from the cached graphs, which needs node values on the real
+    # device (cached values are meta tensors); the entry's `kernels` field is the hook. (#7)
+    return bool(options.cache and options.cache_dir) and options.backend == "aten"
 
 
 def cache_key(

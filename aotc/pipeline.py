@@ -9,6 +9,7 @@
       │ passes.cleanup.cleanup              → JointGraph           (DCE, CSE, no-op views)
       │ passes.partition.partition          → PartitionResult      (min-cut; training only)
       │ runtime.epilogue.plan_epilogue      → EpiloguePlan
+      │ passes.select.select_backend        → CompiledGraph | None (Triton kernels, or ATen)
       ▼ runtime.wrappers.CompiledEntry      → the callable for this signature
       (aotc.persist.store_entry writes the records for the next process)
 """
@@ -38,10 +39,12 @@ from passes.ir import JointGraph
 from passes.cleanup import cleanup
 from passes.lint import lint_graph
 from passes.partition import PartitionResult, partition
+from passes.select import select_backend
 from runtime.autograd import AutogradPlan
 from runtime.convention import alias_groups, plan_convention
 from runtime.epilogue import EpiloguePlan, plan_epilogue
 from runtime.schema import CallingConvention, FwdOut, GraphArg, MutationAliasInfo, UserArg
+from runtime.kernels import KernelSource
 from runtime.launch import make_callable
 from runtime.wrappers import CompiledEntry, RuntimePlan
 
@@ -65,6 +68,8 @@ class CompiledRecord:
     source: str  # where the user function is defined, "file:line"
     guards: str  # what the compiled entry is specialized on, readable
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    kernels: tuple[KernelSource, ...] = ()  # generated Triton kernels, forward then backward
+    fusion_text: str = ""  # the fusion plans of the forward and backward graphs
 
     @property
     def compile_seconds(self) -> float:
@@ -90,6 +95,10 @@ class CompiledRecord:
                 ("05_backward.py", self.partition.backward.format("backward")),
             ]
         out.append(("06_epilogue.txt", self.epilogue.format() + "\n"))
+        if self.kernels:
+            out.append(("09_fusion.txt", self.fusion_text))
+            out += [(f"09_kernels/{i:02d}_{k.name}.py", k.source)
+                    for i, k in enumerate(self.kernels)]
         times = "\n".join(f"{k}: {v * 1e3:.2f} ms" for k, v in self.stage_seconds.items())
         out.append(("07_compile_time.txt", f"# stage: compile time\n{times}\n"))
         return out
@@ -216,8 +225,14 @@ def _compile_signature(
     )
     fwd_module = part.forward.module if part is not None else joint.module
     bwd_module = part.backward.module if part is not None else None
+    fwd_compiled = select_backend(fwd_module, options.backend, options.triton_interpret)
+    bwd_compiled = select_backend(bwd_module, options.backend, options.triton_interpret) if bwd_module else None
+    lap("kernels")
     entry = CompiledEntry(
-        plan, make_callable(fwd_module), make_callable(bwd_module) if bwd_module else None
+        plan,
+        fwd_compiled.callable if fwd_compiled else make_callable(fwd_module),
+        (bwd_compiled.callable if bwd_compiled else make_callable(bwd_module))
+        if bwd_module else None,
     )
     lap("assemble")
     entry.record = CompiledRecord(
@@ -236,6 +251,9 @@ def _compile_signature(
         source=source,
         guards=_GUARDS,
         stage_seconds=times,
+        kernels=tuple(k for c in (fwd_compiled, bwd_compiled) if c for k in c.kernels),
+        fusion_text="".join(f"# {label} graph\n{c.fusion_text}" for label, c in
+                            (("forward", fwd_compiled), ("backward", bwd_compiled)) if c),
     )
     if key is not None:
         persist.store_entry(options, key, _record_fields(entry.record), plan)
@@ -281,7 +299,10 @@ def _log_record(
         graphs.info("%s: joint graph\n%s", record.name, record.joint_graph.format("joint"))
     if partition_log.isEnabledFor(logging.INFO) and record.partition is not None:
         partition_log.info("%s:\n%s", record.name, record.partition.format())
-    if kernels.isEnabledFor(logging.INFO):
+    if kernels.isEnabledFor(logging.INFO) and record.kernels:
+        kernels.info("%s: %d generated kernels\n%s", record.name, len(record.kernels),
+                     "\n".join(k.source for k in record.kernels))
+    elif kernels.isEnabledFor(logging.INFO):
         for label, module in (("forward", fwd), ("backward", bwd)):
             if module is not None:
                 kernels.info("%s %s: runs as ATen calls\n%s", record.name, label,
@@ -343,6 +364,7 @@ def dump_record(record: CompiledRecord, root: str) -> str:
     folder = os.path.join(root, f"{safe}_{n}")
     os.makedirs(folder, exist_ok=True)
     for file_name, text in record.stages:
+        os.makedirs(os.path.dirname(os.path.join(folder, file_name)), exist_ok=True)
         with open(os.path.join(folder, file_name), "w") as f:
             f.write(text)
     from aotc.debug import graph_json

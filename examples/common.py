@@ -24,6 +24,9 @@ def summarize(compiled: object) -> None:
         if rec.partition is not None:
             print(f"--- saved for backward: {len(rec.partition.saved)} values, "
                   f"{rec.saved_bytes} bytes")
+        if rec.kernels:
+            print(f"--- {len(rec.kernels)} generated Triton kernels: "
+                  f"{', '.join(k.name for k in rec.kernels)}")
         times = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in rec.stage_seconds.items())
         print(f"--- compile time: {rec.compile_seconds * 1e3:.1f} ms ({times})")
 
@@ -36,11 +39,12 @@ def train_against_eager(
     steps: int,
     lr: float,
     dump: str | None,
+    backend: str = "aten",
 ) -> None:
     """SGD steps on `model` through aotc and on an eager deep copy; losses and every gradient
     must match at each step. Then print the compiled graphs and where the dump went."""
     eager = copy.deepcopy(model)
-    compiled = aotc.compile(model, dump_dir=dump)
+    compiled = aotc.compile(model, dump_dir=dump, backend=backend)
     opt_c = torch.optim.SGD(model.parameters(), lr=lr)
     opt_e = torch.optim.SGD(eager.parameters(), lr=lr)
     for step in range(steps):

@@ -23,6 +23,10 @@ import torch
 import torch.utils._pytree as pytree
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Triton reads TRITON_INTERPRET when imported: without CUDA, generated kernels run in its
+# interpreter (backend="triton" tests). Set before anything imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The suite never writes to the user's real cache: one fresh cache directory per session (also
 # inherited by the subprocesses tests start). Tests that need their own directory pass cache_dir.

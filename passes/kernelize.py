@@ -1,0 +1,226 @@
+"""Lower one stage graph to generated Triton kernels plus ATen calls.
+
+Stage: `lower_graph(module, interpret) -> CompiledGraph`.
+Requires: a functional ATen fx graph (forward or backward) with `meta["val"]` on every node.
+Ensures: `decompose` -> `lower` -> `plan_fusion` -> `generate_kernel` for every fused group, and
+a `runtime.kernels.CompiledGraph` whose callable takes the placeholders positionally and returns
+the output tuple, like `runtime.launch.make_callable`. A group whose kernel cannot be generated
+or compiled runs as ATen calls (its fx nodes) with a warning on `aotc.kernels`; ops lowering
+does not know stay ATen calls.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx
+
+from passes.codegen import generate_kernel
+from passes.decompose import decompose
+from passes.fusion import FusionPlan, GroupKind, plan_fusion
+from passes.lowering import Extern, _non_overlapping, lower, view_output_positions
+from runtime.kernels import (
+    AtenStep,
+    BufferSpec,
+    CompiledGraph,
+    KernelSource,
+    KernelStep,
+    Step,
+    load_kernel,
+)
+
+log = logging.getLogger("aotc.kernels")
+
+
+def graph_device(module: fx.GraphModule) -> torch.device | None:
+    for node in module.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.device
+    return None
+
+
+def lower_graph(module: fx.GraphModule, interpret: bool) -> CompiledGraph:
+    decomposed = decompose(module)
+    plan = plan_fusion(lower(decomposed, view_output_positions(module)))
+    device = str(graph_device(decomposed) or "cpu")
+    outputs = {o for o in plan.lowered.outputs if isinstance(o, str)}
+    extern_reads = {b for g in plan.groups if g.kind is GroupKind.EXTERN for b in g.reads}
+    steps: list[Step] = []
+    kernels: list[KernelSource] = []
+    for group in plan.groups:
+        if group.kind is GroupKind.EXTERN:
+            ext = group.members[0]
+            assert isinstance(ext, Extern)
+            steps.append(AtenStep(ext.name, _node_runner([ext.node], [ext.name],
+                                                         plan.lowered.aliases)))
+            continue
+        nodes = sorted({n for m in group.members for n in m.cone},
+                       key=_position(decomposed))
+        fallback = _node_runner(nodes, list(group.stores), plan.lowered.aliases)
+        try:
+            kernel = generate_kernel(plan, group, device, interpret)
+            load_kernel(kernel)
+        except Exception as e:  # noqa: BLE001 - a group that cannot compile runs as ATen calls
+            log.warning("could not generate a kernel for %s (%s: %s); running its ops as ATen "
+                        "calls", group.name, type(e).__name__, e)
+            steps.append(AtenStep(group.name, fallback))
+            continue
+        kernels.append(kernel)
+        specs = tuple(_spec(plan, name, device) for name in group.stores)
+        steps.append(KernelStep(kernel, specs, fallback))
+    steps, num_slots = _plan_buffers(steps, plan, outputs | extern_reads)
+    return CompiledGraph(
+        kernels=tuple(kernels), steps=tuple(steps), placeholders=tuple(plan.lowered.placeholders),
+        outputs=tuple(plan.lowered.outputs), num_slots=num_slots, fusion_text=plan.format(),
+        input_strides=tuple(_input_stride(plan, name) for name in plan.lowered.placeholders),
+    )
+
+
+def _input_stride(plan: FusionPlan, name: str) -> tuple[int, ...] | None:
+    """The traced strides of a placeholder that some kernel reads (ATen calls take any)."""
+    read = any(name in g.reads for g in plan.kernel_groups)
+    return plan.lowered.buffers[name][1] if read and name in plan.lowered.buffers else None
+
+
+def _position(module: fx.GraphModule) -> Callable[[fx.Node], int]:
+    order = {n: i for i, n in enumerate(module.graph.nodes)}
+    return order.__getitem__
+
+
+def _spec(plan: FusionPlan, name: str, device: str) -> BufferSpec:
+    size, stride, _, dtype = plan.lowered.buffers[name]
+    return BufferSpec(name, size, stride, dtype, device, None)
+
+
+def _node_runner(nodes: list[fx.Node], keep: list[str], aliases: dict[str, str]
+                 ) -> Callable[[dict[str, Any]], None]:
+    """Run fx nodes as ATen calls, reading and writing buffers by node name. Each node's call is
+    prepared once here (its C++ op entry, which arguments are buffers, whether its result's
+    strides need fixing), so a run does little more than the ATen calls themselves."""
+    calls = [_prepare_call(node, node.name in keep) for node in nodes]
+    produced = {node.name for node in nodes}
+
+    def run(env: dict[str, Any]) -> None:
+        local: dict[str, Any] = {}
+        for name, fn, arg_refs, kwargs, fix in calls:
+            args = [_resolve(a, local, env, aliases, produced) for a in arg_refs]
+            out = fn(*args, **kwargs)
+            local[name] = fix(out) if fix is not None else out
+        for name in keep:
+            env[name] = local[name]
+    return run
+
+
+class _Ref:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _to_ref(a: Any) -> Any:
+    if isinstance(a, fx.Node):
+        return _Ref(a.name)
+    if isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a):
+        return [_to_ref(x) for x in a]
+    return a
+
+
+def _resolve(a: Any, local: dict[str, Any], env: dict[str, Any], aliases: dict[str, str],
+             produced: set[str]) -> Any:
+    if isinstance(a, _Ref):
+        if a.name in produced:
+            return local[a.name]
+        return env[a.name] if a.name in env else env[aliases[a.name]]
+    if isinstance(a, list):
+        return [_resolve(x, local, env, aliases, produced) for x in a]
+    return a
+
+
+def _prepare_call(node: fx.Node, keep: bool) -> tuple[str, Callable[..., Any], list[Any],
+                                                       dict[str, Any], Any]:
+    if node.op == "get_attr":
+        value = _fetch_attr(node.graph.owning_module, str(node.target))
+        return node.name, lambda: value, [], {}, None
+    target = node.target
+    fn = target._op if isinstance(target, torch._ops.OpOverload) else target
+    if any(isinstance(v, fx.Node) for v in fx.node.map_arg(node.kwargs, lambda n: n).values()):
+        args = [_to_ref(a) for a in node.args]
+        kw_refs = {k: _to_ref(v) for k, v in node.kwargs.items()}
+        return node.name, _with_kwargs(fn, list(kw_refs)), [*args, *kw_refs.values()], {}, \
+            _stride_fix(node, keep)
+    return node.name, fn, [_to_ref(a) for a in node.args], dict(node.kwargs), \
+        _stride_fix(node, keep)  # type: ignore[return-value]
+
+
+def _with_kwargs(fn: Callable[..., Any], names: list[str]) -> Callable[..., Any]:
+    def call(*values: Any) -> Any:
+        n = len(values) - len(names)
+        return fn(*values[:n], **dict(zip(names, values[n:], strict=True)))
+    return call
+
+
+def _stride_fix(node: fx.Node, keep: bool) -> Callable[[Any], Any] | None:
+    """ATen results whose strides differ from the traced ones (which kernels index with) are
+    copied into the traced layout."""
+    val = node.meta.get("val")
+    if not keep or not isinstance(val, torch.Tensor) or val.numel() <= 1:
+        return None
+    if not _non_overlapping(val.shape, val.stride()):
+        return None
+    shape, stride = tuple(val.shape), tuple(val.stride())
+
+    def fix(out: Any) -> Any:
+        if not isinstance(out, torch.Tensor) or out.stride() == stride:
+            return out
+        return torch.empty_strided(shape, stride, dtype=out.dtype, device=out.device).copy_(out)
+    return fix
+
+
+def _fetch_attr(module: Any, target: str) -> Any:
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _plan_buffers(steps: list[Step], plan: FusionPlan, pinned: set[str]
+                  ) -> tuple[list[Step], int]:
+    """Free each buffer after its last reader; share storage between kernel outputs that are
+    neither graph outputs nor read by ATen calls when their lifetimes do not overlap."""
+    last_use: dict[str, int] = {}
+    for i, group in enumerate(plan.groups):  # steps are one per group, in the same order
+        for b in group.reads:
+            last_use[b] = i
+    free_slots: dict[tuple[Any, ...], list[int]] = {}
+    num_slots = 0
+    releases: dict[int, list[tuple[tuple[Any, ...], int]]] = {}
+    out: list[Step] = []
+    for i, step in enumerate(steps):
+        if isinstance(step, KernelStep):
+            specs = []
+            for spec in step.outputs:
+                if spec.name in pinned or spec.name not in last_use:
+                    specs.append(spec)
+                    continue
+                key = (spec.size, spec.stride, spec.dtype, spec.device)
+                pool = free_slots.setdefault(key, [])
+                slot = pool.pop() if pool else None
+                if slot is None:
+                    slot, num_slots = num_slots, num_slots + 1
+                releases.setdefault(last_use[spec.name], []).append((key, slot))
+                specs.append(BufferSpec(spec.name, spec.size, spec.stride, spec.dtype,
+                                        spec.device, slot))
+            step = KernelStep(step.kernel, tuple(specs), step.fallback)
+        frees = tuple(sorted(b for b, last in last_use.items()
+                             if last == i and b not in pinned))
+        step = (KernelStep(step.kernel, step.outputs, step.fallback, frees)
+                if isinstance(step, KernelStep) else AtenStep(step.name, step.run, frees))
+        out.append(step)
+        for key, slot in releases.get(i, []):
+            free_slots[key].append(slot)
+    return out, num_slots
+

@@ -1,0 +1,653 @@
+"""Lower a decomposed ATen graph to loop-IR nodes: the schedulable units of kernel generation.
+
+Stage: `lower(module) -> LoweredGraph`.
+Requires: a functional, decomposed ATen fx graph (passes.decompose) with `meta["val"]` on nodes.
+Ensures: `LoweredGraph.items` lists, in a valid execution order, one `Computed` node per value
+that must be materialized (graph outputs, inputs of extern calls, reductions, values read by
+several consumers whose recompute is not cheap) and one `Extern` per node that stays an ATen call
+(matmul, attention, RNG, anything lowering does not know, graph outputs that are views). Every
+other value is inlined into its consumers' `fn`, so views and pointwise chains cost no memory.
+
+Worked example, `y = (x * 2).exp(); return y.sum(-1), y` with x: float[4, 5]:
+
+    Computed exp   POINTWISE size=(4, 5)  fn(i) = exp(Load(x, 5*i0 + i1) * 2)
+    Computed sum_1 REDUCTION size=(4,) over (4, 5) dims=(1,)  fn(i) = Load(exp, 5*i0 + i1)
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+
+from passes.loop_ir import (
+    Const,
+    Expr,
+    IndexFn,
+    IndexValue,
+    Load,
+    Op,
+    contiguous_strides,
+    flat_index,
+    floordiv,
+    index_symbol,
+    loads_of,
+    mod,
+)
+
+aten = torch.ops.aten
+log = logging.getLogger("aotc.kernels")
+
+# Heuristic: a value read by several consumers is recomputed in each (not stored) when its
+# expression has at most this many nodes; pointwise chains in the examples are below it.
+MAX_INLINE_NODES = 24
+# Heuristic: an expression this large is stored instead of inlined further (bounds source size).
+MAX_EXPR_NODES = 200
+
+FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+KERNEL_TYPES = FLOAT_TYPES + (torch.int64, torch.int32, torch.bool, torch.int8, torch.uint8)
+
+
+class NodeKind(enum.Enum):
+    POINTWISE = "pointwise"
+    REDUCTION = "reduction"
+
+
+@dataclass(frozen=True)
+class ReductionInfo:
+    src_size: tuple[int, ...]  # the size of the reduced input
+    dims: tuple[int, ...]  # reduced dims of src_size, sorted
+    kind: str  # "sum", "max", "min"
+
+    @property
+    def outer(self) -> tuple[int, ...]:
+        return tuple(s for d, s in enumerate(self.src_size) if d not in self.dims)
+
+    @property
+    def reduced(self) -> tuple[int, ...]:
+        return tuple(s for d, s in enumerate(self.src_size) if d in self.dims)
+
+
+@dataclass
+class Computed:
+    """A value computed by a generated kernel and stored to its own buffer."""
+
+    name: str  # buffer name == the fx node's name
+    kind: NodeKind
+    size: tuple[int, ...]
+    stride: tuple[int, ...]  # layout of the stored buffer
+    dtype: torch.dtype
+    fn: IndexFn  # POINTWISE: over `size`; REDUCTION: over `reduction.src_size`
+    reduction: ReductionInfo | None
+    origin: fx.Node
+    reads: tuple[str, ...] = ()  # buffers the fn loads (sorted)
+    cone: tuple[fx.Node, ...] = ()  # fx nodes to run as ATen if its kernel fails (graph order)
+
+    @property
+    def numel(self) -> int:
+        return _prod(self.size)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+
+@dataclass
+class Extern:
+    """An fx node that runs as an ATen call."""
+
+    name: str
+    node: fx.Node
+    reads: tuple[str, ...]
+
+
+Item = Computed | Extern
+
+
+@dataclass
+class LoweredGraph:
+    module: fx.GraphModule
+    items: list[Item]  # execution order
+    buffers: dict[str, tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype]]
+    outputs: list[object]  # per graph output: a buffer name (str) or a constant
+    placeholders: list[str]
+    aliases: dict[str, str]  # fx node name -> buffer name, where they differ (ATen args)
+
+
+class Unsupported(Exception):
+    pass
+
+
+@dataclass
+class _Value:
+    size: tuple[int, ...]
+    dtype: torch.dtype
+    fn: IndexFn
+    buffer: str | None = None  # set once materialized
+    cost: int = 1  # expression nodes of fn
+
+
+def _prod(xs: Sequence[int]) -> int:
+    out = 1
+    for x in xs:
+        out *= int(x)
+    return out
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _val(node: fx.Node) -> Any:
+    return node.meta.get("val")
+
+
+class _Lowering:
+    def __init__(self, module: fx.GraphModule, view_outputs: frozenset[int] | None) -> None:
+        self.module = module
+        self.items: list[Item] = []
+        self.env: dict[fx.Node, Any] = {}
+        self.buffers: dict[str, tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype]] = {}
+        self.aliases: dict[str, str] = {}  # fx node name -> the buffer holding its value
+        out_node = next(n for n in reversed(module.graph.nodes) if n.op == "output")
+        self.outputs = set(out_node.all_input_nodes)
+        self.out_node = out_node
+        returned = out_node.args[0] if isinstance(out_node.args[0], (list, tuple)) \
+            else (out_node.args[0],)
+        positions = view_output_positions(module) if view_outputs is None else view_outputs
+        self.view_outputs = {returned[i] for i in positions if isinstance(returned[i], fx.Node)}
+
+    # -- materialization --
+    def buffer_value(self, name: str, val: torch.Tensor) -> _Value:
+        # Kernels index from the tensor's data pointer, which includes its storage offset.
+        size, stride = tuple(val.shape), tuple(val.stride())
+        self.buffers[name] = (size, stride, 0, val.dtype)
+
+        def fn(idx: Sequence[sympy.Expr]) -> Expr:
+            return Load(name, flat_index(idx, stride))
+
+        return _Value(size, val.dtype, fn, buffer=name)
+
+    def realize(self, node: fx.Node) -> str:
+        value = self.env[node]
+        if isinstance(value, _Value) and value.buffer is not None:
+            return value.buffer
+        if not isinstance(value, _Value):
+            raise Unsupported(f"{node.name} is not a tensor value")
+        val = _val(node)
+        stride = tuple(val.stride()) if node in self.outputs else contiguous_strides(value.size)
+        if val.storage_offset() != 0 or not _non_overlapping(value.size, stride):
+            stride = contiguous_strides(value.size)
+        comp = Computed(node.name, NodeKind.POINTWISE, value.size, stride, value.dtype, value.fn,
+                        None, node)
+        self.add_computed(comp)
+        fake = torch.empty_strided(value.size, stride, dtype=value.dtype, device="meta")
+        self.env[node] = self.buffer_value(node.name, fake)
+        return node.name
+
+    def add_computed(self, comp: Computed) -> None:
+        shape = comp.reduction.src_size if comp.reduction else comp.size
+        syms = [index_symbol(f"i{d}") for d in range(len(shape))]
+        comp.reads = tuple(sorted({ld.buf for ld in loads_of(comp.fn(syms))}))
+        comp.cone = _cone(comp.origin, set(comp.reads))
+        self.buffers[comp.name] = (comp.size, comp.stride, 0, comp.dtype)
+        self.items.append(comp)
+
+    def extern(self, node: fx.Node) -> None:
+        reads = []
+        for inp in node.all_input_nodes:
+            value = self.env.get(inp)
+            lazy = isinstance(value, tuple) or (isinstance(value, _Value) and value.buffer is None)
+            if lazy and _is_view(inp):
+                self.extern(inp)  # a view feeding an ATen call stays an ATen view, no copy
+                reads.append(inp.name)
+            elif isinstance(value, _Value):
+                buf = self.realize(inp)
+                reads.append(buf)
+                if buf != inp.name:  # e.g. a no-op reshape: the node's value is that buffer
+                    self.aliases[inp.name] = buf
+            elif inp.op != "placeholder" or isinstance(_val(inp), torch.Tensor):
+                reads.append(inp.name)
+        self.items.append(Extern(node.name, node, tuple(sorted(set(reads)))))
+        val = _val(node)
+        if isinstance(val, torch.Tensor):
+            self.env[node] = self.buffer_value(node.name, val)
+        else:
+            self.env[node] = node.name  # a tuple or scalar produced by ATen
+
+    # -- driver --
+    def run(self) -> LoweredGraph:
+        placeholders = []
+        for node in self.module.graph.nodes:
+            if node.op == "placeholder":
+                placeholders.append(node.name)
+                val = _val(node)
+                self.env[node] = (self.buffer_value(node.name, val)
+                                  if isinstance(val, torch.Tensor) else node.name)
+            elif node.op == "output":
+                continue
+            else:
+                self.lower_node(node)
+        outputs: list[object] = []
+        returned = self.out_node.args[0]
+        for value in returned if isinstance(returned, (list, tuple)) else (returned,):
+            if isinstance(value, fx.Node):
+                outputs.append(self.realize(value) if isinstance(self.env[value], _Value)
+                               else value.name)
+            else:
+                outputs.append(value)
+        return LoweredGraph(self.module, self.items, self.buffers, outputs, placeholders,
+                            self.aliases)
+
+    def lower_node(self, node: fx.Node) -> None:
+        val = _val(node)
+        lowering = LOWERINGS.get(node.target)
+        is_view_out = node in self.view_outputs and _is_view(node)
+        if node.op == "get_attr":
+            self.items.append(Extern(node.name, node, ()))
+            self.env[node] = (self.buffer_value(node.name, val) if isinstance(val, torch.Tensor)
+                              else node.name)
+            return
+        devices = {v.device for v in [val, *[_val(a) for a in node.all_input_nodes]]
+                   if isinstance(v, torch.Tensor)}
+        if (lowering is None or is_view_out or len(devices) > 1 or not isinstance(val, (torch.Tensor, tuple, list))
+                or (isinstance(val, torch.Tensor) and val.dtype not in KERNEL_TYPES)):
+            self.extern(node)
+            return
+        try:
+            args = [self._arg(a) for a in node.args]
+            kwargs = {k: self._arg(v) for k, v in node.kwargs.items()}
+            result = lowering(self, node, *args, **kwargs)
+        except Unsupported as e:
+            log.debug("%s stays an ATen call: %s", node.format_node(), e)
+            self.extern(node)
+            return
+        if isinstance(result, Computed):
+            self.add_computed(result)
+            fake = torch.empty_strided(result.size, result.stride, dtype=result.dtype,
+                                       device="meta")
+            self.env[node] = self.buffer_value(node.name, fake)
+            return
+        self.env[node] = result
+        if isinstance(result, _Value):
+            n_users = len(node.users)
+            if result.cost > MAX_EXPR_NODES or (n_users > 1 and result.cost > MAX_INLINE_NODES):
+                self.realize(node)
+
+    def _arg(self, a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            v = self.env[a]
+            if not isinstance(v, (_Value, tuple, list)):
+                raise Unsupported(f"argument {a.name} is not a tensor lowering understands")
+            return v
+        if isinstance(a, (list, tuple)):
+            return type(a)(self._arg(x) for x in a)
+        return a
+
+
+def _is_view(node: fx.Node) -> bool:
+    if node.target is operator.getitem:
+        return isinstance(node.args[0], fx.Node) and node.args[0].target in VIEW_OPS
+    return node.target in VIEW_OPS
+
+
+def _non_overlapping(size: Sequence[int], stride: Sequence[int]) -> bool:
+    """No two indices share an element (gaps allowed): each stride covers the smaller dims."""
+    dims = sorted((st, s) for s, st in zip(size, stride) if s > 1)
+    extent = 1
+    for st, s in dims:
+        if st < extent:
+            return False
+        extent = st * (s - 1) + extent
+    return True
+
+
+def _is_dense(size: Sequence[int], stride: Sequence[int]) -> bool:
+    """A permutation of a contiguous layout (size-1 dims may have any stride)."""
+    dims = sorted((st, s) for s, st in zip(size, stride) if s > 1)
+    expect = 1
+    for st, s in dims:
+        if st != expect:
+            return False
+        expect = st * s
+    return True
+
+
+def _cone(origin: fx.Node, stops: set[str]) -> tuple[fx.Node, ...]:
+    seen: set[fx.Node] = set()
+    stack = [origin]
+    while stack:
+        n = stack.pop()
+        if n in seen or n.op == "placeholder" or (n.name in stops and n is not origin):
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    order = {n: i for i, n in enumerate(origin.graph.nodes)}
+    return tuple(sorted(seen, key=order.__getitem__))
+
+
+def lower(module: fx.GraphModule, view_outputs: frozenset[int] | None = None) -> LoweredGraph:
+    """`view_outputs`: positions of graph outputs that are views in the graph before
+    decomposition (they stay ATen views so aliasing matches eager); default: the view nodes
+    among this graph's outputs."""
+    return _Lowering(module, view_outputs).run()
+
+
+def view_output_positions(module: fx.GraphModule) -> frozenset[int]:
+    out = next(n for n in reversed(module.graph.nodes) if n.op == "output")
+    returned = out.args[0] if isinstance(out.args[0], (list, tuple)) else (out.args[0],)
+    return frozenset(i for i, v in enumerate(returned) if isinstance(v, fx.Node) and _is_view(v)
+                     and v.target != aten._unsafe_view.default)  # that one returns a fresh tensor
+
+
+# ---- op lowerings ----------------------------------------------------------------------------
+
+Lowering = Callable[..., Any]
+LOWERINGS: dict[object, Lowering] = {}
+VIEW_OPS: set[object] = set()
+
+
+def register(*targets: object, view: bool = False) -> Callable[[Lowering], Lowering]:
+    def deco(fn: Lowering) -> Lowering:
+        for t in targets:
+            LOWERINGS[t] = fn
+            if view:
+                VIEW_OPS.add(t)
+        return fn
+    return deco
+
+
+def _broadcast_fn(v: Any, size: tuple[int, ...], dtype: torch.dtype) -> Callable[..., Expr]:
+    """Index fn reading `v` (a _Value or a Python scalar) broadcast to `size`, cast to dtype."""
+    if not isinstance(v, _Value):
+        if isinstance(v, complex):
+            raise Unsupported("complex scalar")
+        c = Const(v, dtype)
+        return lambda idx: c
+    lead = len(size) - len(v.size)
+
+    def fn(idx: Sequence[sympy.Expr]) -> Expr:
+        sub = [sympy.Integer(0) if s <= 1 else idx[lead + d] for d, s in enumerate(v.size)]
+        e = v.fn(sub)
+        return e if v.dtype == dtype else Op("cast", (e,), dtype)
+    return fn
+
+
+def _cost(*vs: Any) -> int:
+    return 1 + sum(v.cost for v in vs if isinstance(v, _Value))
+
+
+def _pointwise(name: str, compute: Callable[[torch.dtype], torch.dtype] | None = None
+               ) -> Lowering:
+    def lowering(ctx: _Lowering, node: fx.Node, *args: Any, **kwargs: Any) -> _Value:
+        out = _val(node)
+        operands = [a for a in args if isinstance(a, (_Value, int, float, bool))]
+        if kwargs.get("alpha", 1) != 1:
+            operands[1] = _scale(operands[1], kwargs["alpha"])
+        dt = _compute_dtype(node) if compute is None else compute(out.dtype)
+        fns = [_broadcast_fn(a, tuple(out.shape), dt) for a in operands]
+        return _Value(tuple(out.shape), out.dtype,
+                      lambda idx: _cast(Op(name, tuple(f(idx) for f in fns), dt), out.dtype),
+                      cost=_cost(*operands))
+    return lowering
+
+
+def _scale(v: Any, alpha: Any) -> Any:
+    if isinstance(v, _Value):
+        fn = v.fn
+        return _Value(v.size, v.dtype, lambda idx: Op("mul", (fn(idx), Const(alpha, v.dtype)),
+                                                      v.dtype), cost=v.cost + 1)
+    return v * alpha
+
+
+def _cast(e: Expr, dtype: torch.dtype) -> Expr:
+    return e if isinstance(e, Op) and e.dtype == dtype else Op("cast", (e,), dtype)
+
+
+def _compute_dtype(node: fx.Node) -> torch.dtype:
+    vals = [_val(a) if isinstance(a, fx.Node) else a for a in node.args
+            if isinstance(a, (fx.Node, int, float, bool))]
+    try:
+        return torch.result_type(*vals[:2]) if len(vals) >= 2 else vals[0].dtype
+    except Exception as e:
+        raise Unsupported(f"type promotion: {e}") from e
+
+
+for _name, _targets in {
+    "add": (aten.add.Tensor, aten.add.Scalar), "sub": (aten.sub.Tensor, aten.sub.Scalar),
+    "mul": (aten.mul.Tensor, aten.mul.Scalar), "maximum": (aten.maximum.default,),
+    "minimum": (aten.minimum.default,), "neg": (aten.neg.default,),
+    "exp": (aten.exp.default,), "log": (aten.log.default,), "sqrt": (aten.sqrt.default,),
+    "rsqrt": (aten.rsqrt.default,), "abs": (aten.abs.default,), "sin": (aten.sin.default,),
+    "cos": (aten.cos.default,), "tanh": (aten.tanh.default,), "sigmoid": (aten.sigmoid.default,),
+    "relu": (aten.relu.default,), "erf": (aten.erf.default,), "log1p": (aten.log1p.default,),
+    "expm1": (aten.expm1.default,), "reciprocal": (aten.reciprocal.default,),
+    "silu": (aten.silu.default,), "sign": (aten.sign.default,),
+    "logical_and": (aten.logical_and.default,), "logical_or": (aten.logical_or.default,),
+    "logical_not": (aten.logical_not.default,),
+}.items():
+    register(*_targets)(_pointwise(_name))
+
+for _name, _targets in {
+    "eq": (aten.eq.Tensor, aten.eq.Scalar), "ne": (aten.ne.Tensor, aten.ne.Scalar),
+    "lt": (aten.lt.Tensor, aten.lt.Scalar), "le": (aten.le.Tensor, aten.le.Scalar),
+    "gt": (aten.gt.Tensor, aten.gt.Scalar), "ge": (aten.ge.Tensor, aten.ge.Scalar),
+}.items():
+    register(*_targets)(_pointwise(_name))
+
+
+@register(aten.bitwise_not.default)
+def _bitwise_not(ctx: _Lowering, node: fx.Node, a: _Value) -> _Value:
+    if a.dtype != torch.bool:
+        raise Unsupported("bitwise_not on integers")
+    return _pointwise("logical_not")(ctx, node, a)
+
+
+@register(aten.div.Tensor, aten.div.Scalar)
+def _div(ctx: _Lowering, node: fx.Node, a: Any, b: Any) -> _Value:
+    if not _val(node).dtype.is_floating_point:
+        raise Unsupported("integer division")
+    return _pointwise("div", lambda out: out)(ctx, node, a, b)
+
+
+@register(aten.pow.Tensor_Scalar)
+def _pow(ctx: _Lowering, node: fx.Node, a: _Value, exponent: Any) -> _Value:
+    if exponent not in (0.5, -0.5, -1, 1, 2, 3, -2):
+        raise Unsupported(f"pow with exponent {exponent}")
+    if not _val(node).dtype.is_floating_point:
+        raise Unsupported("integer pow")
+    return _pointwise(f"pow{exponent}".replace(".", "_").replace("-", "m"), lambda o: o)(
+        ctx, node, a)
+
+
+@register(aten.gelu.default)
+def _gelu(ctx: _Lowering, node: fx.Node, a: _Value, approximate: str = "none") -> _Value:
+    return _pointwise("gelu" if approximate == "none" else "gelu_tanh")(ctx, node, a)
+
+
+@register(aten.where.self)
+def _where(ctx: _Lowering, node: fx.Node, c: Any, a: Any, b: Any) -> _Value:
+    out = _val(node)
+    size = tuple(out.shape)
+    fc = _broadcast_fn(c, size, torch.bool)
+    fa, fb = _broadcast_fn(a, size, out.dtype), _broadcast_fn(b, size, out.dtype)
+    return _Value(size, out.dtype, lambda idx: Op("where", (fc(idx), fa(idx), fb(idx)),
+                                                  out.dtype), cost=_cost(c, a, b))
+
+
+@register(aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default)
+def _clamp(ctx: _Lowering, node: fx.Node, a: _Value, lo: Any = None, hi: Any = None) -> _Value:
+    out = _val(node)
+    if node.target == aten.clamp_max.default:
+        lo, hi = None, lo
+    fa = _broadcast_fn(a, tuple(out.shape), out.dtype)
+
+    def fn(idx: Sequence[sympy.Expr]) -> Expr:
+        e = fa(idx)
+        if lo is not None:
+            e = Op("clamp_min", (e, Const(lo, out.dtype)), out.dtype)
+        if hi is not None:
+            e = Op("clamp_max", (e, Const(hi, out.dtype)), out.dtype)
+        return e
+    return _Value(tuple(out.shape), out.dtype, fn, cost=a.cost + 2)
+
+
+@register(aten._to_copy.default, torch.ops.prims.convert_element_type.default, aten.clone.default)
+def _to_copy(ctx: _Lowering, node: fx.Node, a: _Value, *args: Any, **kwargs: Any) -> _Value:
+    out = _val(node)
+    src = _val(node.args[0])
+    if out.device != src.device or out.layout != torch.strided:
+        raise Unsupported("device or layout change")
+    return _Value(tuple(out.shape), out.dtype,
+                  _broadcast_fn(a, tuple(out.shape), out.dtype), cost=a.cost + 1)
+
+
+@register(aten.full.default, aten.scalar_tensor.default)
+def _full(ctx: _Lowering, node: fx.Node, *args: Any, **kwargs: Any) -> _Value:
+    out = _val(node)
+    value = args[1] if node.target == aten.full.default else args[0]
+    c = Const(value, out.dtype)
+    return _Value(tuple(out.shape), out.dtype, lambda idx: c)
+
+
+@register(torch.ops.prims.iota.default)
+def _iota(ctx: _Lowering, node: fx.Node, length: int, *, start: int, step: int,
+          **kwargs: Any) -> _Value:
+    out = _val(node)
+    return _Value(tuple(out.shape), out.dtype,
+                  lambda idx: IndexValue(start + step * idx[0], out.dtype))
+
+
+# -- views: index transforms --
+
+def _view_of(a: _Value, size: Sequence[int], fn: IndexFn) -> _Value:
+    return _Value(tuple(int(s) for s in size), a.dtype, fn, cost=a.cost)
+
+
+@register(aten.view.default, aten._unsafe_view.default, aten.reshape.default, view=True)
+def _reshape(ctx: _Lowering, node: fx.Node, a: _Value, shape: Sequence[int]) -> _Value:
+    size = tuple(_val(node).shape)
+    if size == a.size:
+        return a
+    strides = contiguous_strides(size)
+
+    def fn(idx: Sequence[sympy.Expr]) -> Expr:
+        flat = flat_index(idx, strides)
+        src = []
+        for s, st in zip(a.size, contiguous_strides(a.size), strict=True):
+            src.append(sympy.Integer(0) if s <= 1 else mod(floordiv(flat, st, {}), s, {}))
+        return a.fn(src)
+    return _view_of(a, size, fn)
+
+
+@register(aten.permute.default, view=True)
+def _permute(ctx: _Lowering, node: fx.Node, a: _Value, dims: Sequence[int]) -> _Value:
+    dims = [d % len(a.size) for d in dims]
+    inverse = [dims.index(d) for d in range(len(dims))]
+    return _view_of(a, [a.size[d] for d in dims], lambda idx: a.fn([idx[i] for i in inverse]))
+
+
+@register(aten.t.default, view=True)
+def _t(ctx: _Lowering, node: fx.Node, a: _Value) -> _Value:
+    return _permute(ctx, node, a, list(range(len(a.size)))[::-1])
+
+
+@register(aten.transpose.int, view=True)
+def _transpose(ctx: _Lowering, node: fx.Node, a: _Value, d0: int, d1: int) -> _Value:
+    dims = list(range(len(a.size)))
+    d0, d1 = d0 % len(dims), d1 % len(dims)
+    dims[d0], dims[d1] = dims[d1], dims[d0]
+    return _permute(ctx, node, a, dims)
+
+
+@register(aten.expand.default, view=True)
+def _expand(ctx: _Lowering, node: fx.Node, a: _Value, shape: Sequence[int]) -> _Value:
+    size = tuple(_val(node).shape)
+    return _view_of(a, size, _broadcast_fn(a, size, a.dtype))
+
+
+@register(aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+          view=True)
+def _squeeze(ctx: _Lowering, node: fx.Node, a: _Value, *args: Any) -> _Value:
+    return _reshape(ctx, node, a, tuple(_val(node).shape))
+
+
+@register(aten.alias.default, view=True)
+def _alias(ctx: _Lowering, node: fx.Node, a: _Value) -> _Value:
+    return a
+
+
+@register(aten.slice.Tensor, view=True)
+def _slice(ctx: _Lowering, node: fx.Node, a: _Value, dim: int = 0, start: Any = None,
+           end: Any = None, step: int = 1) -> _Value:
+    dim %= len(a.size)
+    start = 0 if start is None else start
+    start = max(start + a.size[dim], 0) if start < 0 else min(start, a.size[dim])
+    size = tuple(_val(node).shape)
+
+    def fn(idx: Sequence[sympy.Expr]) -> Expr:
+        src = list(idx)
+        src[dim] = start + step * idx[dim]
+        return a.fn(src)
+    return _view_of(a, size, fn)
+
+
+@register(aten.select.int, view=True)
+def _select(ctx: _Lowering, node: fx.Node, a: _Value, dim: int, index: int) -> _Value:
+    dim %= len(a.size)
+    index = index + a.size[dim] if index < 0 else index
+    return _view_of(a, tuple(_val(node).shape),
+                    lambda idx: a.fn([*idx[:dim], sympy.Integer(index), *idx[dim:]]))
+
+
+@register(aten.split_with_sizes.default, aten.split.Tensor, view=True)
+def _split(ctx: _Lowering, node: fx.Node, a: _Value, sizes: Any, dim: int = 0) -> tuple:
+    dim %= len(a.size)
+    out, start = [], 0
+    for part in _val(node):
+        n = part.shape[dim]
+
+        def fn(idx: Sequence[sympy.Expr], start: int = start) -> Expr:
+            src = list(idx)
+            src[dim] = start + idx[dim]
+            return a.fn(src)
+        out.append(_view_of(a, tuple(part.shape), fn))
+        start += n
+    return tuple(out)
+
+
+@register(operator.getitem)
+def _getitem(ctx: _Lowering, node: fx.Node, parts: Any, i: int) -> _Value:
+    if not isinstance(parts, tuple):
+        raise Unsupported("getitem of an ATen result")
+    return parts[i]
+
+
+# -- reductions --
+
+@register(aten.sum.dim_IntList, aten.sum.default, aten.amax.default, aten.amin.default)
+def _reduce(ctx: _Lowering, node: fx.Node, a: _Value, dims: Any = None, keepdim: bool = False,
+            **kwargs: Any) -> Computed:
+    out = _val(node)
+    nd = len(a.size)
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        dims = list(range(nd))
+    dims = tuple(sorted({d % max(nd, 1) for d in dims})) if nd else ()
+    kind = {aten.sum.dim_IntList: "sum", aten.sum.default: "sum", aten.amax.default: "max",
+            aten.amin.default: "min"}[node.target]  # type: ignore[index]
+    if kind != "sum" and any(a.size[d] == 0 for d in dims):
+        raise Unsupported("max/min over an empty dim")
+    acc = out.dtype
+    fn = a.fn if a.dtype == acc else (lambda idx: Op("cast", (a.fn(idx),), acc))
+    red = ReductionInfo(a.size, dims, kind)
+    stride = (tuple(out.stride()) if node in ctx.outputs and out.storage_offset() == 0
+              and _non_overlapping(out.shape, out.stride()) else contiguous_strides(out.shape))
+    return Computed(node.name, NodeKind.REDUCTION, tuple(out.shape), stride, out.dtype, fn,
+                    red, node)

@@ -1,0 +1,47 @@
+"""Backend selection for one stage graph: generated Triton kernels or plain ATen calls.
+
+Stage: `select_backend(module, backend, interpret) -> CompiledGraph | None`.
+Requires: a forward or backward stage graph; `backend` in "aten", "triton", "auto".
+Ensures: None means "run the graph as ATen calls" (runtime.launch.make_callable): for "aten",
+for "auto" unless the graph's tensors are on CUDA, for "triton" on CPU when Triton's interpreter
+is not active (logged). Any failure of the Triton path is logged on `aotc.kernels` and falls
+back to ATen for the whole graph; failures of single kernels fall back per group (see
+passes.kernelize).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import fx
+
+from runtime.kernels import CompiledGraph
+
+log = logging.getLogger("aotc.kernels")
+
+
+def select_backend(module: fx.GraphModule, backend: str, interpret: bool) -> CompiledGraph | None:
+    if backend == "aten":
+        return None
+    from passes.kernelize import graph_device, lower_graph
+
+    device = graph_device(module)
+    on_cuda = device is not None and device.type == "cuda"
+    if backend == "auto" and not on_cuda:
+        return None
+    if not on_cuda and not interpret:
+        log.warning("backend='triton' on %s tensors needs Triton's interpreter, which must be "
+                    "switched on before triton is imported (TRITON_INTERPRET=1); running ATen "
+                    "calls instead", device)
+        return None
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        log.warning("backend=%r: triton is not installed; running ATen calls instead", backend)
+        return None
+    try:
+        return lower_graph(module, interpret=not on_cuda)
+    except Exception as e:  # noqa: BLE001 - the ATen graph is always a correct fallback
+        log.warning("Triton lowering failed (%s: %s); running this graph as ATen calls",
+                    type(e).__name__, e)
+        return None

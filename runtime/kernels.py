@@ -1,0 +1,259 @@
+"""Compile, cache, autotune and launch generated Triton kernels; run a lowered graph.
+
+Records: `KernelSource` (one generated kernel), `CompiledGraph` (the ordered steps of one graph:
+kernel launches and ATen calls, with a buffer plan). `CompiledGraph.callable` has the calling
+convention of `runtime.launch.make_callable`: the graph's placeholders positionally in, the
+output tuple out.
+
+Ensures:
+- a kernel is compiled once per process per (source hash, device) and reused by every graph
+  and signature that generates the same source;
+- on CUDA the first launch of a kernel at a shape times a few block configurations and keeps
+  the fastest for that shape; the interpreter uses one configuration;
+- intermediate buffers of one call share storage when their lifetimes do not overlap (the slots
+  are planned at compile time, allocated once per call);
+- a kernel that fails to compile or launch is logged on `aotc.kernels` (warning) and its group
+  runs as ATen calls from then on; results never depend on which path ran.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import torch
+
+log = logging.getLogger("aotc.kernels")
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    name: str
+    source: str  # the Triton module text
+    reduction: bool
+    inputs: tuple[str, ...]  # buffer names, in parameter order
+    outputs: tuple[str, ...]  # buffer names, in parameter order after the inputs
+    xnumel: int
+    rnumel: int
+    persistent_rblock: int  # RBLOCK of a persistent reduction; 0 otherwise
+    device: str
+    bytes_read: int
+    bytes_written: int
+    tiled: bool = False  # 2-D tiled pointwise: xnumel = columns, rnumel = rows
+
+    @cached_property
+    def key(self) -> str:
+        return hashlib.sha256(self.source.encode()).hexdigest()[:16]
+
+    def format(self) -> str:
+        return self.source
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    name: str
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+    slot: int | None  # shared storage slot for intermediates; None: a fresh tensor per call
+
+
+@dataclass(frozen=True)
+class KernelStep:
+    kernel: KernelSource
+    outputs: tuple[BufferSpec, ...]  # len == len(kernel.outputs)
+    fallback: Callable[[dict[str, Any]], None]  # computes the outputs with ATen into env
+    frees: tuple[str, ...] = ()  # buffers dead after this step
+
+
+@dataclass(frozen=True)
+class AtenStep:
+    name: str
+    run: Callable[[dict[str, Any]], None]
+    frees: tuple[str, ...] = ()
+
+
+Step = KernelStep | AtenStep
+
+
+@dataclass(frozen=True)
+class CompiledGraph:
+    kernels: tuple[KernelSource, ...]  # generated kernels, in execution order
+    steps: tuple[Step, ...]
+    placeholders: tuple[str, ...]  # len == number of graph inputs
+    outputs: tuple[object, ...]  # per graph output: a buffer name or a constant
+    num_slots: int
+    fusion_text: str = ""  # the fusion plan, printable
+    # per placeholder: the strides kernels index it with (None: not a tensor); see run()
+    input_strides: tuple[tuple[int, ...] | None, ...] = field(default=())
+
+    @cached_property
+    def callable(self) -> Callable[..., tuple[Any, ...]]:
+        return _make_runner(self)
+
+
+# ---- compile and cache -------------------------------------------------------------------
+
+_KERNELS: dict[tuple[str, str], Any] = {}  # (source hash, device) -> jit function
+_FAILED: set[tuple[str, str]] = set()
+_BEST: dict[tuple[str, str, int, int], tuple[int, int, int]] = {}  # tuned config per shape
+_DIR: list[str] = []
+
+
+def load_kernel(kernel: KernelSource) -> Any:
+    """The jit function of `kernel`, compiled (imported) once per process."""
+    key = (kernel.key, kernel.device)
+    if key in _KERNELS:
+        return _KERNELS[key]
+    if not _DIR:
+        _DIR.append(tempfile.mkdtemp(prefix="aotc_kernels_"))
+    path = os.path.join(_DIR[0], f"{kernel.name}_{kernel.key}.py")
+    with open(path, "w") as f:
+        f.write(kernel.source)
+    spec = importlib.util.spec_from_file_location(f"aotc_kernel_{kernel.key}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, kernel.name)
+    _KERNELS[key] = fn
+    return fn
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def candidate_configs(kernel: KernelSource, on_cuda: bool) -> list[tuple[int, int, int]]:
+    """(XBLOCK, RBLOCK or YBLOCK, num_warps) choices; the first is used when not autotuning.
+
+    Heuristic (not yet measured on a GPU): block sizes common for memory-bound kernels; every
+    candidate costs one Triton compile on the first launch at a shape, so the sets stay small."""
+    x = max(kernel.xnumel, 1)
+    if kernel.tiled:
+        rows = max(kernel.rnumel, 1)
+        if not on_cuda:
+            return [(min(_next_pow2(x), 64), min(_next_pow2(rows), 64), 4)]
+        return [(32, 32, 4), (64, 16, 4), (16, 64, 4)]
+    if not kernel.reduction:
+        if not on_cuda:
+            return [(min(_next_pow2(x), 4096), 1, 4)]
+        return [(b, 1, w) for b, w in ((1024, 4), (512, 4), (2048, 8), (256, 2))
+                if b <= max(_next_pow2(x), 256)]
+    if kernel.persistent_rblock:
+        r = kernel.persistent_rblock
+        cap = max(1, (4096 if on_cuda else 16384) // r)
+        first = min(cap, _next_pow2(x))
+        # Heuristic: at most three row blocks, so cold compiles stay few (each config is a compile)
+        xb = [first] + ([b for b in sorted({max(1, first // 4), 1}) if b < first]
+                        if on_cuda else [])
+        warps = 8 if r >= 2048 else 4 if r >= 256 else 2
+        return [(b, r, warps) for b in xb]
+    if not on_cuda:
+        return [(min(8, _next_pow2(x)), 256, 4)]
+    return [(1, 1024, 8), (4, 256, 4), (8, 128, 4)]
+
+
+def launch(kernel: KernelSource, args: list[torch.Tensor]) -> None:
+    fn = _KERNELS.get((kernel.key, kernel.device)) or load_kernel(kernel)
+    if kernel.xnumel == 0 or (kernel.tiled and kernel.rnumel == 0):
+        return
+    shape_key = (kernel.key, kernel.device, kernel.xnumel, kernel.rnumel)
+    best = _BEST.get(shape_key)
+    if best is None:
+        on_cuda = kernel.device.startswith("cuda")
+        configs = candidate_configs(kernel, on_cuda)
+        best = _autotune(fn, kernel, args, configs) if on_cuda and len(configs) > 1 else configs[0]
+        _BEST[shape_key] = best
+    _run(fn, kernel, args, best)
+
+
+def _run(fn: Any, kernel: KernelSource, args: list[torch.Tensor],
+         config: tuple[int, int, int]) -> None:
+    xblock, second, warps = config  # second: RBLOCK, or YBLOCK of a tiled kernel
+    tiles = (kernel.xnumel + xblock - 1) // xblock
+    if kernel.tiled:
+        tiles *= (kernel.rnumel + second - 1) // second
+    fn[(tiles,)](*args, kernel.xnumel, kernel.rnumel, xblock, second, num_warps=warps)
+
+
+def _autotune(fn: Any, kernel: KernelSource, args: list[torch.Tensor],
+              configs: list[tuple[int, int, int]]) -> tuple[int, int, int]:
+    from triton.testing import do_bench
+
+    timings = []
+    for cfg in configs:
+        try:
+            t = do_bench(lambda cfg=cfg: _run(fn, kernel, args, cfg), warmup=3, rep=15)
+        except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped
+            log.info("%s: config %s failed: %s", kernel.name, cfg, e)
+            continue
+        timings.append((t, cfg))
+    if not timings:
+        return configs[0]
+    return min(timings)[1]
+
+
+# ---- run a compiled graph ------------------------------------------------------------------
+
+def _make_runner(graph: CompiledGraph) -> Callable[..., tuple[Any, ...]]:
+    steps, placeholders, outputs = graph.steps, graph.placeholders, graph.outputs
+    num_slots = graph.num_slots
+    strides = graph.input_strides or (None,) * len(placeholders)
+
+    def run(*args: Any) -> tuple[Any, ...]:
+        # Kernels bake the traced strides of their inputs into index expressions; a tensor that
+        # arrives with other strides (a cotangent autograd made non-contiguous) is copied into
+        # the traced layout first. Guards make this impossible for user inputs.
+        args = tuple(_restride(a, st) for a, st in zip(args, strides, strict=True))
+        env: dict[str, Any] = dict(zip(placeholders, args, strict=True))
+        slots: list[torch.Tensor | None] = [None] * num_slots
+        for step in steps:
+            if isinstance(step, KernelStep):
+                _run_kernel_step(step, env, slots)
+            else:
+                step.run(env)
+            for name in step.frees:
+                env.pop(name, None)
+        return tuple(env[o] if isinstance(o, str) else o for o in outputs)
+
+    return run
+
+
+def _restride(arg: Any, stride: tuple[int, ...] | None) -> Any:
+    if stride is None or not isinstance(arg, torch.Tensor) or arg.stride() == stride:
+        return arg
+    if all(st == want for st, want, n in zip(arg.stride(), stride, arg.shape) if n > 1):
+        return arg
+    return torch.empty_strided(arg.shape, stride, dtype=arg.dtype, device=arg.device).copy_(arg)
+
+
+def _run_kernel_step(step: KernelStep, env: dict[str, Any],
+                     slots: list[torch.Tensor | None]) -> None:
+    kernel = step.kernel
+    if (kernel.key, kernel.device) in _FAILED:
+        step.fallback(env)
+        return
+    outs = []
+    for spec in step.outputs:
+        t = slots[spec.slot] if spec.slot is not None else None
+        if t is None:
+            t = torch.empty_strided(spec.size, spec.stride, dtype=spec.dtype, device=spec.device)
+            if spec.slot is not None:
+                slots[spec.slot] = t
+        env[spec.name] = t
+        outs.append(t)
+    try:
+        launch(kernel, [env[b] for b in kernel.inputs] + outs)
+    except Exception as e:  # noqa: BLE001 - see the module docstring: fall back, never crash
+        _FAILED.add((kernel.key, kernel.device))
+        log.warning("kernel %s failed (%s: %s); running its ops as ATen calls instead",
+                    kernel.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        step.fallback(env)
