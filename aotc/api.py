@@ -19,7 +19,14 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from aotc.lifting import Lifted, find_free_tensors, module_accesses, module_training_flags, swapped
+from aotc.lifting import (
+    Lifted,
+    find_free_tensors,
+    module_accesses,
+    module_training_flags,
+    read_lifted,
+    swapped,
+)
 from aotc.options import CompileOptions
 from aotc.pipeline import CompiledRecord, compile_signature
 from aotc.symbolic import check_static_geometry, guard_expression, symbolic_leaves, symbolic_mode
@@ -73,7 +80,7 @@ class CompiledFunction:
         else:
             leaves, spec = pytree.tree_flatten((args, kwargs))
         if self._accesses:
-            leaves.extend([a.get() for a in self._accesses])
+            leaves.extend(read_lifted(self._accesses))  # Note [Lifted reads and swaps across threads]
         extra = (spec, self._extra_key()) if self._extra_key is not None else spec
         return self._dispatch(leaves, extra)
 

@@ -22,6 +22,8 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from runtime.errors import AotcError, UnsupportedError
 
@@ -97,15 +99,35 @@ def user_errors(what: str) -> Iterator[None]:
         ) from e
     except (RuntimeError, AssertionError) as e:
         text = str(e)
+        where = _user_frame(traceback.extract_tb(sys.exc_info()[2]))
         if "FakeTensor" in text and ("non-Fake" in text or "convert all Tensors" in text):
             found = text.split("Found in", 1)[-1].strip()[:200]
-            where = _user_frame(traceback.extract_tb(sys.exc_info()[2]))
             raise UnsupportedError(
                 f"{what}: the program reads a tensor that is neither an argument nor reachable "
                 f"from a closure, global or module attribute aotc can lift (in {found}, at "
                 f"{where}). Pass it as an argument (or register it as a module buffer)."
             ) from e
+        if isinstance(e, RuntimeError) and where != "<unknown>":
+            raise UnsupportedError(_program_error(what, e, where)) from e
         raise
+
+
+def _program_error(what: str, e: RuntimeError, where: str) -> str:
+    """The user program raised while being traced: eager raises the same for these inputs (a
+    device mismatch, an in-place op autograd forbids), so say where and keep torch's reason."""
+    reason = str(e).strip().splitlines()[0][:300].rstrip(".") if str(e).strip() else type(e).__name__
+    if "device" in reason and ("same device" in reason or "expected device" in reason):
+        hint = ("Move every tensor the op reads to one device before the call (or with .to() "
+                "inside the function).")
+    elif "fake impl" in reason or "fake kernel" in reason or "Meta" in reason:
+        hint = ("aotc traces with fake tensors: give the op a fake kernel "
+                "(torch.library.register_fake / `<op>.register_fake`), or call it outside the "
+                "compiled function.")
+    else:
+        hint = ("Eager PyTorch rejects such programs too (e.g. an in-place op autograd forbids): "
+                "use the out-of-place op or .clone() the tensor before modifying it. If eager "
+                "runs this line, call it outside the compiled function and report it.")
+    return f"{what}: the program failed at {where}: {type(e).__name__}: {reason}. {hint}"
 
 
 def fakeify(
@@ -164,3 +186,70 @@ def compiling() -> Iterator[None]:
         yield
     finally:
         torch.compiler._is_compiling_flag = old  # type: ignore[attr-defined]
+
+
+class OverlapCheck(TorchDispatchMode):
+    """Eager refuses in-place writes into a tensor whose elements share memory (an `expand`ed
+    view); fake tensors do not check. This mode notes the first such write during the plain
+    metadata run (raising inside a dispatch can abort from C++ callers) and `check()` raises it
+    afterwards with the user's line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.problem: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if self.problem is None and func._schema.is_mutable:
+            try:
+                self._check(func, args)
+            except Exception:  # noqa: BLE001 best effort: a failing check must not fail a compile
+                self.problem = None
+        return func(*args, **kwargs)
+
+    def _check(self, func: torch._ops.OpOverload, args: tuple[object, ...]) -> None:
+        written = [
+            value for arg, value in zip(func._schema.arguments, args)
+            if arg.alias_info is not None and arg.alias_info.is_write
+            and isinstance(value, torch.Tensor)
+        ]
+        read = [a for a in args if isinstance(a, torch.Tensor) and all(a is not w for w in written)]
+        for w in written:
+            if torch._debug_has_internal_overlap(w) == 1:
+                self.problem = self._message(
+                    func, "writes into a tensor in which several elements share memory (e.g. "
+                    "an expand()ed view)", "more than one element of the written-to tensor "
+                    "refers to a single memory location")
+            elif func._schema.name.endswith("_") and any(_partial_overlap(w, r) for r in read):
+                self.problem = self._message(
+                    func, "writes into a tensor that partially overlaps one of its inputs",
+                    "some elements of the input tensor and the written-to tensor refer to a "
+                    "single memory location")
+
+    @staticmethod
+    def _message(func: object, what: str, eager: str) -> str:
+        where = _user_frame(traceback.extract_stack())
+        return (
+            f"metadata pass: the program failed at {where}: {func} {what}; eager PyTorch raises "
+            f"'unsupported operation: {eager}' here too. .clone() the tensor before modifying it."
+        )
+
+    def check(self) -> None:
+        if self.problem is not None:
+            raise UnsupportedError(self.problem)
+
+
+def _partial_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """eager's partial-overlap check (TensorIterator's assert_no_partial_overlap): two dense
+    tensors on one storage whose byte ranges intersect, other than the same range and strides."""
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
+
+    if a.device != b.device or not (dense(a) and dense(b)):
+        return False
+    if StorageWeakRef(a.untyped_storage()) != StorageWeakRef(b.untyped_storage()):
+        return False
+    a0, b0 = a.storage_offset() * a.element_size(), b.storage_offset() * b.element_size()
+    a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
+    if (a0, a1) == (b0, b1):
+        return a.stride() != b.stride()
+    return a0 < b1 and b0 < a1

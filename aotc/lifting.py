@@ -28,6 +28,7 @@ location to another tensor, assigning `.grad`, or storing a new tensor into a wa
 from __future__ import annotations
 
 import contextlib
+import threading
 import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -283,10 +284,31 @@ def _visit_module(module: torch.nn.Module, prefix: str, walk: _Walk) -> None:
                 _add_tensor(value, f"{where}.{name}", ItemSlot(vars(mod), name), walk)
 
 
+# Note [Lifted reads and swaps across threads]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A trace swaps fake tensors into the lifted locations (module attributes, closures). Another
+# thread calling a compiled function at that moment would read those fakes as its inputs, so
+# swaps and the per-call reads of lifted values hold one process-wide reentrant lock. (Code that
+# reads the module's attributes eagerly, not through aotc, while it compiles can still see fakes:
+# compile first, or keep eager use of the same module out of concurrent threads.)
+LIFT_LOCK = threading.RLock()
+
+
+def read_lifted(accesses: Sequence[Access]) -> list[object]:
+    """The current values of the lifted locations (hot path)."""
+    with LIFT_LOCK:
+        return [a.get() for a in accesses]
+
+
 @contextlib.contextmanager
 def swapped(lifted: Lifted, values: Sequence[object]) -> Iterator[None]:
     """Put `values` into the lifted locations for the duration of a trace; afterwards check
     the program changed none of them in a way the graph cannot replay, and restore them."""
+    with LIFT_LOCK:
+        yield from _swapped(lifted, values)
+
+
+def _swapped(lifted: Lifted, values: Sequence[object]) -> Iterator[None]:
     accesses = lifted.accesses
     old = [a.get() for a in accesses]
     written = 0

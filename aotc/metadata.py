@@ -48,7 +48,15 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from aotc.functional import FlatProgram, fakeify, functionalization, to_functional, user_errors
+from aotc.functional import (
+    FlatProgram,
+    OverlapCheck,
+    fakeify,
+    functionalization,
+    to_functional,
+    user_errors,
+)
+from runtime.autograd import stale_saved_value, version_checked_saves
 from runtime.convention import apply_convention, expand_graph_args
 from runtime.errors import UnsupportedError
 from runtime.schema import (
@@ -82,6 +90,9 @@ class MetadataResult:
     fwd_plan: FwdOutputPlan
     fwd_specs: tuple[TensorSpec, ...]  # len == fwd_plan.num_outputs; FwdOut space
     out_spec: object  # pytree spec of the user's return value
+    # Why eager's backward would fail (a value its autograd saved was modified in place
+    # afterwards), or None. See Note [Backward eager would refuse] in runtime/autograd.py.
+    backward_error: str | None = None
 
 
 def collect_metadata(
@@ -111,17 +122,21 @@ def collect_metadata(
     with eager_mode:
         plain = fakeify(eager_mode, graph_args, as_leaves=False)
         before = [(p.storage_offset(), p.requires_grad, p.is_leaf, p) for p in plain]
-        with user_errors("metadata pass"), torch.set_grad_enabled(grad_enabled):
+        overlap = OverlapCheck()
+        with user_errors("metadata pass"), torch.set_grad_enabled(grad_enabled), \
+                version_checked_saves(), overlap:
             p_leaves = expand_graph_args(convention, plain, constants)
             p_outs, _ = program(p_leaves)
+        overlap.check()
         inputs = tuple(
             _input_info(kind, *state) for kind, state in zip(mutations, before)
         )
         outputs, base_outs = _classify_outputs(p_outs, p_leaves, convention)
+        backward_error = stale_saved_value([*p_outs, *p_leaves]) if grad_enabled else None
     f_bases = [f_outs[j]._base for j in base_outs]  # type: ignore[union-attr]
     fwd_plan, specs = _plan_fwd_outputs(outputs, inputs, f_outs, wrappers, f_bases)
     meta = MutationAliasInfo(inputs=inputs, outputs=outputs, num_intermediate_bases=len(f_bases))
-    return MetadataResult(meta, fwd_plan, specs, out_spec)
+    return MetadataResult(meta, fwd_plan, specs, out_spec, backward_error)
 
 
 def _mutation_of(w: torch.Tensor, arg_names: list[str], g: int) -> tuple[MutationKind, bool]:

@@ -24,6 +24,11 @@ class CompileOptions:
     # Activation memory cap: a fraction (0, 1] of "save everything", or a byte count (int).
     memory_budget: float | int | None = None
     recompute: RecomputePolicy = RecomputePolicy()
+    # Persistent compile cache (runtime/cache.py): on unless AOTC_CACHE=0; the directory is
+    # AOTC_CACHE_DIR, else $XDG_CACHE_HOME/aotc, else ~/.cache/aotc. None: no disk cache.
+    cache: bool = True
+    cache_dir: str | None = None
+    cache_max_bytes: int = 1 << 30  # least-recently-used entries go beyond this (AOTC_CACHE_MAX_BYTES)
 
     @staticmethod
     def from_env(**overrides: object) -> CompileOptions:
@@ -31,6 +36,9 @@ class CompileOptions:
             backend=os.environ.get("AOTC_BACKEND") or "aten",  # e.g. the OpInfo sweep on Triton
             dump_dir=os.environ.get("AOTC_DUMP_DIR") or None,
             check_invariants=os.environ.get("AOTC_CHECK_INVARIANTS", "0") == "1",
+            cache=os.environ.get("AOTC_CACHE", "1").strip().lower() not in ("0", "false", "off"),
+            cache_dir=default_cache_dir(),
+            cache_max_bytes=int(os.environ.get("AOTC_CACHE_MAX_BYTES") or (1 << 30)),
         )
         unknown = set(overrides) - set(CompileOptions.__dataclass_fields__)
         if unknown:
@@ -48,6 +56,15 @@ class CompileOptions:
         if opts.backend == "triton":
             opts = replace(opts, triton_interpret=_prepare_triton_interpreter())
         return opts
+
+
+def default_cache_dir() -> str:
+    """AOTC_CACHE_DIR, else $XDG_CACHE_HOME/aotc, else ~/.cache/aotc."""
+    explicit = os.environ.get("AOTC_CACHE_DIR")
+    if explicit:
+        return os.path.abspath(os.path.expanduser(explicit))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "aotc")
 
 
 def _prepare_triton_interpreter() -> bool:

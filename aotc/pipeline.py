@@ -1,6 +1,7 @@
 """The compile driver: the one place to read the data flow for one input signature.
 
     program, leaves, CompileOptions
+      │ aotc.persist.cache_key, load_entry  → a stored entry       (hit: straight to the callable)
       │ runtime.convention.plan_convention  → CallingConvention    (dedupe)
       │ aotc.metadata.collect_metadata      → MetadataResult       (mutations, aliases)
       │   (aliased inputs with a mutation: plan synthetic bases, collect again)
@@ -10,13 +11,16 @@
       │ runtime.epilogue.plan_epilogue      → EpiloguePlan
       │ passes.select.select_backend        → CompiledGraph | None (Triton kernels, or ATen)
       ▼ runtime.wrappers.CompiledEntry      → the callable for this signature
+      (aotc.persist.store_entry writes the records for the next process)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,6 +29,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from aotc import persist
 from aotc.functional import FlatProgram, compiling
 from aotc.metadata import MetadataResult, collect_metadata
 from aotc.options import CompileOptions
@@ -156,6 +161,18 @@ def _compile_signature(
         clock = now
 
     grad_enabled = torch.is_grad_enabled()
+    key: str | None = None
+    if given_mode is None and persist.is_enabled(options):  # symbolic: never stored
+        key = persist.cache_key(program, leaves, names, options, grad_enabled).key
+        lap("cache_key")
+        cached = persist.load_entry(options, key) if key is not None else None
+        if cached is not None:
+            entry = _entry_from_cache(cached, leaves, names, name, source, times)
+            lap("cache_load")
+            _log_record(entry.record, entry.record.forward, entry.record.backward)
+            if options.dump_dir:
+                dump_record(entry.record, options.dump_dir)
+            return entry
     fake_mode = given_mode or FakeTensorMode(allow_non_fake_inputs=False)
     convention = plan_convention(leaves, names=names)
     metadata = collect_metadata(program, leaves, convention, fake_mode, grad_enabled, names)
@@ -200,6 +217,7 @@ def _compile_signature(
             num_saved=len(part.saved),
             grad_args=grad_args,
             num_saved_symints=part.num_saved_symints,
+            backward_error=metadata.backward_error,
         )
         detach = _statically_no_grad(joint, leaves, convention)
     epilogue = plan_epilogue(metadata.meta, metadata.fwd_plan, convention)
@@ -243,9 +261,38 @@ def _compile_signature(
         fusion_text="".join(f"# {label} graph\n{c.fusion_text}" for label, c in
                             (("forward", fwd_compiled), ("backward", bwd_compiled)) if c),
     )
+    if key is not None:
+        persist.store_entry(options, key, _record_fields(entry.record), plan)
     _log_record(entry.record, fwd_module, bwd_module)
     if options.dump_dir:
         dump_record(entry.record, options.dump_dir)
+    return entry
+
+
+def _record_fields(record: CompiledRecord) -> dict[str, object]:
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+
+
+def _entry_from_cache(
+    cached: dict[str, object],
+    leaves: list[object],
+    names: list[str],
+    name: str,
+    source: str,
+    times: dict[str, float],
+) -> CompiledEntry:
+    """A compiled entry from a cache hit (see Note [Cache key] in aotc/persist.py)."""
+    plan = dataclasses.replace(cached["plan"], name=name)  # type: ignore[type-var]
+    fields = dict(cached["record"])  # type: ignore[call-overload]
+    fields.update(
+        name=name, source=source, signature=describe_signature(leaves, names), stage_seconds=times
+    )
+    record = CompiledRecord(**fields)
+    entry = CompiledEntry(
+        plan, make_callable(record.forward),
+        make_callable(record.backward) if record.backward is not None else None,
+    )
+    entry.record = record
     return entry
 
 
@@ -311,13 +358,15 @@ _GUARDS = (
 )
 
 _dump_counter: dict[str, int] = {}
+_dump_lock = threading.Lock()
 
 
 def dump_record(record: CompiledRecord, root: str) -> str:
     """Write every stage of one compiled signature under `root/<name>_<n>/`."""
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in record.name)
-    n = _dump_counter.get(safe, 0)
-    _dump_counter[safe] = n + 1
+    with _dump_lock:
+        n = _dump_counter.get(safe, 0)
+        _dump_counter[safe] = n + 1
     folder = os.path.join(root, f"{safe}_{n}")
     os.makedirs(folder, exist_ok=True)
     for file_name, text in record.stages:

@@ -1,7 +1,8 @@
 """Run every aotc benchmark and print a compact summary (`make bench`).
 
 Run from the repo root: .venv/bin/python bench/run_all.py [--quick] [--profile]
-Results go to bench/results/compile_time.json, overhead.json and partition.json.
+Results go to bench/results/compile_time.json, overhead.json, partition.json, cache.json,
+threads.json and memory.json.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import compile_time  # noqa: E402
-import overhead  # noqa: E402
-import partition as partition_bench  # noqa: E402
+import cache as cache_bench
+import compile_time
+import memory as memory_bench
+import overhead
+import partition as partition_bench
+import threads as threads_bench
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,6 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     oh = overhead.main(oh_args)
     print()
     pt = partition_bench.main(pt_args)
+    print()
+    ca = cache_bench.main(["--reps", "1"] if args.quick else [])
+    print()
+    th = threads_bench.main(["--calls", "300", "--rounds", "3"] if args.quick else [])
+    print()
+    me = memory_bench.main(["--steps", "200"] if args.quick else [])
 
     print("\n=== summary (medians; CPU) ===")
     print(compile_time.table(ct))
@@ -44,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     print(overhead.table(oh))
     print()
     print(partition_bench.table(pt))
+    print()
+    print(cache_bench.table(ca))
+    print()
+    print(threads_bench.table(th))
+    print()
+    print(memory_bench.table(me, 200 if args.quick else 1000))
     fb = oh["fwd_bwd"]
     ok_ct = all(r["meets_goal"] for r in ct.values())
     print(
@@ -51,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         f"fwd+bwd aotc < {overhead.FWD_BWD_TARGET_US:g} us and aotc/aot <= 1.0: "
         f"{'yes' if fb['meets_goal'] else 'NO'}; saved bytes aotc/torch min-cut <= 1.0 and "
         f"scaling partition < {partition_bench.SCALING_GOAL_S:g} s: "
-        f"{'yes' if pt['all_goals_met'] else 'NO'}"
+        f"{'yes' if pt['all_goals_met'] else 'NO'}; warm start < 10% of cold: "
+        f"{'yes' if all(r['meets_goal'] for r in ca.values()) else 'NO'}; no tensor growth "
+        f"over training steps: {'yes' if me['aotc_no_tensor_growth'] else 'NO'}"
     )
     return 0
 

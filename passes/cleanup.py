@@ -74,6 +74,9 @@ def eliminate_common_subexpressions(graph: StageGraph) -> StageGraph:
 
 
 def _cse(g: fx.Graph) -> None:
+    # Two graph outputs that eager returns as distinct tensors must stay distinct objects
+    # (a caller may mutate one): an output is never merged into another output.
+    outputs = set(next(n for n in reversed(g.nodes) if n.op == "output").all_input_nodes)
     seen: dict[object, fx.Node] = {}
     for node in list(g.nodes):
         if node.op != "call_function" or is_random(node):
@@ -85,7 +88,11 @@ def _cse(g: fx.Graph) -> None:
         first = seen.get(key)
         if first is None:
             seen[key] = node
+        elif node in outputs and first in outputs:
+            continue
         else:
+            if node in outputs:
+                outputs.add(first)
             node.replace_all_uses_with(first)
             g.erase_node(node)
 

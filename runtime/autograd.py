@@ -35,6 +35,7 @@ class AutogradPlan:
     num_saved: int  # saved tensors, then saved sizes (ints)
     grad_args: tuple[GraphArg, ...]  # graph args the backward returns gradients for, in order
     num_saved_symints: int = 0  # the last saved values are sizes: kept on ctx as ints
+    backward_error: str | None = None  # see Note [Backward eager would refuse]
 
 
 def make_autograd_function(
@@ -58,7 +59,14 @@ def make_autograd_function(
         holder.extend(outs[:n_out])
         return tuple(outs[k] for k in diff)
 
+    refused = plan.backward_error
+
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[no-untyped-def]
+        if refused is not None:
+            raise UnsupportedError(
+                f"backward through aotc-compiled {name}: {refused} Eager PyTorch refuses this "
+                "backward too. Use the out-of-place op, or .clone() the value before modifying it."
+            )
         if torch.is_grad_enabled():
             raise UnsupportedError(
                 f"double backward (create_graph=True) through aotc-compiled {name} is not "
@@ -79,3 +87,60 @@ def make_autograd_function(
         (torch.autograd.Function,),
         {"forward": staticmethod(forward), "backward": staticmethod(backward)},
     )
+
+
+# Note [Backward eager would refuse]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# `y = x.sin(); x.mul_(2); y.backward(...)` fails in eager: sin saved x, and x changed before the
+# backward (its version counter moved). The functional graph has no such problem (it saved the old
+# value), so aotc would silently compute gradients where eager raises. The metadata pass runs the
+# program on plain fake tensors with autograd, exactly as eager records it; `stale_saved_value`
+# then unpacks every saved value of that autograd graph, which performs eager's version check.
+# If one fails, the entry's backward raises the same kind of error (forward-only use is fine,
+# as in eager). Unlike eager, it raises for a backward through any output of the compiled call.
+
+
+_STALE = "modified by an inplace operation"
+
+
+def _pack(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    return t, t._version
+
+
+def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+    t, version = packed
+    if t._version != version:
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been {_STALE}: "
+            f"[{t.dtype}{list(t.shape)}] is at version {t._version}; expected version {version} "
+            "instead."
+        )
+    return t
+
+
+def version_checked_saves() -> object:
+    """Saved-tensor hooks that keep eager's version check (the compile runs under identity hooks
+    that would skip it): use around the run that `stale_saved_value` inspects."""
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+
+
+def stale_saved_value(roots: list[object]) -> str | None:
+    """eager's error message if some value saved by the autograd graph reachable from `roots`
+    was modified in place after being saved, else None."""
+    stack = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    visited: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in visited:
+            continue
+        visited.add(id(node))
+        for attr in dir(node):
+            if attr.startswith("_saved_"):
+                try:
+                    getattr(node, attr)
+                except RuntimeError as e:
+                    if _STALE in str(e):
+                        return str(e).split(" Hint:", 1)[0]
+                    raise
+        stack.extend(fn for fn, _ in node.next_functions)
+    return None

@@ -27,6 +27,11 @@ from runtime.schema import CallingConvention, GraphArg
 
 log = logging.getLogger("aotc.recompiles")
 
+# One compilation at a time per process: tracing enters process-wide torch state (the Python
+# dispatcher, fx's stack-trace anchors, aotc's lifted-value swaps). Taken before a dispatcher's
+# own lock, always in that order; reentrant for a compiled function called while tracing another.
+COMPILE_LOCK = threading.RLock()
+
 
 @dataclass(frozen=True, slots=True)
 class RuntimePlan:
@@ -189,7 +194,7 @@ class Dispatcher:
         return entry.run(leaves)
 
     def _miss(self, key: tuple[object, ...], leaves: list[object]) -> CompiledEntry:
-        with self._lock:
+        with COMPILE_LOCK, self._lock:
             entry = self._entries.get(key)
             if entry is not None:
                 return entry

@@ -9,9 +9,12 @@ flags, shapes and strides.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,7 +28,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import aotc  # noqa: E402
+# The suite never writes to the user's real cache: one fresh cache directory per session (also
+# inherited by the subprocesses tests start). Tests that need their own directory pass cache_dir.
+_SESSION_CACHE = tempfile.mkdtemp(prefix="aotc-test-cache-")
+os.environ["AOTC_CACHE_DIR"] = _SESSION_CACHE
+atexit.register(shutil.rmtree, _SESSION_CACHE, True)
+
+import aotc
 
 
 def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
