@@ -2,7 +2,10 @@
 
 Stage: `cache_key(program, leaves, names, options, grad_enabled) -> CacheKey`;
 `load_entry(options, key) -> dict | None` (decoded record fields + runtime plan);
-`store_entry(options, key, record, plan)`.
+`regenerate_kernels(entry, options)` (the Triton kernels of a hit, generated again);
+`store_entry(options, key, record, plan, lowered)`. Every backend is stored; the key covers
+`backend` and `triton_interpret` with the other options, so an entry of one backend never
+serves another.
 Requires: the same `program` and `leaves` that `aotc.pipeline._compile_signature` compiles.
 Ensures: equal keys only for programs that compile to the same graphs (see Note [Cache key]);
 `CacheKey.key` is None, with a reason, when the program cannot be keyed safely (it is then
@@ -69,10 +72,12 @@ from aotc.options import CompileOptions
 from passes import descriptors
 from passes.ir import StageGraph
 from passes.partition import PartitionResult, SavedValue
+from passes.select import select_backend
 from runtime import autograd, epilogue, schema, wrappers
 from runtime import cache as store
 from runtime.convention import apply_convention, expand_graph_args, plan_convention
 from runtime.errors import CacheError
+from runtime.kernels import CompiledGraph
 
 log = logging.getLogger("aotc.cache")
 
@@ -102,10 +107,7 @@ class CacheKey:
 
 
 def is_enabled(options: CompileOptions) -> bool:
-    # TODO(cache): store entries of the Triton backends too: on a hit, regenerate kernels with
-    # passes.select.select_backend from the cached graphs, which needs node values on the real
-    # device (cached values are meta tensors); the entry's `kernels` field is the hook. (#7)
-    return bool(options.cache and options.cache_dir) and options.backend == "aten"
+    return bool(options.cache and options.cache_dir)
 
 
 def cache_key(
@@ -335,19 +337,30 @@ class _Recorder(TorchDispatchMode):
 
 
 def load_entry(options: CompileOptions, key: str) -> dict[str, Any] | None:
-    """The decoded body of entry `key` ({"record": fields, "plan": RuntimePlan}), or None."""
+    """The decoded body of entry `key`, or None: {"record": fields, "plan": RuntimePlan,
+    "kernels": stored [{"name", "source"}], "lowered": (forward, backward) went to Triton}."""
     assert options.cache_dir is not None
     body = store.read_entry(options.cache_dir, key)
     if body is None:
         return None
     try:
-        graphs = [store.decode_graph(g) for g in store._list(body.get("graphs"))]
+        lowered = tuple(bool(x) for x in store._list(body.get("lowered", [False, False])))
+        # Graphs that the cold compile lowered to Triton are lowered again on this hit, which
+        # reads node values on their real devices (fake tensors); the others get meta values.
+        mode = FakeTensorMode(allow_non_fake_inputs=True) if any(lowered) else None
+        graphs = [store.decode_graph(g, mode) for g in store._list(body.get("graphs"))]
+        kernels = [{"name": str(k["name"]), "source": str(k["source"])}
+                   for k in store._list(body.get("kernels", []))]
+        if len(lowered) != 2:
+            raise CacheError("bad 'lowered' field")
         return {
             "record": store.decode(body.get("record"), graphs),
             "plan": store.decode(body.get("plan"), graphs),
-            "kernels": body.get("kernels", []),
+            "kernels": kernels,
+            "lowered": lowered,
         }
-    except (CacheError, RecursionError, ValueError, TypeError, KeyError, AttributeError) as e:
+    except (CacheError, RecursionError, ValueError, TypeError, KeyError, AttributeError,
+            RuntimeError) as e:
         import warnings
 
         warnings.warn(
@@ -358,18 +371,46 @@ def load_entry(options: CompileOptions, key: str) -> dict[str, Any] | None:
         return None
 
 
-def store_entry(options: CompileOptions, key: str, record: dict[str, Any], plan: object) -> bool:
+def regenerate_kernels(
+    cached: dict[str, Any], options: CompileOptions
+) -> tuple[CompiledGraph | None, CompiledGraph | None]:
+    """The Triton kernels of a hit, generated again from its cached graphs (the stored kernel
+    sources are never compiled: a cache directory cannot run code). The stored sources serve
+    as a check: generation is a pure function of the graph, so a difference is a bug in it
+    (logged; the regenerated kernels run)."""
+    record = cached["record"]
+    out: list[CompiledGraph | None] = []
+    for module, lowered in zip((record["forward"], record["backward"]), cached["lowered"]):
+        compiled = None
+        if lowered and module is not None:
+            compiled = select_backend(module, options.backend, options.triton_interpret)
+        out.append(compiled)
+    made = [{"name": k.name, "source": k.source} for c in out if c for k in c.kernels]
+    if made != cached["kernels"]:
+        log.warning("cache hit for %s: the regenerated Triton kernels differ from the stored "
+                    "ones (%d vs %d kernels); running the regenerated ones",
+                    record.get("name", "?"), len(made), len(cached["kernels"]))
+    return out[0], out[1]
+
+
+def store_entry(options: CompileOptions, key: str, record: dict[str, Any], plan: object,
+                lowered: tuple[bool, bool] = (False, False)) -> bool:
     """Write the entry; False (logged) when some value has no plain encoding or the directory
-    cannot be written. `record` maps CompiledRecord field names to values."""
+    cannot be written. `record` maps CompiledRecord field names to values; `lowered` says
+    which of the forward and backward graphs run generated Triton kernels."""
     assert options.cache_dir is not None
     graphs: list[dict[str, Any]] = []
     ids: dict[int, int] = {}
+    record = dict(record)
+    kernels = record.pop("kernels", ())
+    record.pop("fusion_text", None)  # regenerated with the kernels
     try:
         body = {
             "record": store.encode(record, graphs, ids),
             "plan": store.encode(plan, graphs, ids),
             "graphs": graphs,
-            "kernels": [],  # hook for generated kernel sources; see Note [Cache entry format]
+            "kernels": [{"name": k.name, "source": k.source} for k in kernels],
+            "lowered": list(lowered),
         }
     except store.Uncachable as e:
         log.info("not caching: %s", e)
@@ -384,4 +425,6 @@ def store_entry(options: CompileOptions, key: str, record: dict[str, Any], plan:
     return True
 
 
-__all__ = ["CacheKey", "cache_key", "is_enabled", "load_entry", "store_entry"]
+__all__ = [
+    "CacheKey", "cache_key", "is_enabled", "load_entry", "regenerate_kernels", "store_entry",
+]

@@ -1,7 +1,8 @@
 """The compile driver: the one place to read the data flow for one input signature.
 
     program, leaves, CompileOptions
-      │ aotc.persist.cache_key, load_entry  → a stored entry       (hit: straight to the callable)
+      │ aotc.persist.cache_key, load_entry  → a stored entry       (hit: regenerate_kernels, then
+      │                                                              straight to the callable)
       │ runtime.convention.plan_convention  → CallingConvention    (dedupe)
       │ aotc.metadata.collect_metadata      → MetadataResult       (mutations, aliases)
       │   (aliased inputs with a mutation: plan synthetic bases, collect again)
@@ -44,7 +45,7 @@ from runtime.autograd import AutogradPlan
 from runtime.convention import alias_groups, plan_convention
 from runtime.epilogue import EpiloguePlan, plan_epilogue
 from runtime.schema import CallingConvention, FwdOut, GraphArg, MutationAliasInfo, UserArg
-from runtime.kernels import KernelSource
+from runtime.kernels import CompiledGraph, KernelSource
 from runtime.launch import make_callable
 from runtime.wrappers import CompiledEntry, RuntimePlan
 
@@ -167,7 +168,11 @@ def _compile_signature(
         lap("cache_key")
         cached = persist.load_entry(options, key) if key is not None else None
         if cached is not None:
-            entry = _entry_from_cache(cached, leaves, names, name, source, times)
+            lap("cache_load")
+            compiled = persist.regenerate_kernels(cached, options)
+            if any(cached["lowered"]):
+                lap("kernels")
+            entry = _entry_from_cache(cached, compiled, leaves, names, name, source, times)
             lap("cache_load")
             _log_record(entry.record, entry.record.forward, entry.record.backward)
             if options.dump_dir:
@@ -257,12 +262,11 @@ def _compile_signature(
         source=source,
         guards=_GUARDS,
         stage_seconds=times,
-        kernels=tuple(k for c in (fwd_compiled, bwd_compiled) if c for k in c.kernels),
-        fusion_text="".join(f"# {label} graph\n{c.fusion_text}" for label, c in
-                            (("forward", fwd_compiled), ("backward", bwd_compiled)) if c),
+        **_kernel_fields(fwd_compiled, bwd_compiled),
     )
     if key is not None:
-        persist.store_entry(options, key, _record_fields(entry.record), plan)
+        persist.store_entry(options, key, _record_fields(entry.record), plan,
+                            (fwd_compiled is not None, bwd_compiled is not None))
     _log_record(entry.record, fwd_module, bwd_module)
     if options.dump_dir:
         dump_record(entry.record, options.dump_dir)
@@ -273,8 +277,17 @@ def _record_fields(record: CompiledRecord) -> dict[str, object]:
     return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
 
 
+def _kernel_fields(fwd: CompiledGraph | None, bwd: CompiledGraph | None) -> dict[str, object]:
+    return {
+        "kernels": tuple(k for c in (fwd, bwd) if c for k in c.kernels),
+        "fusion_text": "".join(f"# {label} graph\n{c.fusion_text}" for label, c in
+                               (("forward", fwd), ("backward", bwd)) if c),
+    }
+
+
 def _entry_from_cache(
     cached: dict[str, object],
+    compiled: tuple[CompiledGraph | None, CompiledGraph | None],
     leaves: list[object],
     names: list[str],
     name: str,
@@ -284,13 +297,16 @@ def _entry_from_cache(
     """A compiled entry from a cache hit (see Note [Cache key] in aotc/persist.py)."""
     plan = dataclasses.replace(cached["plan"], name=name)  # type: ignore[type-var]
     fields = dict(cached["record"])  # type: ignore[call-overload]
+    fwd, bwd = compiled
     fields.update(
-        name=name, source=source, signature=describe_signature(leaves, names), stage_seconds=times
+        name=name, source=source, signature=describe_signature(leaves, names), stage_seconds=times,
+        **_kernel_fields(fwd, bwd),
     )
     record = CompiledRecord(**fields)
     entry = CompiledEntry(
-        plan, make_callable(record.forward),
-        make_callable(record.backward) if record.backward is not None else None,
+        plan, fwd.callable if fwd else make_callable(record.forward),
+        (bwd.callable if bwd else make_callable(record.backward))
+        if record.backward is not None else None,
     )
     entry.record = record
     return entry

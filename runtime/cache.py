@@ -12,7 +12,7 @@ Note [Cache entry format]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 One file per entry, `<dir>/<key>.json`:
 
-    line 1: {"format": "aotc-cache", "version": 1, "key": "<key>", "sha256": "<digest of line 2>"}
+    line 1: {"format": "aotc-cache", "version": 2, "key": "<key>", "sha256": "<digest of line 2>"}
     line 2: the body: {"record": ..., "plan": ..., "graphs": [...], "kernels": [...]}
 
 Everything is JSON. Records are `{"R": "<registered class name>", "f": {field: value}}`; enums
@@ -23,9 +23,11 @@ each call target is a name resolved on load only against `torch.ops.aten`, `torc
 (hex) plus dtype, shape and strides. There is no pickle and no exec of stored text: a cache
 directory written by someone else can at worst make a compile fail over to a rebuild.
 
-`kernels` is the hook for the Triton code generator: a list of `{"name", "source"}` records kept
-for inspection. Kernels are regenerated from the cached graphs on load (generation is a pure
-function of the graph), and Triton's own on-disk cache holds the compiled binaries.
+`kernels` holds the generated Triton kernels as `{"name", "source"}` records, for inspection and
+as a consistency check only: the source is never compiled from the cache. On a hit the kernels
+are regenerated from the cached (allowlisted) graphs, whose node values (shape, strides, storage
+offset, dtype, device) are rebuilt as fake tensors on their devices for the lowering; generation
+is a pure function of the graph, and Triton's own on-disk cache holds the compiled binaries.
 
 Writes go to a temporary file in the same directory, are flushed and fsynced, and are renamed over
 the entry with `os.replace` (atomic on POSIX), so a concurrent reader sees the old entry, no entry,
@@ -37,6 +39,7 @@ touches the entry's mtime (least-recently-used eviction).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import hashlib
@@ -56,7 +59,7 @@ from torch import fx
 from runtime.errors import CacheError
 
 FORMAT = "aotc-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: node values keep their storage offset and device
 _SUFFIX = ".json"
 
 _RECORDS: dict[str, type] = {}
@@ -374,7 +377,8 @@ def _decode_arg(value: Any, env: dict[str, fx.Node]) -> Any:
 
 def _encode_val(val: Any) -> Any:
     if isinstance(val, torch.Tensor):
-        return {"t": [list(val.shape), list(val.stride()), encode(val.dtype)]}
+        return {"t": [list(val.shape), list(val.stride()), encode(val.dtype),
+                      val.storage_offset(), encode(val.device)]}
     if isinstance(val, (list, tuple)):
         return [_encode_val(v) for v in val]
     if val is None or isinstance(val, (bool, int, float)):
@@ -382,15 +386,28 @@ def _encode_val(val: Any) -> Any:
     return None  # symbolic or opaque values are dropped; only inspection reads them
 
 
-def _decode_val(value: Any) -> Any:
+def _decode_val(value: Any, fake_mode: Any) -> Any:
+    """A node value: a meta tensor, or with `fake_mode` a fake tensor on the stored device
+    (what the Triton lowering reads, see Note [Cache entry format])."""
     if isinstance(value, dict) and set(value) == {"t"}:
-        shape, stride, dtype = _list(value["t"])
-        return torch.empty_strided(
-            tuple(int(s) for s in _list(shape)), tuple(int(s) for s in _list(stride)),
-            dtype=decode(dtype), device="meta",
-        )
+        shape, stride, dtype, offset, device = _list(value["t"])
+        size = tuple(int(s) for s in _list(shape))
+        strides = tuple(int(s) for s in _list(stride))
+        offset = int(offset)
+        if len(size) != len(strides) or min((*size, *strides, offset, 0)) < 0:
+            raise CacheError("bad tensor value")
+        extent = offset + 1 + sum((n - 1) * st for n, st in zip(size, strides)) if all(size) \
+            else offset
+        where = "meta" if fake_mode is None else decode(device)
+        if not isinstance(where, (str, torch.device)):
+            raise CacheError("bad tensor device")
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            if offset == 0:
+                return torch.empty_strided(size, strides, dtype=decode(dtype), device=where)
+            storage = torch.empty(extent, dtype=decode(dtype), device=where)
+            return storage.as_strided(size, strides, offset)
     if isinstance(value, list):
-        return [_decode_val(v) for v in value]
+        return [_decode_val(v, fake_mode) for v in value]
     return decode(value)
 
 
@@ -446,7 +463,9 @@ def encode_graph(module: fx.GraphModule) -> dict[str, Any]:
     return {"nodes": nodes, "consts": consts}
 
 
-def decode_graph(value: Any) -> fx.GraphModule:
+def decode_graph(value: Any, fake_mode: Any = None) -> fx.GraphModule:
+    """`fake_mode` (a FakeTensorMode): node values become fake tensors on their stored devices,
+    as after tracing; otherwise meta tensors (enough to run and print the graph)."""
     if not isinstance(value, dict):
         raise CacheError("bad graph")
     root = torch.nn.Module()
@@ -475,7 +494,7 @@ def decode_graph(value: Any) -> fx.GraphModule:
         if node.name != name:
             raise CacheError(f"node name {name!r} clashes")
         if "val" in item:
-            node.meta["val"] = _decode_val(item["val"])
+            node.meta["val"] = _decode_val(item["val"], fake_mode)
         if "stack_trace" in item:
             node.meta["stack_trace"] = str(item["stack_trace"])
         env[name] = node

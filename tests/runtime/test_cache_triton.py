@@ -1,0 +1,144 @@
+"""The persistent compile cache for the Triton backends: a hit regenerates the kernels from the
+cached graphs (never compiles stored source), gives eager's results and the cold compile's
+kernels; "auto" entries are stored; entries of different backends never serve each other."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+import aotc
+from tests.conftest import assert_matches_eager
+from tests.runtime.test_cache import ROOT, _rewrite_body, entries, keys, stages
+from tests.triton_helpers import needs_interpreter
+
+
+def block(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # A matmul (ATen call), fused pointwise and reduction kernels, and a sliced view with a
+    # storage offset (node values keep their offsets in the entry).
+    h = torch.nn.functional.gelu(x @ w + b)
+    h = torch.nn.functional.layer_norm(h, (h.shape[-1],))
+    return h[1:].softmax(-1) * 2.0
+
+
+def block_args() -> tuple[torch.Tensor, ...]:
+    return (torch.randn(6, 8), torch.randn(8, 16, requires_grad=True),
+            torch.randn(16, requires_grad=True))
+
+
+def _kernel_texts(compiled: object) -> list[tuple[str, str]]:
+    return [(k.name, k.source) for k in aotc.inspect(compiled)[0].kernels]
+
+
+@needs_interpreter
+def test_triton_hit_regenerates_the_cold_kernels(tmp_path):
+    d = str(tmp_path)
+    cold = assert_matches_eager(block, block_args, backend="triton", cache_dir=d)
+    assert "cache_load" not in stages(cold)
+    assert len(entries(d)) == 1
+    warm = assert_matches_eager(block, block_args, backend="triton", cache_dir=d)
+    assert "cache_load" in stages(warm) and "trace" not in stages(warm)
+    assert _kernel_texts(cold) and _kernel_texts(warm) == _kernel_texts(cold)
+    assert aotc.inspect(warm)[0].kernels == aotc.inspect(cold)[0].kernels
+    # Every stage prints as on the cold compile (fusion plans and kernels included).
+    for (name_a, text_a), (name_b, text_b) in zip(aotc.inspect(cold)[0].stages[:-1],
+                                                  aotc.inspect(warm)[0].stages[:-1]):
+        assert (name_a, text_a) == (name_b, text_b), name_a
+    # The entry keeps the sources for inspection, as plain JSON.
+    with open(os.path.join(d, entries(d)[0]), "rb") as f:
+        body = json.loads(f.read().partition(b"\n")[2])
+    assert [(k["name"], k["source"]) for k in body["kernels"]] == _kernel_texts(cold)
+    assert body["lowered"] == [True, True]
+
+
+@needs_interpreter
+def test_stored_kernel_source_is_never_run(tmp_path, caplog):
+    """A cache directory cannot run code: a hit generates kernels from the graphs again and only
+    compares them with the stored text."""
+    d = str(tmp_path)
+    cold = assert_matches_eager(block, block_args, backend="triton", cache_dir=d)
+
+    def plant(body: dict) -> dict:
+        for k in body["kernels"]:
+            k["source"] = "raise SystemExit('stored kernel source was executed')\n"
+        return body
+
+    _rewrite_body(os.path.join(d, entries(d)[0]), plant)
+    with caplog.at_level(logging.WARNING, logger="aotc.cache"):
+        warm = assert_matches_eager(block, block_args, backend="triton", cache_dir=d)
+    assert "cache_load" in stages(warm)
+    assert _kernel_texts(warm) == _kernel_texts(cold)
+    assert any("differ from the stored" in r.getMessage() for r in caplog.records)
+
+
+def test_auto_is_cached_and_backends_have_distinct_entries(tmp_path):
+    d = str(tmp_path)
+
+    def f(x, w):
+        return (x @ w).relu().sum(-1)
+
+    def make():
+        return torch.randn(5, 4), torch.randn(4, 3, requires_grad=True)
+
+    # "triton" needs the interpreter on CPU; without it, it runs ATen calls (still its own entry).
+    for backend in ("aten", "auto", "triton"):
+        cold = assert_matches_eager(f, make, backend=backend, cache_dir=d)
+        assert "cache_load" not in stages(cold), backend  # no other backend's entry served
+        warm = assert_matches_eager(f, make, backend=backend, cache_dir=d)
+        assert "cache_load" in stages(warm), backend
+        assert _kernel_texts(warm) == _kernel_texts(cold)
+    assert len(entries(d)) == 3
+    x, w = make()
+    assert len({keys(f, x, w, backend=b) for b in ("aten", "auto", "triton")}) == 3
+    # "auto" on CPU tensors runs ATen calls: no kernels, nothing to regenerate on a hit.
+    auto = aotc.compile(f, backend="auto", cache_dir=d)
+    torch.testing.assert_close(auto(x, w), f(x, w))
+    assert "cache_load" in stages(auto) and not _kernel_texts(auto)
+
+
+CHILD = textwrap.dedent("""
+    import json, os, sys
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    sys.path.insert(0, {root!r})
+    import torch, aotc
+    from tests.runtime.test_cache_triton import block, block_args
+
+    torch.manual_seed(0)
+    args = block_args()
+    compiled = aotc.compile(block, backend="triton", cache_dir={d!r})
+    out = compiled(*args)
+    out.sum().backward()
+    grads = [a.grad.clone() for a in args[1:]]
+    for a in args[1:]:
+        a.grad = None
+    ref = block(*args)
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref)
+    for g, a in zip(grads, args[1:]):
+        torch.testing.assert_close(g, a.grad)
+    rec = aotc.inspect(compiled)[0]
+    print(json.dumps({{"hit": "cache_load" in rec.stage_seconds,
+                      "kernels": [[k.name, k.source] for k in rec.kernels]}}))
+""")
+
+
+@needs_interpreter
+def test_new_process_hits_a_triton_entry(tmp_path):
+    """The entry written here serves a fresh process, whose kernel caches are empty."""
+    d = str(tmp_path / "cache")
+    cold = assert_matches_eager(block, block_args, backend="triton", cache_dir=d)
+    script = tmp_path / "child.py"
+    script.write_text(CHILD.format(root=ROOT, d=d))
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["hit"]
+    assert [tuple(k) for k in result["kernels"]] == _kernel_texts(cold)
