@@ -64,6 +64,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -353,11 +354,17 @@ def load_entry(options: CompileOptions, key: str) -> dict[str, Any] | None:
                    for k in store._list(body.get("kernels", []))]
         if len(lowered) != 2:
             raise CacheError("bad 'lowered' field")
+        decomposed = tuple(store.decode(g, graphs) for g in
+                           store._list(body.get("decomposed", [None, None])))
+        if len(decomposed) != 2 or not all(g is None or isinstance(g, fx.GraphModule)
+                                           for g in decomposed):
+            raise CacheError("bad 'decomposed' field")
         return {
             "record": store.decode(body.get("record"), graphs),
             "plan": store.decode(body.get("plan"), graphs),
             "kernels": kernels,
             "lowered": lowered,
+            "decomposed": decomposed,
         }
     except (CacheError, RecursionError, ValueError, TypeError, KeyError, AttributeError,
             RuntimeError) as e:
@@ -380,10 +387,12 @@ def regenerate_kernels(
     (logged; the regenerated kernels run)."""
     record = cached["record"]
     out: list[CompiledGraph | None] = []
-    for module, lowered in zip((record["forward"], record["backward"]), cached["lowered"]):
+    graphs = zip((record["forward"], record["backward"]), cached["lowered"], cached["decomposed"])
+    for module, lowered, decomposed in graphs:
         compiled = None
         if lowered and module is not None:
-            compiled = select_backend(module, options.backend, options.triton_interpret)
+            compiled = select_backend(module, options.backend, options.triton_interpret,
+                                      decomposed)
         out.append(compiled)
     made = [{"name": k.name, "source": k.source} for c in out if c for k in c.kernels]
     if made != cached["kernels"]:
@@ -394,10 +403,11 @@ def regenerate_kernels(
 
 
 def store_entry(options: CompileOptions, key: str, record: dict[str, Any], plan: object,
-                lowered: tuple[bool, bool] = (False, False)) -> bool:
+                compiled: tuple[CompiledGraph | None, CompiledGraph | None] = (None, None)
+                ) -> bool:
     """Write the entry; False (logged) when some value has no plain encoding or the directory
-    cannot be written. `record` maps CompiledRecord field names to values; `lowered` says
-    which of the forward and backward graphs run generated Triton kernels."""
+    cannot be written. `record` maps CompiledRecord field names to values; `compiled` are the
+    forward and backward graphs' Triton lowerings (None: run as ATen calls)."""
     assert options.cache_dir is not None
     graphs: list[dict[str, Any]] = []
     ids: dict[int, int] = {}
@@ -410,11 +420,24 @@ def store_entry(options: CompileOptions, key: str, record: dict[str, Any], plan:
             "plan": store.encode(plan, graphs, ids),
             "graphs": graphs,
             "kernels": [{"name": k.name, "source": k.source} for k in kernels],
-            "lowered": list(lowered),
+            "lowered": [c is not None for c in compiled],
         }
     except store.Uncachable as e:
         log.info("not caching: %s", e)
         return False
+    # The decomposed graphs spare a hit the decomposition (a retrace, and on first use building
+    # torch's decomposition table: most of the kernel stage); optional, as they may hold values
+    # without a plain encoding.
+    count, known = len(graphs), dict(ids)
+    try:
+        body["decomposed"] = [store.encode(c.decomposed, graphs, ids)
+                              if c is not None and c.decomposed is not None else None
+                              for c in compiled]
+    except store.Uncachable as e:
+        log.info("not caching the decomposed graphs: %s", e)
+        del graphs[count:]
+        ids.clear()
+        ids.update(known)
     try:
         store.write_entry(options.cache_dir, key, body, options.cache_max_bytes)
     except OSError as e:

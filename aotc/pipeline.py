@@ -266,7 +266,7 @@ def _compile_signature(
     )
     if key is not None:
         persist.store_entry(options, key, _record_fields(entry.record), plan,
-                            (fwd_compiled is not None, bwd_compiled is not None))
+                            (fwd_compiled, bwd_compiled))
     _log_record(entry.record, fwd_module, bwd_module)
     if options.dump_dir:
         dump_record(entry.record, options.dump_dir)

@@ -43,8 +43,10 @@ def graph_device(module: fx.GraphModule) -> torch.device | None:
     return None
 
 
-def lower_graph(module: fx.GraphModule, interpret: bool) -> CompiledGraph:
-    decomposed = decompose(module)
+def lower_graph(module: fx.GraphModule, interpret: bool,
+                decomposed: fx.GraphModule | None = None) -> CompiledGraph:
+    """`decomposed`: `decompose(module)` from an earlier compile (a disk-cache hit)."""
+    decomposed = decompose(module) if decomposed is None else decomposed
     plan = plan_fusion(lower(decomposed, view_output_positions(module)))
     device = str(graph_device(decomposed) or "cpu")
     outputs = {o for o in plan.lowered.outputs if isinstance(o, str)}
@@ -77,6 +79,7 @@ def lower_graph(module: fx.GraphModule, interpret: bool) -> CompiledGraph:
         kernels=tuple(kernels), steps=tuple(steps), placeholders=tuple(plan.lowered.placeholders),
         outputs=tuple(plan.lowered.outputs), num_slots=num_slots, fusion_text=plan.format(),
         input_strides=tuple(_input_stride(plan, name) for name in plan.lowered.placeholders),
+        decomposed=decomposed,
     )
 
 

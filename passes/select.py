@@ -20,7 +20,9 @@ from runtime.kernels import CompiledGraph
 log = logging.getLogger("aotc.kernels")
 
 
-def select_backend(module: fx.GraphModule, backend: str, interpret: bool) -> CompiledGraph | None:
+def select_backend(module: fx.GraphModule, backend: str, interpret: bool,
+                   decomposed: fx.GraphModule | None = None) -> CompiledGraph | None:
+    """`decomposed`: the decomposed graph of `module` from a disk-cache entry (skips decompose)."""
     if backend == "aten":
         return None
     from passes.kernelize import graph_device, lower_graph
@@ -45,7 +47,7 @@ def select_backend(module: fx.GraphModule, backend: str, interpret: bool) -> Com
         log.warning("backend=%r: triton is not installed; running ATen calls instead", backend)
         return None
     try:
-        return lower_graph(module, interpret=not on_cuda)
+        return lower_graph(module, interpret=not on_cuda, decomposed=decomposed)
     except Exception as e:  # noqa: BLE001 - the ATen graph is always a correct fallback
         log.warning("Triton lowering failed (%s: %s); running this graph as ATen calls",
                     type(e).__name__, e)

@@ -94,6 +94,7 @@ class CompiledGraph:
     fusion_text: str = ""  # the fusion plan, printable
     # per placeholder: the strides kernels index it with (None: not a tensor); see run()
     input_strides: tuple[tuple[int, ...] | None, ...] = field(default=())
+    decomposed: Any = None  # the decomposed fx graph the kernels come from (the disk cache keeps it)
 
     @cached_property
     def callable(self) -> Callable[..., tuple[Any, ...]]:
