@@ -347,9 +347,12 @@ def load_entry(options: CompileOptions, key: str) -> dict[str, Any] | None:
     try:
         lowered = tuple(bool(x) for x in store._list(body.get("lowered", [False, False])))
         # Graphs that the cold compile lowered to Triton are lowered again on this hit, which
-        # reads node values on their real devices (fake tensors); the others get meta values.
-        mode = FakeTensorMode(allow_non_fake_inputs=True) if any(lowered) else None
-        graphs = [store.decode_graph(g, mode) for g in store._list(body.get("graphs"))]
+        # reads node values on their real devices (fake tensors); the others (the joint graphs)
+        # get meta values, which are cheaper to make.
+        lowering = _lowered_graph_ids(body, lowered)
+        mode = FakeTensorMode(allow_non_fake_inputs=True) if lowering else None
+        graphs = [store.decode_graph(g, mode if i in lowering else None)
+                  for i, g in enumerate(store._list(body.get("graphs")))]
         kernels = [{"name": str(k["name"]), "source": str(k["source"])}
                    for k in store._list(body.get("kernels", []))]
         if len(lowered) != 2:
@@ -376,6 +379,21 @@ def load_entry(options: CompileOptions, key: str) -> dict[str, Any] | None:
             stacklevel=3,
         )
         return None
+
+
+def _lowered_graph_ids(body: dict[str, Any], lowered: tuple[bool, ...]) -> set[int]:
+    """Indices into body["graphs"] of the lowered stage graphs and their decomposed graphs."""
+    record = body.get("record")
+    fields = record.get("D") if isinstance(record, dict) else None
+    if not isinstance(fields, dict):
+        raise CacheError("bad record")
+    decomposed = store._list(body.get("decomposed", [None, None]))
+    out = set()
+    for name, low, dec in zip(("forward", "backward"), lowered, decomposed):
+        for ref in (fields.get(name), dec) if low else ():
+            if isinstance(ref, dict) and isinstance(ref.get("G"), int):
+                out.add(ref["G"])
+    return out
 
 
 def regenerate_kernels(
