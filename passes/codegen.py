@@ -289,7 +289,8 @@ def generate_kernel(plan: FusionPlan, group: FusionGroup, device: str, interpret
         pass  # the 2-D index lines are above
     elif reduction:
         body += ["    xindex = xoffset + tl.arange(0, XBLOCK)[:, None]",
-                 "    xmask = xindex < xnumel", "    rbase = tl.arange(0, RBLOCK)[None, :]"]
+                 "    xmask = xindex < xnumel", "    rbase = tl.arange(0, RBLOCK)[None, :]"
+                 + (".to(tl.int64)" if plan.lowered.symbols else "")]  # r * size may pass 2**31
     else:
         body += ["    xindex = xoffset + tl.arange(0, XBLOCK)", "    xmask = xindex < xnumel"]
     outer = _Scope("    ", None, "x")

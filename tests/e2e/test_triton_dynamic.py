@@ -137,3 +137,25 @@ def test_unhandled_size_expression_falls_back_per_kernel(caplog):
                                  compiled=compiled)
     assert len(aotc.inspect(compiled)) == 1
     assert "running its ops as ATen calls" in caplog.text
+
+
+def test_torch_compile_dynamic_runs_kernels(compiles, caplog):
+    import torch._dynamo
+
+    import aotc.backend
+
+    torch._dynamo.reset()
+
+    def f(x, w):
+        return F.layer_norm(x @ w, (8,)).softmax(-1)
+
+    before = aotc.backend.stats["ahead"]
+    compiled = torch.compile(f, backend="aotc", dynamic=True, options={"backend": "triton"})
+    w = torch.randn(4, 8, requires_grad=True)
+    with caplog.at_level(logging.WARNING, logger="aotc.kernels"):
+        for b in (3, 5, 7):
+            assert_matches_eager(f, lambda b=b: (torch.randn(b, 4, requires_grad=True), w),
+                                 runs=1, compiled=compiled)
+    assert aotc.backend.stats["ahead"] - before == 1
+    assert compiles and all(n == 1 for n in compiles.values())
+    assert "failed" not in caplog.text and "could not generate" not in caplog.text
