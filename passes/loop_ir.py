@@ -170,6 +170,8 @@ def _floordiv_symbolic(e: sympy.Expr, d: sympy.Expr, ranges: Ranges) -> sympy.Ex
     if whole:
         rest = sympy.Add(*[t for t in terms if t not in whole])
         return sympy.Add(*whole.values()) + _floordiv_any(rest, d, ranges)
+    for g, big, rest in _common_factors(terms, d, ranges):  # (g*a + b) // (g*m) = a // m
+        return _floordiv_any(sympy.Add(*[_divides(g, t) for t in big]), _divides(g, d), ranges)
     return FloorDiv(e, d)
 
 
@@ -178,7 +180,32 @@ def _mod_symbolic(e: sympy.Expr, d: sympy.Expr, ranges: Ranges) -> sympy.Expr:
     lo, hi = bounds(e, ranges)
     if known_nonneg(lo) and known_lt(hi, d):
         return e
+    for g, big, rest in _common_factors(list(sympy.Add.make_args(e)), d, ranges):
+        # (g*a + b) % (g*m) = g*(a % m) + b when 0 <= b < g
+        return g * _mod_any(sympy.Add(*[_divides(g, t) for t in big]), _divides(g, d),
+                            ranges) + rest
     return ModIdx(e, d)
+
+
+def _common_factors(terms: list[sympy.Expr], d: sympy.Expr, ranges: Ranges
+                    ) -> list[tuple[sympy.Expr, list[sympy.Expr], sympy.Expr]]:
+    """Factors `g` of `d` (a term's gcd with `d`, not 1) splitting `terms` into multiples of `g`
+    and a rest provably in [0, g): the symbolic form of the gcd rule of `floordiv`/`mod`."""
+    out = []
+    for t in terms:
+        try:
+            g = sympy.gcd(t, d)
+        except (sympy.PolynomialError, sympy.polys.polyerrors.PolificationFailed):
+            continue
+        if g == 1 or g == d or _divides(g, d) is None:
+            continue
+        big = [u for u in terms if _divides(g, u) is not None and not u.is_Integer]
+        rest = sympy.Add(*[u for u in terms if u not in big])
+        lo, hi = bounds(rest, ranges)
+        if big and known_nonneg(lo) and known_lt(hi, g):
+            out.append((g, big, rest))
+            break
+    return out
 
 
 def _floordiv_any(e: sympy.Expr, d: Size, ranges: Ranges) -> sympy.Expr:
@@ -333,7 +360,8 @@ def dense_order(size: Sequence[Size], stride: Sequence[Size]) -> list[int] | Non
     return order
 
 
-def flat_index(index: Sequence[sympy.Expr], strides: Sequence[Size], offset: int = 0) -> sympy.Expr:
+def flat_index(index: Sequence[sympy.Expr], strides: Sequence[Size], offset: int = 0
+               ) -> sympy.Expr:
     return sympy.Integer(offset) + sympy.Add(
         *[i * s for i, s, in zip(index, strides, strict=True)]
     )
