@@ -25,12 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 if not __import__("torch").cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import torch  # noqa: E402
+import torch
+from common import fmt_table, write_results
 
-import aotc  # noqa: E402
-import runtime.kernels as rk  # noqa: E402
-from common import fmt_table, write_results  # noqa: E402
-from examples.gpt_block import Block  # noqa: E402
+import aotc
+import runtime.kernels as rk
+from examples.gpt_block import Block
 
 LENGTHS = [3, 5, 7, 9, 12]
 
