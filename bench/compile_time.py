@@ -2,7 +2,8 @@
 
 AOTAutograd runs with no-op compilers (`fw_compiler=bw_compiler=lambda gm, _: gm`), so both
 sides measure tracing + partitioning + wrapper construction, not code generation.
-Each repetition builds a new function / module wrapper (aotc caches per compiled object; AOTAutograd
+aotc runs with its on-disk cache off (cold compiles; bench/cache.py measures warm starts). Each
+repetition builds a new function / module wrapper (aotc caches per compiled object; AOTAutograd
 caches per aot_function object), resets torch._dynamo if it is loaded, and times
 `loss = compiled(*inputs); loss.backward()`. Systems are interleaved inside every repetition.
 
@@ -118,17 +119,17 @@ def _block() -> nn.Module:
 WORKLOADS: dict[str, dict[str, object]] = {
     "mlp_fn": {
         "inputs": mlp_inputs,
-        "aotc": lambda: aotc.compile(make_mlp_fn()),
+        "aotc": lambda: aotc.compile(make_mlp_fn(), cache=False),
         "aot_autograd": lambda: aot_function(make_mlp_fn(), noop_compiler, noop_compiler),
     },
     "gpt_block_module": {
         "inputs": block_inputs,
-        "aotc": lambda: aotc.compile(_block()),
+        "aotc": lambda: aotc.compile(_block(), cache=False),
         "aot_autograd": lambda: aot_module(_block(), noop_compiler, noop_compiler),
     },
     "pointwise10_fn": {
         "inputs": pointwise_inputs,
-        "aotc": lambda: aotc.compile(make_pointwise_fn()),
+        "aotc": lambda: aotc.compile(make_pointwise_fn(), cache=False),
         "aot_autograd": lambda: aot_function(make_pointwise_fn(), noop_compiler, noop_compiler),
     },
 }

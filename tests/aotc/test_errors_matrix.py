@@ -99,6 +99,16 @@ def custom_op_without_fake(x):
     return opaque_op(x) * 2
 
 
+def _mul_first_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    a.mul_(2)
+    return a + b
+
+
+def _halves_of_one_base() -> tuple[torch.Tensor, torch.Tensor]:
+    base = torch.randn(8)
+    return base[:4], base[4:]
+
+
 CASES = {
     "double_backward": Case(double_backward, lambda: (torch.randn(3, requires_grad=True),),
                             aotc.UnsupportedError, ("double backward",), ("create_graph",),
@@ -138,8 +148,10 @@ CASES = {
                                 aotc.UnsupportedError, ("argument 1", "set"), ("hashable",)),
     "sparse_input": Case(lambda x: x * 2, lambda: (torch.randn(3, 3).to_sparse(),),
                          aotc.UnsupportedError, ("argument 0", "sparse"), ("to_dense",)),
-    "dynamic_shapes": Case(lambda x: x * 2, lambda: (torch.randn(3),), aotc.UnsupportedError,
-                           ("dynamic=True",), ("dynamic=False",), options={"dynamic": True}),
+    "dynamic_aliased_mutation": Case(_mul_first_add, _halves_of_one_base, aotc.UnsupportedError,
+                                     ("_mul_first_add", "dynamic=True", "share storage"),
+                                     (".clone()", "without dynamic"),
+                                     options={"dynamic": True}),
 }
 
 
