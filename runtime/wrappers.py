@@ -6,6 +6,8 @@ Stage: `build_entry(plan, fwd, bwd) -> CompiledEntry` (one compiled signature) a
 Every call of a compiled entry goes:
     user leaves --apply_convention--> graph args --autograd node (or plain forward)--> fwd outputs
     --apply_mutations--> inputs updated --build_outputs--> user outputs --unflatten--> result
+Entries whose plan needs none of the fix-ups run a generated straight-line version of this
+instead (runtime/fastpath.py, Note [Direct plans]).
 """
 
 from __future__ import annotations
