@@ -331,6 +331,12 @@ def generate_kernel(plan: FusionPlan, group: FusionGroup, device: str, interpret
                  "        rmask = rindex < rnumel", *loop.lines]
     params = [f"in_{b}" for b in group.reads] + [f"out_{s}" for s in group.stores]
     second = "Y" if cols else "R"
+    if isinstance(r, (int, sympy.Integer)):
+        # A static row length is a literal loop bound: Triton's interpreter cannot iterate to a
+        # runtime scalar under numpy >= 2.4 (its scalars are 1-element arrays), and on CUDA a
+        # literal bound is what the traced shape promises anyway (sizes are baked into indices).
+        bound = f"range(0, {int(r)}, RBLOCK)"
+        body = [line.replace("range(0, rnumel, RBLOCK)", bound) for line in body]
     text = "\n".join(body)
     symbols = tuple(str(sym) for sym in plan.lowered.symbols
                     if re.search(rf"\b{sym}\b", text))
