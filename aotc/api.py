@@ -24,7 +24,7 @@ from aotc.lifting import (
     find_free_tensors,
     module_accesses,
     module_training_flags,
-    read_lifted,
+    lifted_reader,
     swapped,
 )
 from aotc.options import CompileOptions
@@ -36,6 +36,7 @@ from runtime.symbolic import SymbolicDispatcher
 from runtime.wrappers import CompiledEntry, Dispatcher
 
 Tensor = torch.Tensor
+_PLAIN_TENSOR = frozenset((Tensor,))
 progress = logging.getLogger("aotc.progress")
 
 # Called with (compiled function, record, recompile reason or None) after every compilation.
@@ -59,6 +60,7 @@ class CompiledFunction:
         self._options = options
         self._lifted = lifted
         self._accesses = lifted.accesses
+        self._read_lifted = lifted_reader(lifted.accesses) if lifted.accesses else None
         self._lifted_names = [a.name for a in lifted.accesses]
         self._extra_key = extra_key
         self._name = name
@@ -74,13 +76,13 @@ class CompiledFunction:
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not kwargs and all(type(a) is Tensor for a in args):
+        if not kwargs and {*map(type, args)} <= _PLAIN_TENSOR:  # every arg a plain Tensor
             leaves: list[object] = list(args)
             spec: object = len(args)
         else:
             leaves, spec = pytree.tree_flatten((args, kwargs))
-        if self._accesses:
-            leaves.extend(read_lifted(self._accesses))  # Note [Lifted reads and swaps across threads]
+        if self._read_lifted is not None:
+            leaves.extend(self._read_lifted())  # Note [Lifted reads and swaps across threads]
         extra = (spec, self._extra_key()) if self._extra_key is not None else spec
         return self._dispatch(leaves, extra)
 

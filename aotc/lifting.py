@@ -28,6 +28,8 @@ location to another tensor, assigning `.grad`, or storing a new tensor into a wa
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 import threading
 import types
 import warnings
@@ -48,6 +50,11 @@ class Slot:
     def read(self) -> object:
         raise NotImplementedError
 
+    def reader(self) -> Callable[[], object]:
+        """A callable equivalent to `read` for the per-call reads; subclasses return a C-level
+        one (a partial of getitem/getattr) where they can."""
+        return self.read
+
     def write(self, value: object) -> None:
         raise NotImplementedError
 
@@ -61,6 +68,9 @@ class ItemSlot(Slot):
     def read(self) -> object:
         return self.container[self.key]  # type: ignore[index]
 
+    def reader(self) -> Callable[[], object]:
+        return functools.partial(operator.getitem, self.container, self.key)
+
     def write(self, value: object) -> None:
         self.container[self.key] = value  # type: ignore[index]
 
@@ -73,6 +83,9 @@ class CellSlot(Slot):
 
     def read(self) -> object:
         return self.cell.cell_contents
+
+    def reader(self) -> Callable[[], object]:
+        return functools.partial(getattr, self.cell, "cell_contents")
 
     def write(self, value: object) -> None:
         self.cell.cell_contents = value
@@ -88,6 +101,9 @@ class KeySlot(Slot):
 
     def read(self) -> object:
         return self.current
+
+    def reader(self) -> Callable[[], object]:
+        return functools.partial(getattr, self, "current")
 
     def write(self, value: object) -> None:
         old, self.current = self.current, value
@@ -161,7 +177,8 @@ def module_accesses(module: torch.nn.Module, prefix: str) -> Lifted:
 
 def module_training_flags(module: torch.nn.Module) -> Callable[[], tuple[bool, ...]]:
     modules = [m for _, m in module.named_modules()]
-    return lambda: tuple(m.training for m in modules)
+    training = operator.attrgetter("training")
+    return lambda: tuple(map(training, modules))  # hot path: one C-level loop
 
 
 def find_free_tensors(fn: Callable[..., object]) -> Lifted:
@@ -295,9 +312,21 @@ LIFT_LOCK = threading.RLock()
 
 
 def read_lifted(accesses: Sequence[Access]) -> list[object]:
-    """The current values of the lifted locations (hot path)."""
+    """The current values of the lifted locations."""
     with LIFT_LOCK:
         return [a.get() for a in accesses]
+
+
+def lifted_reader(accesses: Sequence[Access]) -> Callable[[], list[object]]:
+    """`read_lifted(accesses)` as one closure for the hot path: each slot's read is bound once
+    (Slot.reader), so a call runs no Python frame per lifted tensor."""
+    readers = tuple(a.slot.reader() for a in accesses)
+
+    def read() -> list[object]:
+        with LIFT_LOCK:
+            return [r() for r in readers]
+
+    return read
 
 
 @contextlib.contextmanager

@@ -8,6 +8,10 @@ values are computed and accumulated in fp32 and rounded once when stored; indice
 when an index can reach 2**31. Reductions are persistent (a whole row per program, values kept
 in registers) when `rnumel <= PERSISTENT_RNUMEL`, else looped (one loop over r per reduction,
 one more for the stored row values). Pointwise groups are 1-D over the flat element index.
+With symbolic sizes (see Note [Symbolic sizes] in passes.loop_ir) the size symbols a kernel's
+indices use become integer parameters after `xnumel`/`rnumel` (`KernelSource.symbols`), and
+decisions that need a concrete size are conservative: such reductions are looped, indices are
+int64, pointwise kernels are 1-D; block sizes are chosen at launch. One source serves all sizes.
 
 Worked example (softmax rows of float[4, 5], persistent):
 
@@ -21,6 +25,7 @@ Worked example (softmax rows of float[4, 5], persistent):
 from __future__ import annotations
 
 import math
+import re
 
 import sympy
 import torch
@@ -37,7 +42,7 @@ from passes.fusion import (
     store_index,
     tile_columns,
 )
-from passes.loop_ir import Const, Expr, FloorDiv, IndexValue, Load, ModIdx, Op
+from passes.loop_ir import Const, Expr, FloorDiv, IndexValue, Load, ModIdx, Op, is_static
 from passes.lowering import Computed
 from runtime.kernels import KernelSource
 
@@ -45,6 +50,7 @@ from runtime.kernels import KernelSource
 # softmax/LayerNorm widths); longer rows loop over r.
 PERSISTENT_RNUMEL = 2048
 LOOP_RBLOCK = 256
+LAUNCH_RBLOCK = -1  # KernelSource.persistent_rblock: the next power of two of rnumel at launch
 
 _TL = {
     torch.float32: "tl.float32", torch.float16: "tl.float32", torch.bfloat16: "tl.float32",
@@ -89,6 +95,8 @@ def index_code(e: sympy.Expr) -> str:
         return "(" + " + ".join(index_code(a) for a in e.args) + ")"
     if e.is_Mul:
         return "(" + " * ".join(index_code(a) for a in e.args) + ")"
+    if e.is_Pow and e.exp.is_Integer and int(e.exp) > 0:
+        return "(" + " * ".join([index_code(e.base)] * int(e.exp)) + ")"
     if isinstance(e, FloorDiv):
         return f"({index_code(e.args[0])} // {index_code(e.args[1])})"
     if isinstance(e, ModIdx):
@@ -241,6 +249,8 @@ def _init(kind: str, dtype: torch.dtype) -> str:
 
 def _needs_int64(group: FusionGroup, plan: FusionPlan) -> bool:
     limit = 2**31 - 1
+    if plan.lowered.symbols:
+        return True  # symbolic sizes: any size may reach 2**31
     if group.xnumel * max(group.rnumel, 1) >= limit:
         return True
     for name in (*group.reads, *group.stores):
@@ -258,8 +268,13 @@ def generate_kernel(plan: FusionPlan, group: FusionGroup, device: str, interpret
     em = _Emitter(group, plan, interpret, cols)
     x, r = group.xnumel, group.rnumel
     reduction = group.kind is GroupKind.REDUCTION
-    persistent = reduction and r <= PERSISTENT_RNUMEL
-    rblock = max(1, 1 << (max(r, 1) - 1).bit_length()) if persistent else LOOP_RBLOCK
+    # A symbolic row length: looped on CUDA (one compile for all sizes); in the interpreter
+    # (which cannot loop to a runtime bound, and compiles nothing) persistent, RBLOCK at launch.
+    persistent = reduction and (r <= PERSISTENT_RNUMEL if is_static(r) else interpret)
+    if persistent and not is_static(r):
+        rblock = LAUNCH_RBLOCK
+    else:
+        rblock = max(1, 1 << (max(r, 1) - 1).bit_length()) if persistent else LOOP_RBLOCK
     int64 = _needs_int64(group, plan)
     body: list[str] = []
     pid = "tl.program_id(0).to(tl.int64)" if int64 else "tl.program_id(0)"
@@ -274,7 +289,8 @@ def generate_kernel(plan: FusionPlan, group: FusionGroup, device: str, interpret
         pass  # the 2-D index lines are above
     elif reduction:
         body += ["    xindex = xoffset + tl.arange(0, XBLOCK)[:, None]",
-                 "    xmask = xindex < xnumel", "    rbase = tl.arange(0, RBLOCK)[None, :]"]
+                 "    xmask = xindex < xnumel", "    rbase = tl.arange(0, RBLOCK)[None, :]"
+                 + (".to(tl.int64)" if plan.lowered.symbols else "")]  # r * size may pass 2**31
     else:
         body += ["    xindex = xoffset + tl.arange(0, XBLOCK)", "    xmask = xindex < xnumel"]
     outer = _Scope("    ", None, "x")
@@ -315,8 +331,21 @@ def generate_kernel(plan: FusionPlan, group: FusionGroup, device: str, interpret
                  "        rmask = rindex < rnumel", *loop.lines]
     params = [f"in_{b}" for b in group.reads] + [f"out_{s}" for s in group.stores]
     second = "Y" if cols else "R"
-    sig = ", ".join([*params, "xnumel", f"{second.lower()}numel", "XBLOCK: tl.constexpr",
-                     f"{second}BLOCK: tl.constexpr"])
+    if isinstance(r, (int, sympy.Integer)):
+        # A static row length is a literal loop bound: Triton's interpreter cannot iterate to a
+        # runtime scalar under numpy >= 2.4 (its scalars are 1-element arrays), and on CUDA a
+        # literal bound is what the traced shape promises anyway (sizes are baked into indices).
+        bound = f"range(0, {int(r)}, RBLOCK)"
+        body = [line.replace("range(0, rnumel, RBLOCK)", bound) for line in body]
+    text = "\n".join(body)
+    symbols = tuple(str(sym) for sym in plan.lowered.symbols
+                    if re.search(rf"\b{sym}\b", text))
+    sig = ", ".join([*params, "xnumel", f"{second.lower()}numel", *symbols,
+                     "XBLOCK: tl.constexpr", f"{second}BLOCK: tl.constexpr"])
+    # Sizes vary between calls of a symbolic kernel: no value specialization, so one compile
+    # serves all sizes (Triton's interpreter compiles nothing and rejects the option in loops).
+    jit = (f"@triton.jit(do_not_specialize={['xnumel', 'rnumel', *symbols]!r})"
+           if plan.lowered.symbols and not interpret else "@triton.jit")
     header = [f"# kernel {group.name}: {group.kind.value}, x={x} r={r}"
               + (" (persistent)" if persistent else (" (looped)" if reduction else ""))
               + (f" (2-D tiles over {x // cols}x{cols})" if cols else ""),
@@ -324,12 +353,13 @@ def generate_kernel(plan: FusionPlan, group: FusionGroup, device: str, interpret
               "# source ops:", *[f"#   {op}" for op in group.source_ops]]
     helpers = _ROUND_BF16 if "_round_bf16(" in "\n".join(body) else ""
     source = "\n".join([*header, "import triton", "import triton.language as tl", "", helpers,
-                        "@triton.jit", f"def {group.name}({sig}):", *body, ""])
+                        jit, f"def {group.name}({sig}):", *body, ""])
     return KernelSource(
         name=group.name, source=source, reduction=reduction, inputs=group.reads,
         outputs=group.stores, xnumel=cols or x, rnumel=x // cols if cols else r,
         persistent_rblock=rblock if persistent else 0, device=device,
         bytes_read=group.bytes_read, bytes_written=group.bytes_written, tiled=bool(cols),
+        symbols=symbols,
     )
 
 

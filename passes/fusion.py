@@ -37,9 +37,14 @@ from passes.loop_ir import (
     Load,
     Op,
     Ranges,
+    Size,
+    at_least_one,
+    at_most_one,
+    dense_order,
     flat_index,
     floordiv,
     index_symbol,
+    is_static,
     loads_of,
     mod,
     simplify,
@@ -68,12 +73,12 @@ class FusionGroup:
     name: str  # readable kernel name, e.g. "reduction_amax_sub_exp_sum_div"
     kind: GroupKind
     members: tuple[Item, ...]  # execution order
-    xnumel: int
-    rnumel: int  # 1 for pointwise groups
+    xnumel: Size  # a sympy expression when sizes are symbolic
+    rnumel: Size  # 1 for pointwise groups
     stores: tuple[str, ...]  # member buffers written to memory
     reads: tuple[str, ...]  # buffers read from outside the group (sorted)
-    bytes_read: int
-    bytes_written: int
+    bytes_read: Size
+    bytes_written: Size
     source_ops: tuple[str, ...]  # the fx nodes fused, "name = target" in graph order
 
     def format(self) -> str:
@@ -100,10 +105,10 @@ class FusionPlan:
 
 # ---- iteration spaces ----------------------------------------------------------------------
 
-def group_ranges(xnumel: int, rnumel: int, cols: int = 0) -> Ranges:
+def group_ranges(xnumel: Size, rnumel: Size, cols: int = 0) -> Ranges:
     if cols:
         return {XINDEX: cols, YINDEX: max(xnumel // cols, 1), RINDEX: 1}
-    return {XINDEX: max(xnumel, 1), RINDEX: max(rnumel, 1)}
+    return {XINDEX: at_least_one(xnumel), RINDEX: at_least_one(rnumel)}
 
 
 def member_index(comp: Computed, xnumel: int, rnumel: int, cols: int = 0) -> list[sympy.Expr]:
@@ -117,13 +122,18 @@ def member_index(comp: Computed, xnumel: int, rnumel: int, cols: int = 0) -> lis
         outer = iter(unflatten(XINDEX, red.outer, ranges))
         inner = iter(unflatten(RINDEX, red.reduced, ranges))
         return [next(inner) if d in red.dims else next(outer) for d in range(len(red.src_size))]
-    flat = XINDEX if comp.numel == xnumel or rnumel == 1 else XINDEX * rnumel + RINDEX
+    flat = XINDEX if _same(comp.numel, xnumel) or _same(rnumel, 1) else XINDEX * rnumel + RINDEX
     return unflatten(flat, comp.size, ranges)
 
 
 def is_row_level(comp: Computed, xnumel: int, rnumel: int) -> bool:
     """A pointwise member with one element per row (computed outside the r loop)."""
-    return comp.reduction is None and (comp.numel == xnumel or rnumel == 1)
+    return comp.reduction is None and (_same(comp.numel, xnumel) or _same(rnumel, 1))
+
+
+def _same(a: Size, b: Size) -> bool:
+    """Equal sizes; symbolic ones by structure (sympy's canonical form), never by a guard."""
+    return a == b
 
 
 def store_index(comp: Computed, xnumel: int, rnumel: int, cols: int = 0) -> sympy.Expr:
@@ -140,10 +150,16 @@ def store_index(comp: Computed, xnumel: int, rnumel: int, cols: int = 0) -> symp
 
 
 def _storage_to_index(comp: Computed, offset: sympy.Expr) -> list[sympy.Expr]:
-    order = sorted(range(len(comp.size)), key=lambda d: -comp.stride[d])
+    if all(is_static(v) for v in (*comp.size, *comp.stride)):
+        order = sorted(range(len(comp.size)), key=lambda d: -comp.stride[d])
+    else:
+        inner_first = dense_order(comp.size, comp.stride)
+        if inner_first is None:
+            raise FusionMismatch(f"{comp.name}: layout with symbolic strides not provably dense")
+        order = inner_first[::-1]
     idx: list[sympy.Expr] = [sympy.Integer(0)] * len(comp.size)
     for d in order:
-        if comp.size[d] > 1:
+        if not at_most_one(comp.size[d]):
             idx[d] = mod(floordiv(offset, comp.stride[d], {}), comp.size[d], {})
     return idx
 
@@ -190,6 +206,8 @@ def tile_columns(group: FusionGroup) -> int:
     members = [m for m in group.members if isinstance(m, Computed)]
     if group.kind is not GroupKind.POINTWISE or not members or len(members[0].size) < 2:
         return 0
+    if not is_static(group.xnumel) or not all(is_static(s) for s in members[0].size):
+        return 0  # Heuristic: symbolic sizes get 1-D kernels (the tile shape is fixed at codegen)
     cols = members[0].size[-1]
     if cols <= 1 or group.xnumel // cols <= 1 or any(m.numel != group.xnumel for m in members):
         return 0
@@ -207,21 +225,21 @@ def tile_columns(group: FusionGroup) -> int:
 class _Group:
     members: list[Computed]
     externs: list[Extern]
-    xnumel: int
-    rnumel: int
+    xnumel: Size
+    rnumel: Size
     first: int  # item position of the first member
 
     def is_reduction(self) -> bool:
         return any(m.reduction is not None for m in self.members)
 
 
-def _space(comp: Computed) -> tuple[int, int]:
+def _space(comp: Computed) -> tuple[Size, Size]:
     if comp.reduction is not None:
         return _prod(comp.reduction.outer), _prod(comp.reduction.reduced)
     return comp.numel, 1
 
 
-def _fits(group: _Group, comp: Computed) -> tuple[int, int] | None:
+def _fits(group: _Group, comp: Computed) -> tuple[Size, Size] | None:
     """The group's iteration space with `comp` added, or None."""
     if group.externs or len(group.members) >= MAX_GROUP_MEMBERS:
         return None
@@ -238,7 +256,7 @@ def _fits(group: _Group, comp: Computed) -> tuple[int, int] | None:
     return None
 
 
-def _valid(members: Sequence[Computed], xnumel: int, rnumel: int) -> bool:
+def _valid(members: Sequence[Computed], xnumel: Size, rnumel: Size) -> bool:
     try:
         for m in members:
             member_expr(m, members, xnumel, rnumel)
@@ -363,7 +381,7 @@ def _op_text(node: object) -> str:
     return f"{node.name} = {node.target}"  # type: ignore[attr-defined]
 
 
-def _nbytes(lowered: LoweredGraph, buf: str) -> int:
+def _nbytes(lowered: LoweredGraph, buf: str) -> Size:
     if buf not in lowered.buffers:
         return 0
     size, _, _, dtype = lowered.buffers[buf]

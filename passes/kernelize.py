@@ -6,7 +6,9 @@ Ensures: `decompose` -> `lower` -> `plan_fusion` -> `generate_kernel` for every 
 a `runtime.kernels.CompiledGraph` whose callable takes the placeholders positionally and returns
 the output tuple, like `runtime.launch.make_callable`. A group whose kernel cannot be generated
 or compiled runs as ATen calls (its fx nodes) with a warning on `aotc.kernels`; ops lowering
-does not know stay ATen calls.
+does not know stay ATen calls. With symbolic sizes, the graph's size symbols are bound to its
+placeholders (runtime.symsizes.bind_symbols; a symbol that cannot be bound raises, and
+passes.select runs the graph as ATen calls) and every size is evaluated per call.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import fx
 from passes.codegen import generate_kernel
 from passes.decompose import decompose
 from passes.fusion import FusionPlan, GroupKind, plan_fusion
+from passes.loop_ir import is_static, static_or_expr
 from passes.lowering import Extern, _non_overlapping, lower, view_output_positions
 from runtime.kernels import (
     AtenStep,
@@ -31,6 +34,7 @@ from runtime.kernels import (
     Step,
     load_kernel,
 )
+from runtime.symsizes import SymSource, bind_symbols, compile_sizes
 
 log = logging.getLogger("aotc.kernels")
 
@@ -49,6 +53,9 @@ def lower_graph(module: fx.GraphModule, interpret: bool,
     decomposed = decompose(module) if decomposed is None else decomposed
     plan = plan_fusion(lower(decomposed, view_output_positions(module)))
     device = str(graph_device(decomposed) or "cpu")
+    symbols = plan.lowered.symbols
+    sources = bind_symbols([n.meta.get("val") for n in decomposed.graph.nodes
+                            if n.op == "placeholder"], symbols) if symbols else ()
     outputs = {o for o in plan.lowered.outputs if isinstance(o, str)}
     extern_reads = {b for g in plan.groups if g.kind is GroupKind.EXTERN for b in g.reads}
     steps: list[Step] = []
@@ -58,11 +65,11 @@ def lower_graph(module: fx.GraphModule, interpret: bool,
             ext = group.members[0]
             assert isinstance(ext, Extern)
             steps.append(AtenStep(ext.name, _node_runner([ext.node], [ext.name],
-                                                         plan.lowered.aliases)))
+                                                         plan.lowered.aliases, sources)))
             continue
         nodes = sorted({n for m in group.members for n in m.cone},
                        key=_position(decomposed))
-        fallback = _node_runner(nodes, list(group.stores), plan.lowered.aliases)
+        fallback = _node_runner(nodes, list(group.stores), plan.lowered.aliases, sources)
         try:
             kernel = generate_kernel(plan, group, device, interpret)
             load_kernel(kernel)
@@ -79,6 +86,7 @@ def lower_graph(module: fx.GraphModule, interpret: bool,
         kernels=tuple(kernels), steps=tuple(steps), placeholders=tuple(plan.lowered.placeholders),
         outputs=tuple(plan.lowered.outputs), num_slots=num_slots, fusion_text=plan.format(),
         input_strides=tuple(_input_stride(plan, name) for name in plan.lowered.placeholders),
+        symbols=sources,
         decomposed=decomposed,
     )
 
@@ -99,12 +107,12 @@ def _spec(plan: FusionPlan, name: str, device: str) -> BufferSpec:
     return BufferSpec(name, size, stride, dtype, device, None)
 
 
-def _node_runner(nodes: list[fx.Node], keep: list[str], aliases: dict[str, str]
-                 ) -> Callable[[dict[str, Any]], None]:
+def _node_runner(nodes: list[fx.Node], keep: list[str], aliases: dict[str, str],
+                 sources: tuple[SymSource, ...] = ()) -> Callable[[dict[str, Any]], None]:
     """Run fx nodes as ATen calls, reading and writing buffers by node name. Each node's call is
     prepared once here (its C++ op entry, which arguments are buffers, whether its result's
     strides need fixing), so a run does little more than the ATen calls themselves."""
-    calls = [_prepare_call(node, node.name in keep) for node in nodes]
+    calls = [_prepare_call(node, node.name in keep, sources) for node in nodes]
     produced = {node.name for node in nodes}
 
     def run(env: dict[str, Any]) -> None:
@@ -112,7 +120,7 @@ def _node_runner(nodes: list[fx.Node], keep: list[str], aliases: dict[str, str]
         for name, fn, arg_refs, kwargs, fix in calls:
             args = [_resolve(a, local, env, aliases, produced) for a in arg_refs]
             out = fn(*args, **kwargs)
-            local[name] = fix(out) if fix is not None else out
+            local[name] = fix(out, env) if fix is not None else out
         for name in keep:
             env[name] = local[name]
     return run
@@ -144,7 +152,7 @@ def _resolve(a: Any, local: dict[str, Any], env: dict[str, Any], aliases: dict[s
     return a
 
 
-def _prepare_call(node: fx.Node, keep: bool) -> tuple[str, Callable[..., Any], list[Any],
+def _prepare_call(node: fx.Node, keep: bool, sources: tuple[SymSource, ...]) -> tuple[str, Callable[..., Any], list[Any],
                                                        dict[str, Any], Any]:
     if node.op == "get_attr":
         value = _fetch_attr(node.graph.owning_module, str(node.target))
@@ -155,9 +163,9 @@ def _prepare_call(node: fx.Node, keep: bool) -> tuple[str, Callable[..., Any], l
         args = [_to_ref(a) for a in node.args]
         kw_refs = {k: _to_ref(v) for k, v in node.kwargs.items()}
         return node.name, _with_kwargs(fn, list(kw_refs)), [*args, *kw_refs.values()], {}, \
-            _stride_fix(node, keep)
+            _stride_fix(node, keep, sources)
     return node.name, fn, [_to_ref(a) for a in node.args], dict(node.kwargs), \
-        _stride_fix(node, keep)  # type: ignore[return-value]
+        _stride_fix(node, keep, sources)  # type: ignore[return-value]
 
 
 def _with_kwargs(fn: Callable[..., Any], names: list[str]) -> Callable[..., Any]:
@@ -167,20 +175,46 @@ def _with_kwargs(fn: Callable[..., Any], names: list[str]) -> Callable[..., Any]
     return call
 
 
-def _stride_fix(node: fx.Node, keep: bool) -> Callable[[Any], Any] | None:
+def _stride_fix(node: fx.Node, keep: bool, sources: tuple[SymSource, ...] = ()
+                ) -> Callable[[Any, dict[str, Any]], Any] | None:
     """ATen results whose strides differ from the traced ones (which kernels index with) are
-    copied into the traced layout."""
+    copied into the traced layout (evaluated per call when symbolic; see runtime.kernels.SYMS)."""
     val = node.meta.get("val")
-    if not keep or not isinstance(val, torch.Tensor) or val.numel() <= 1:
+    if not keep or not isinstance(val, torch.Tensor):
+        return None
+    shape_e = [static_or_expr(s) for s in val.shape]
+    stride_e = [static_or_expr(s) for s in val.stride()]
+    if not all(is_static(v) for v in (*shape_e, *stride_e)):
+        return _symbolic_stride_fix(shape_e, stride_e, sources)
+    if val.numel() <= 1:
         return None
     if not _non_overlapping(val.shape, val.stride()):
         return None
     shape, stride = tuple(val.shape), tuple(val.stride())
 
-    def fix(out: Any) -> Any:
+    def fix(out: Any, env: dict[str, Any]) -> Any:
         if not isinstance(out, torch.Tensor) or out.stride() == stride:
             return out
         return torch.empty_strided(shape, stride, dtype=out.dtype, device=out.device).copy_(out)
+    return fix
+
+
+def _symbolic_stride_fix(shape: list[Any], stride: list[Any], sources: tuple[SymSource, ...]
+                         ) -> Callable[[Any, dict[str, Any]], Any] | None:
+    from runtime.kernels import SYMS
+
+    if not _non_overlapping(shape, stride):
+        return None
+    strides_of = compile_sizes(stride, [src.symbol for src in sources])
+
+    def fix(out: Any, env: dict[str, Any]) -> Any:
+        if not isinstance(out, torch.Tensor) or out.numel() <= 1:
+            return out
+        want = strides_of(env[SYMS])
+        if all(st == w for st, w, n in zip(out.stride(), want, out.shape) if n > 1):
+            return out
+        return torch.empty_strided(out.shape, want, dtype=out.dtype,
+                                   device=out.device).copy_(out)
     return fix
 
 

@@ -5,9 +5,10 @@ expression per dimension) to a scalar `Expr`: the computation of one element. Vi
 broadcasts, slices and reshapes are index transforms, so reading an input through them never
 materializes anything: `permute(x, [1, 0])[i, j]` is `Load("x", j * stride0 + i * stride1)`.
 
-Requires: static sizes (ints). Ensures: index expressions use only integer symbols with known
-ranges, `+`, `*`, `FloorDiv` and `ModIdx`, simplified with those ranges (see Note [Index
-simplification]).
+Requires: sizes and strides are ints, or sympy expressions over the ShapeEnv's size symbols
+(positive integers; see Note [Symbolic sizes]). Ensures: index expressions use only integer
+symbols with known ranges, size symbols, `+`, `*`, `FloorDiv` and `ModIdx`, simplified with those
+ranges (see Note [Index simplification]).
 
 # Note [Index simplification]
 Reading a value of size (B, T, C) inside a row kernel (x over B*T rows, r over C) starts from
@@ -16,6 +17,17 @@ the flat index `x*C + r` and unflattens it: `i0 = (x*C + r) // (T*C) % B`, `i1 =
 `x // T`, `x % T` and `r`, and the flat index of a (B, T, 1) reduction result,
 `T*(x // T) + x % T`, to `x`: the scheduler fuses a consumer with a reduction exactly when its
 read index simplifies to the reduction's own row `x`. A failed simplification only costs fusion.
+
+# Note [Symbolic sizes]
+With `dynamic=True` a size is a sympy expression over the ShapeEnv's symbols (`s0`, declared
+positive integers; the ShapeEnv specializes sizes 0 and 1, so a symbol is at least 2). Lowering
+never compares a SymInt (that would add a guard): it reads `SymInt.node.expr` and reasons here
+with sympy only. A fact about symbolic sizes is used only when sympy proves it for every value of
+the symbols (`known_nonneg`); otherwise the rule is not applied (less simplification, less
+fusion, never a wrong index). The bounds of a size symbol are the symbol itself, so
+`x*C + r` with `r < C` still simplifies under `// C` when `C` is symbolic. In `unflatten` the
+leading dim of a symbolic size is not reduced modulo its size: every flat index built there is
+below the numel (lanes past it are masked).
 """
 
 from __future__ import annotations
@@ -38,19 +50,74 @@ class ModIdx(sympy.Function):
     nargs = 2
 
 
-Ranges = dict[sympy.Symbol, int]  # symbol -> exclusive upper bound; lower bound is 0
+Ranges = dict[sympy.Symbol, "Size"]  # symbol -> exclusive upper bound; lower bound is 0
+Size = int | sympy.Expr  # a size or stride: an int, or an expression over size symbols
+_UNKNOWN = 2**62
+
+
+def is_static(s: Size) -> bool:
+    return isinstance(s, int) or (isinstance(s, sympy.Basic) and s.is_Integer)
+
+
+def static_or_expr(s: object) -> Size:
+    """An int for a concrete size (also a SymInt holding a constant), else the SymInt's sympy
+    expression. Never compares the SymInt, so no guard is added to the ShapeEnv."""
+    if isinstance(s, torch.SymInt):
+        e = s.node.expr
+        return int(e) if e.is_Integer else e
+    if isinstance(s, sympy.Basic):
+        return int(s) if s.is_Integer else s
+    return int(s)  # type: ignore[call-overload]
+
+
+def known_nonneg(e: Size) -> bool:
+    """`e >= 0` for every value of the size symbols (False when sympy cannot prove it)."""
+    if isinstance(e, int):
+        return e >= 0
+    if e.is_Integer:
+        return int(e) >= 0
+    return sympy.expand(e).is_nonnegative is True
+
+
+def known_lt(a: Size, b: Size) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a < b
+    return known_nonneg(b - a - 1)
+
+
+def at_most_one(s: Size) -> bool:
+    """A size of at most 1; a symbolic size is never taken to be (see Note [Symbolic sizes])."""
+    return bool(s <= 1) if is_static(s) else False
+
+
+def at_least_one(s: Size) -> Size:
+    return max(int(s), 1) if is_static(s) else s
+
+
+def size_symbols(sizes: Sequence[Size]) -> set[sympy.Symbol]:
+    out: set[sympy.Symbol] = set()
+    for s in sizes:
+        if isinstance(s, sympy.Basic):
+            out |= s.free_symbols
+    return out
 
 
 def index_symbol(name: str) -> sympy.Symbol:
     return sympy.Symbol(name, integer=True, nonnegative=True)
 
 
-def bounds(e: sympy.Expr, ranges: Ranges) -> tuple[int, int]:
-    """Inclusive integer bounds of a non-negative index expression."""
+def bounds(e: sympy.Expr, ranges: Ranges) -> tuple[Size, Size]:
+    """Inclusive bounds of a non-negative index expression (ints, or sympy expressions over size
+    symbols when sizes are symbolic; see Note [Symbolic sizes])."""
     if e.is_Integer:
         return int(e), int(e)
     if e.is_Symbol:
-        return 0, max(ranges.get(e, 2**62) - 1, 0)
+        if e in ranges:
+            ub = ranges[e]
+            return (0, max(int(ub) - 1, 0)) if is_static(ub) else (0, ub - 1)
+        if e.is_positive:  # a size symbol: its bounds are itself
+            return e, e
+        return 0, _UNKNOWN - 1
     if e.is_Add:
         lo = hi = 0
         for a in e.args:
@@ -58,21 +125,95 @@ def bounds(e: sympy.Expr, ranges: Ranges) -> tuple[int, int]:
             lo, hi = lo + alo, hi + ahi
         return lo, hi
     if e.is_Mul:
-        lo = hi = 1
-        for a in e.args:
-            alo, ahi = bounds(a, ranges)
-            cands = (lo * alo, lo * ahi, hi * alo, hi * ahi)
-            lo, hi = min(cands), max(cands)
+        parts = [bounds(a, ranges) for a in e.args]
+        if all(isinstance(v, int) for p in parts for v in p):
+            lo = hi = 1
+            for alo, ahi in parts:
+                cands = (lo * alo, lo * ahi, hi * alo, hi * ahi)
+                lo, hi = min(cands), max(cands)
+            return lo, hi
+        if not all(known_nonneg(lo) for lo, _ in parts):
+            return -_UNKNOWN, _UNKNOWN
+        lo, hi = 1, 1
+        for alo, ahi in parts:
+            lo, hi = lo * alo, hi * ahi
         return lo, hi
-    if isinstance(e, FloorDiv):
+    if e.is_Pow and e.exp.is_Integer and int(e.exp) > 0:  # a size symbol squared
+        return bounds(sympy.Mul(*[e.base] * int(e.exp), evaluate=False), ranges)
+    if isinstance(e, (FloorDiv, ModIdx)):
         lo, hi = bounds(e.args[0], ranges)
-        d = int(e.args[1])
-        return lo // d, hi // d
-    if isinstance(e, ModIdx):
-        lo, hi = bounds(e.args[0], ranges)
-        d = int(e.args[1])
-        return (lo, hi) if 0 <= lo and hi < d else (0, d - 1)
+        d = e.args[1]
+        if isinstance(e, ModIdx):
+            return (lo, hi) if known_nonneg(lo) and known_lt(hi, d) else (0, d - 1)
+        if d.is_Integer and isinstance(lo, int) and isinstance(hi, int):
+            return lo // int(d), hi // int(d)
+        if not known_nonneg(lo):
+            return -_UNKNOWN, _UNKNOWN
+        return 0, (hi // int(d) if d.is_Integer and isinstance(hi, int) else hi)
     raise ValueError(f"index expression {e} has an unknown form")
+
+
+def _divides(d: sympy.Expr, t: sympy.Expr) -> sympy.Expr | None:
+    """`t / d` when it is a polynomial in the symbols (so `t` is a multiple of `d`), else None."""
+    q = sympy.cancel(t / d)
+    return q if sympy.fraction(q)[1] == 1 else None
+
+
+def _floordiv_symbolic(e: sympy.Expr, d: sympy.Expr, ranges: Ranges) -> sympy.Expr:
+    lo, hi = bounds(e, ranges)
+    if known_nonneg(lo) and known_lt(hi, d):
+        return sympy.Integer(0)
+    if isinstance(e, FloorDiv):
+        return _floordiv_any(e.args[0], e.args[1] * d, ranges)
+    terms = list(sympy.Add.make_args(e))
+    whole = {t: q for t in terms if (q := _divides(d, t)) is not None}
+    if whole:
+        rest = sympy.Add(*[t for t in terms if t not in whole])
+        return sympy.Add(*whole.values()) + _floordiv_any(rest, d, ranges)
+    for g, big, rest in _common_factors(terms, d, ranges):  # (g*a + b) // (g*m) = a // m
+        return _floordiv_any(sympy.Add(*[_divides(g, t) for t in big]), _divides(g, d), ranges)
+    return FloorDiv(e, d)
+
+
+def _mod_symbolic(e: sympy.Expr, d: sympy.Expr, ranges: Ranges) -> sympy.Expr:
+    e = sympy.Add(*[t for t in sympy.Add.make_args(e) if _divides(d, t) is None])
+    lo, hi = bounds(e, ranges)
+    if known_nonneg(lo) and known_lt(hi, d):
+        return e
+    for g, big, rest in _common_factors(list(sympy.Add.make_args(e)), d, ranges):
+        # (g*a + b) % (g*m) = g*(a % m) + b when 0 <= b < g
+        return g * _mod_any(sympy.Add(*[_divides(g, t) for t in big]), _divides(g, d),
+                            ranges) + rest
+    return ModIdx(e, d)
+
+
+def _common_factors(terms: list[sympy.Expr], d: sympy.Expr, ranges: Ranges
+                    ) -> list[tuple[sympy.Expr, list[sympy.Expr], sympy.Expr]]:
+    """Factors `g` of `d` (a term's gcd with `d`, not 1) splitting `terms` into multiples of `g`
+    and a rest provably in [0, g): the symbolic form of the gcd rule of `floordiv`/`mod`."""
+    out = []
+    for t in terms:
+        try:
+            g = sympy.gcd(t, d)
+        except (sympy.PolynomialError, sympy.polys.polyerrors.PolificationFailed):
+            continue
+        if g == 1 or g == d or _divides(g, d) is None:
+            continue
+        big = [u for u in terms if _divides(g, u) is not None and not u.is_Integer]
+        rest = sympy.Add(*[u for u in terms if u not in big])
+        lo, hi = bounds(rest, ranges)
+        if big and known_nonneg(lo) and known_lt(hi, g):
+            out.append((g, big, rest))
+            break
+    return out
+
+
+def _floordiv_any(e: sympy.Expr, d: Size, ranges: Ranges) -> sympy.Expr:
+    return floordiv(e, int(d), ranges) if is_static(d) else _floordiv_symbolic(e, d, ranges)
+
+
+def _mod_any(e: sympy.Expr, d: Size, ranges: Ranges) -> sympy.Expr:
+    return mod(e, int(d), ranges) if is_static(d) else _mod_symbolic(e, d, ranges)
 
 
 def _coeff(term: sympy.Expr) -> int:
@@ -86,16 +227,19 @@ def _split(terms: Sequence[sympy.Expr], g: int) -> tuple[list[sympy.Expr], list[
     return big, small
 
 
-def floordiv(e: sympy.Expr, d: int, ranges: Ranges) -> sympy.Expr:
+def floordiv(e: sympy.Expr, d: Size, ranges: Ranges) -> sympy.Expr:
+    if not is_static(d):
+        return _floordiv_symbolic(e, d, ranges)
+    d = int(d)
     if d == 1:
         return e
     if e.is_Integer:
         return sympy.Integer(int(e) // d)
     lo, hi = bounds(e, ranges)
-    if lo >= 0 and hi < d:
+    if known_nonneg(lo) and known_lt(hi, d):
         return sympy.Integer(0)
     if isinstance(e, FloorDiv):
-        return floordiv(e.args[0], int(e.args[1]) * d, ranges)
+        return _floordiv_any(e.args[0], e.args[1] * d, ranges)
     terms = list(sympy.Add.make_args(e))
     whole = [t for t in terms if _coeff(t) % d == 0 and not t.is_Integer]
     if whole:
@@ -106,12 +250,15 @@ def floordiv(e: sympy.Expr, d: int, ranges: Ranges) -> sympy.Expr:
             continue
         big, small = _split(terms, g)
         slo, shi = bounds(sympy.Add(*small), ranges)
-        if big and slo >= 0 and shi < g:
+        if big and known_nonneg(slo) and known_lt(shi, g):
             return floordiv(sympy.Add(*[t / g for t in big]), d // g, ranges)
     return FloorDiv(e, sympy.Integer(d))
 
 
-def mod(e: sympy.Expr, d: int, ranges: Ranges) -> sympy.Expr:
+def mod(e: sympy.Expr, d: Size, ranges: Ranges) -> sympy.Expr:
+    if not is_static(d):
+        return _mod_symbolic(e, d, ranges)
+    d = int(d)
     if d == 1:
         return sympy.Integer(0)
     if e.is_Integer:
@@ -119,7 +266,7 @@ def mod(e: sympy.Expr, d: int, ranges: Ranges) -> sympy.Expr:
     terms = [t for t in sympy.Add.make_args(e) if t.is_Integer or _coeff(t) % d != 0]
     e = sympy.Add(*terms)
     lo, hi = bounds(e, ranges)
-    if lo >= 0 and hi < d:
+    if known_nonneg(lo) and known_lt(hi, d):
         return e
     for g in sorted({math.gcd(d, _coeff(t)) for t in terms}, reverse=True):
         if g <= 1:
@@ -127,19 +274,19 @@ def mod(e: sympy.Expr, d: int, ranges: Ranges) -> sympy.Expr:
         big, small = _split(terms, g)
         rest = sympy.Add(*small)
         slo, shi = bounds(rest, ranges)
-        if big and slo >= 0 and shi < g:
+        if big and known_nonneg(slo) and known_lt(shi, g):
             return g * mod(sympy.Add(*[t / g for t in big]), d // g, ranges) + rest
     return ModIdx(e, sympy.Integer(d))
 
 
 def simplify(e: sympy.Expr, ranges: Ranges) -> sympy.Expr:
     """Rebuild `e` bottom-up with the range-aware rules (see Note [Index simplification])."""
-    if e.is_Integer or e.is_Symbol:
-        return e
+    if e.is_Integer or e.is_Symbol or (e.is_Pow and e.exp.is_Integer and e.base.is_positive):
+        return e  # a Pow here is a size symbol's power (symbolic strides)
     if isinstance(e, FloorDiv):
-        return floordiv(simplify(e.args[0], ranges), int(e.args[1]), ranges)
+        return _floordiv_any(simplify(e.args[0], ranges), e.args[1], ranges)
     if isinstance(e, ModIdx):
-        return mod(simplify(e.args[0], ranges), int(e.args[1]), ranges)
+        return _mod_any(simplify(e.args[0], ranges), e.args[1], ranges)
     if e.is_Mul:
         return sympy.Mul(*[simplify(a, ranges) for a in e.args])
     if e.is_Add:
@@ -160,6 +307,8 @@ def _recombine(e: sympy.Expr) -> sympy.Expr:
             y, a = m.args
             for u in terms:
                 ku, mu = u.as_coeff_Mul()
+                if not a.is_Integer:  # symbolic `a`: compare u / (k*a) instead
+                    ku, mu = k * a, sympy.cancel(u / (k * a))
                 if ku != k * a:
                     continue
                 if mu == FloorDiv(y, a):
@@ -177,25 +326,57 @@ def _recombine(e: sympy.Expr) -> sympy.Expr:
     return e
 
 
-def contiguous_strides(size: Sequence[int]) -> tuple[int, ...]:
+def contiguous_strides(size: Sequence[Size]) -> tuple[Size, ...]:
     out, acc = [], 1
     for s in reversed(size):
         out.append(acc)
-        acc *= max(s, 1)
+        acc = acc * at_least_one(s)
     return tuple(reversed(out))
 
 
-def flat_index(index: Sequence[sympy.Expr], strides: Sequence[int], offset: int = 0) -> sympy.Expr:
+def dense_order(size: Sequence[Size], stride: Sequence[Size]) -> list[int] | None:
+    """The dims of a dense layout (a permutation of a contiguous one; size-1 dims anywhere) from
+    the innermost out, or None if not provably dense. Symbolic strides are matched by structural
+    equality with the running product of sizes."""
+    if all(is_static(v) for v in (*size, *stride)):
+        dims = sorted((int(st), d) for d, (s, st) in enumerate(zip(size, stride))
+                      if not at_most_one(s))
+        expect = 1
+        for st, d in dims:
+            if st != expect:
+                return None
+            expect = st * int(size[d])
+        return [d for _, d in dims]
+    left = [d for d, s in enumerate(size) if not at_most_one(s)]
+    order: list[int] = []
+    expect: Size = 1
+    while left:
+        hit = next((d for d in left if sympy.sympify(stride[d] - expect) == 0), None)
+        if hit is None:
+            return None
+        order.append(hit)
+        left.remove(hit)
+        expect = expect * size[hit]
+    return order
+
+
+def flat_index(index: Sequence[sympy.Expr], strides: Sequence[Size], offset: int = 0
+               ) -> sympy.Expr:
     return sympy.Integer(offset) + sympy.Add(
         *[i * s for i, s, in zip(index, strides, strict=True)]
     )
 
 
-def unflatten(flat: sympy.Expr, size: Sequence[int], ranges: Ranges) -> list[sympy.Expr]:
-    """The multi-index of a row-major flat index into `size`."""
+def unflatten(flat: sympy.Expr, size: Sequence[Size], ranges: Ranges) -> list[sympy.Expr]:
+    """The multi-index of a row-major flat index (below the numel) into `size`."""
     out = []
-    for s, st in zip(size, contiguous_strides(size), strict=True):
-        out.append(sympy.Integer(0) if s <= 1 else mod(floordiv(flat, st, ranges), s, ranges))
+    for d, (s, st) in enumerate(zip(size, contiguous_strides(size), strict=True)):
+        if at_most_one(s):
+            out.append(sympy.Integer(0))
+        elif d == 0 and not is_static(s):  # see Note [Symbolic sizes]
+            out.append(floordiv(flat, st, ranges))
+        else:
+            out.append(mod(floordiv(flat, st, ranges), s, ranges))
     return out
 
 

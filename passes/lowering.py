@@ -7,6 +7,9 @@ that must be materialized (graph outputs, inputs of extern calls, reductions, va
 several consumers whose recompute is not cheap) and one `Extern` per node that stays an ATen call
 (matmul, attention, RNG, anything lowering does not know, graph outputs that are views). Every
 other value is inlined into its consumers' `fn`, so views and pointwise chains cost no memory.
+Sizes and strides are ints, or sympy expressions over the ShapeEnv's symbols when the graph was
+traced with symbolic sizes (read from `SymInt.node.expr`, never compared: see Note [Symbolic
+sizes] in passes.loop_ir); `LoweredGraph.symbols` names them.
 
 Worked example, `y = (x * 2).exp(); return y.sum(-1), y` with x: float[4, 5]:
 
@@ -34,12 +37,18 @@ from passes.loop_ir import (
     IndexValue,
     Load,
     Op,
+    Size,
+    at_most_one,
     contiguous_strides,
+    dense_order,
     flat_index,
     floordiv,
     index_symbol,
+    is_static,
     loads_of,
     mod,
+    size_symbols,
+    static_or_expr,
 )
 
 aten = torch.ops.aten
@@ -62,16 +71,16 @@ class NodeKind(enum.Enum):
 
 @dataclass(frozen=True)
 class ReductionInfo:
-    src_size: tuple[int, ...]  # the size of the reduced input
+    src_size: tuple[Size, ...]  # the size of the reduced input
     dims: tuple[int, ...]  # reduced dims of src_size, sorted
     kind: str  # "sum", "max", "min"
 
     @property
-    def outer(self) -> tuple[int, ...]:
+    def outer(self) -> tuple[Size, ...]:
         return tuple(s for d, s in enumerate(self.src_size) if d not in self.dims)
 
     @property
-    def reduced(self) -> tuple[int, ...]:
+    def reduced(self) -> tuple[Size, ...]:
         return tuple(s for d, s in enumerate(self.src_size) if d in self.dims)
 
 
@@ -81,8 +90,8 @@ class Computed:
 
     name: str  # buffer name == the fx node's name
     kind: NodeKind
-    size: tuple[int, ...]
-    stride: tuple[int, ...]  # layout of the stored buffer
+    size: tuple[Size, ...]
+    stride: tuple[Size, ...]  # layout of the stored buffer
     dtype: torch.dtype
     fn: IndexFn  # POINTWISE: over `size`; REDUCTION: over `reduction.src_size`
     reduction: ReductionInfo | None
@@ -91,11 +100,11 @@ class Computed:
     cone: tuple[fx.Node, ...] = ()  # fx nodes to run as ATen if its kernel fails (graph order)
 
     @property
-    def numel(self) -> int:
+    def numel(self) -> Size:
         return _prod(self.size)
 
     @property
-    def nbytes(self) -> int:
+    def nbytes(self) -> Size:
         return self.numel * _itemsize(self.dtype)
 
 
@@ -115,30 +124,58 @@ Item = Computed | Extern
 class LoweredGraph:
     module: fx.GraphModule
     items: list[Item]  # execution order
-    buffers: dict[str, tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype]]
+    buffers: dict[str, tuple[tuple[Size, ...], tuple[Size, ...], int, torch.dtype]]
     outputs: list[object]  # per graph output: a buffer name (str) or a constant
     placeholders: list[str]
     aliases: dict[str, str]  # fx node name -> buffer name, where they differ (ATen args)
+
+    @property
+    def symbols(self) -> tuple[sympy.Symbol, ...]:
+        """The size symbols of the graph's buffers, sorted by name (empty for static sizes)."""
+        syms: set[sympy.Symbol] = set()
+        for size, stride, _, _ in self.buffers.values():
+            syms |= size_symbols((*size, *stride))
+        return tuple(sorted(syms, key=str))
 
 
 class Unsupported(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class SymScalar:
+    """A SymInt argument of an op (a size computed in the graph) as a sympy expression."""
+
+    expr: sympy.Expr
+
+
 @dataclass
 class _Value:
-    size: tuple[int, ...]
+    size: tuple[Size, ...]
     dtype: torch.dtype
     fn: IndexFn
     buffer: str | None = None  # set once materialized
     cost: int = 1  # expression nodes of fn
 
 
-def _prod(xs: Sequence[int]) -> int:
-    out = 1
+def _prod(xs: Sequence[Size]) -> Size:
+    out: Size = 1
     for x in xs:
-        out *= int(x)
+        out = out * (x if isinstance(x, sympy.Basic) and not x.is_Integer else int(x))
     return out
+
+
+def _shape(val: torch.Tensor) -> tuple[Size, ...]:
+    return tuple(static_or_expr(s) for s in val.shape)
+
+
+def _strides(val: torch.Tensor) -> tuple[Size, ...]:
+    return tuple(static_or_expr(s) for s in val.stride())
+
+
+def _offset_is_zero(val: torch.Tensor) -> bool:
+    off = static_or_expr(val.storage_offset())
+    return is_static(off) and int(off) == 0
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -154,7 +191,7 @@ class _Lowering:
         self.module = module
         self.items: list[Item] = []
         self.env: dict[fx.Node, Any] = {}
-        self.buffers: dict[str, tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype]] = {}
+        self.buffers: dict[str, tuple[tuple[Size, ...], tuple[Size, ...], int, torch.dtype]] = {}
         self.aliases: dict[str, str] = {}  # fx node name -> the buffer holding its value
         out_node = next(n for n in reversed(module.graph.nodes) if n.op == "output")
         self.outputs = set(out_node.all_input_nodes)
@@ -166,14 +203,17 @@ class _Lowering:
 
     # -- materialization --
     def buffer_value(self, name: str, val: torch.Tensor) -> _Value:
+        return self.buffer_of(name, _shape(val), _strides(val), val.dtype)
+
+    def buffer_of(self, name: str, size: tuple[Size, ...], stride: tuple[Size, ...],
+                  dtype: torch.dtype) -> _Value:
         # Kernels index from the tensor's data pointer, which includes its storage offset.
-        size, stride = tuple(val.shape), tuple(val.stride())
-        self.buffers[name] = (size, stride, 0, val.dtype)
+        self.buffers[name] = (size, stride, 0, dtype)
 
         def fn(idx: Sequence[sympy.Expr]) -> Expr:
             return Load(name, flat_index(idx, stride))
 
-        return _Value(size, val.dtype, fn, buffer=name)
+        return _Value(size, dtype, fn, buffer=name)
 
     def realize(self, node: fx.Node) -> str:
         value = self.env[node]
@@ -182,14 +222,13 @@ class _Lowering:
         if not isinstance(value, _Value):
             raise Unsupported(f"{node.name} is not a tensor value")
         val = _val(node)
-        stride = tuple(val.stride()) if node in self.outputs else contiguous_strides(value.size)
-        if val.storage_offset() != 0 or not _non_overlapping(value.size, stride):
+        stride = _strides(val) if node in self.outputs else contiguous_strides(value.size)
+        if not _offset_is_zero(val) or not _non_overlapping(value.size, stride):
             stride = contiguous_strides(value.size)
         comp = Computed(node.name, NodeKind.POINTWISE, value.size, stride, value.dtype, value.fn,
                         None, node)
         self.add_computed(comp)
-        fake = torch.empty_strided(value.size, stride, dtype=value.dtype, device="meta")
-        self.env[node] = self.buffer_value(node.name, fake)
+        self.env[node] = self.buffer_of(node.name, value.size, stride, value.dtype)
         return node.name
 
     def add_computed(self, comp: Computed) -> None:
@@ -271,9 +310,7 @@ class _Lowering:
             return
         if isinstance(result, Computed):
             self.add_computed(result)
-            fake = torch.empty_strided(result.size, result.stride, dtype=result.dtype,
-                                       device="meta")
-            self.env[node] = self.buffer_value(node.name, fake)
+            self.env[node] = self.buffer_of(node.name, result.size, result.stride, result.dtype)
             return
         self.env[node] = result
         if isinstance(result, _Value):
@@ -282,6 +319,10 @@ class _Lowering:
                 self.realize(node)
 
     def _arg(self, a: Any) -> Any:
+        if isinstance(a, fx.Node) and isinstance(_val(a), torch.SymInt):
+            return SymScalar(_val(a).node.expr)
+        if isinstance(a, torch.SymInt):
+            return SymScalar(a.node.expr)
         if isinstance(a, fx.Node):
             v = self.env[a]
             if not isinstance(v, (_Value, tuple, list)):
@@ -298,8 +339,12 @@ def _is_view(node: fx.Node) -> bool:
     return node.target in VIEW_OPS
 
 
-def _non_overlapping(size: Sequence[int], stride: Sequence[int]) -> bool:
-    """No two indices share an element (gaps allowed): each stride covers the smaller dims."""
+def _non_overlapping(size: Sequence[Size], stride: Sequence[Size]) -> bool:
+    """No two indices share an element (gaps allowed): each stride covers the smaller dims.
+    With symbolic sizes: only layouts provably dense (see loop_ir.dense_order)."""
+    if not all(is_static(v) for v in (*size, *stride)):
+        return dense_order(size, stride) is not None
+    size, stride = [int(v) for v in size], [int(v) for v in stride]
     dims = sorted((st, s) for s, st in zip(size, stride) if s > 1)
     extent = 1
     for st, s in dims:
@@ -364,8 +409,12 @@ def register(*targets: object, view: bool = False) -> Callable[[Lowering], Lower
     return deco
 
 
-def _broadcast_fn(v: Any, size: tuple[int, ...], dtype: torch.dtype) -> Callable[..., Expr]:
-    """Index fn reading `v` (a _Value or a Python scalar) broadcast to `size`, cast to dtype."""
+def _broadcast_fn(v: Any, size: tuple[Size, ...], dtype: torch.dtype) -> Callable[..., Expr]:
+    """Index fn reading `v` (a _Value, a Python scalar or a SymScalar) broadcast to `size`, cast
+    to dtype."""
+    if isinstance(v, SymScalar):
+        iv = IndexValue(v.expr, torch.int64)
+        return lambda idx: Op("cast", (iv,), dtype)
     if not isinstance(v, _Value):
         if isinstance(v, complex):
             raise Unsupported("complex scalar")
@@ -374,7 +423,8 @@ def _broadcast_fn(v: Any, size: tuple[int, ...], dtype: torch.dtype) -> Callable
     lead = len(size) - len(v.size)
 
     def fn(idx: Sequence[sympy.Expr]) -> Expr:
-        sub = [sympy.Integer(0) if s <= 1 else idx[lead + d] for d, s in enumerate(v.size)]
+        sub = [sympy.Integer(0) if at_most_one(s) else idx[lead + d]
+               for d, s in enumerate(v.size)]
         e = v.fn(sub)
         return e if v.dtype == dtype else Op("cast", (e,), dtype)
     return fn
@@ -388,18 +438,20 @@ def _pointwise(name: str, compute: Callable[[torch.dtype], torch.dtype] | None =
                ) -> Lowering:
     def lowering(ctx: _Lowering, node: fx.Node, *args: Any, **kwargs: Any) -> _Value:
         out = _val(node)
-        operands = [a for a in args if isinstance(a, (_Value, int, float, bool))]
+        operands = [a for a in args if isinstance(a, (_Value, int, float, bool, SymScalar))]
         if kwargs.get("alpha", 1) != 1:
             operands[1] = _scale(operands[1], kwargs["alpha"])
         dt = _compute_dtype(node) if compute is None else compute(out.dtype)
-        fns = [_broadcast_fn(a, tuple(out.shape), dt) for a in operands]
-        return _Value(tuple(out.shape), out.dtype,
+        fns = [_broadcast_fn(a, _shape(out), dt) for a in operands]
+        return _Value(_shape(out), out.dtype,
                       lambda idx: _cast(Op(name, tuple(f(idx) for f in fns), dt), out.dtype),
                       cost=_cost(*operands))
     return lowering
 
 
 def _scale(v: Any, alpha: Any) -> Any:
+    if isinstance(v, SymScalar) or isinstance(alpha, SymScalar):
+        raise Unsupported("alpha with a symbolic size")
     if isinstance(v, _Value):
         fn = v.fn
         return _Value(v.size, v.dtype, lambda idx: Op("mul", (fn(idx), Const(alpha, v.dtype)),
@@ -414,6 +466,7 @@ def _cast(e: Expr, dtype: torch.dtype) -> Expr:
 def _compute_dtype(node: fx.Node) -> torch.dtype:
     vals = [_val(a) if isinstance(a, fx.Node) else a for a in node.args
             if isinstance(a, (fx.Node, int, float, bool))]
+    vals = [2 if isinstance(v, torch.SymInt) else v for v in vals]  # only its type matters
     try:
         return torch.result_type(*vals[:2]) if len(vals) >= 2 else vals[0].dtype
     except Exception as e:
@@ -475,7 +528,7 @@ def _gelu(ctx: _Lowering, node: fx.Node, a: _Value, approximate: str = "none") -
 @register(aten.where.self)
 def _where(ctx: _Lowering, node: fx.Node, c: Any, a: Any, b: Any) -> _Value:
     out = _val(node)
-    size = tuple(out.shape)
+    size = _shape(out)
     fc = _broadcast_fn(c, size, torch.bool)
     fa, fb = _broadcast_fn(a, size, out.dtype), _broadcast_fn(b, size, out.dtype)
     return _Value(size, out.dtype, lambda idx: Op("where", (fc(idx), fa(idx), fb(idx)),
@@ -487,7 +540,9 @@ def _clamp(ctx: _Lowering, node: fx.Node, a: _Value, lo: Any = None, hi: Any = N
     out = _val(node)
     if node.target == aten.clamp_max.default:
         lo, hi = None, lo
-    fa = _broadcast_fn(a, tuple(out.shape), out.dtype)
+    if isinstance(lo, SymScalar) or isinstance(hi, SymScalar):
+        raise Unsupported("clamp to a symbolic size")
+    fa = _broadcast_fn(a, _shape(out), out.dtype)
 
     def fn(idx: Sequence[sympy.Expr]) -> Expr:
         e = fa(idx)
@@ -496,7 +551,7 @@ def _clamp(ctx: _Lowering, node: fx.Node, a: _Value, lo: Any = None, hi: Any = N
         if hi is not None:
             e = Op("clamp_max", (e, Const(hi, out.dtype)), out.dtype)
         return e
-    return _Value(tuple(out.shape), out.dtype, fn, cost=a.cost + 2)
+    return _Value(_shape(out), out.dtype, fn, cost=a.cost + 2)
 
 
 @register(aten._to_copy.default, torch.ops.prims.convert_element_type.default, aten.clone.default)
@@ -505,35 +560,39 @@ def _to_copy(ctx: _Lowering, node: fx.Node, a: _Value, *args: Any, **kwargs: Any
     src = _val(node.args[0])
     if out.device != src.device or out.layout != torch.strided:
         raise Unsupported("device or layout change")
-    return _Value(tuple(out.shape), out.dtype,
-                  _broadcast_fn(a, tuple(out.shape), out.dtype), cost=a.cost + 1)
+    return _Value(_shape(out), out.dtype,
+                  _broadcast_fn(a, _shape(out), out.dtype), cost=a.cost + 1)
 
 
 @register(aten.full.default, aten.scalar_tensor.default)
 def _full(ctx: _Lowering, node: fx.Node, *args: Any, **kwargs: Any) -> _Value:
     out = _val(node)
     value = args[1] if node.target == aten.full.default else args[0]
+    if isinstance(value, SymScalar):
+        raise Unsupported("fill with a symbolic size")
     c = Const(value, out.dtype)
-    return _Value(tuple(out.shape), out.dtype, lambda idx: c)
+    return _Value(_shape(out), out.dtype, lambda idx: c)
 
 
 @register(torch.ops.prims.iota.default)
 def _iota(ctx: _Lowering, node: fx.Node, length: int, *, start: int, step: int,
           **kwargs: Any) -> _Value:
     out = _val(node)
-    return _Value(tuple(out.shape), out.dtype,
+    if isinstance(start, SymScalar) or isinstance(step, SymScalar):
+        raise Unsupported("iota with a symbolic start or step")
+    return _Value(_shape(out), out.dtype,
                   lambda idx: IndexValue(start + step * idx[0], out.dtype))
 
 
 # -- views: index transforms --
 
-def _view_of(a: _Value, size: Sequence[int], fn: IndexFn) -> _Value:
-    return _Value(tuple(int(s) for s in size), a.dtype, fn, cost=a.cost)
+def _view_of(a: _Value, size: Sequence[Size], fn: IndexFn) -> _Value:
+    return _Value(tuple(static_or_expr(s) for s in size), a.dtype, fn, cost=a.cost)
 
 
 @register(aten.view.default, aten._unsafe_view.default, aten.reshape.default, view=True)
 def _reshape(ctx: _Lowering, node: fx.Node, a: _Value, shape: Sequence[int]) -> _Value:
-    size = tuple(_val(node).shape)
+    size = _shape(_val(node))
     if size == a.size:
         return a
     strides = contiguous_strides(size)
@@ -542,7 +601,7 @@ def _reshape(ctx: _Lowering, node: fx.Node, a: _Value, shape: Sequence[int]) -> 
         flat = flat_index(idx, strides)
         src = []
         for s, st in zip(a.size, contiguous_strides(a.size), strict=True):
-            src.append(sympy.Integer(0) if s <= 1 else mod(floordiv(flat, st, {}), s, {}))
+            src.append(sympy.Integer(0) if at_most_one(s) else mod(floordiv(flat, st, {}), s, {}))
         return a.fn(src)
     return _view_of(a, size, fn)
 
@@ -569,14 +628,14 @@ def _transpose(ctx: _Lowering, node: fx.Node, a: _Value, d0: int, d1: int) -> _V
 
 @register(aten.expand.default, view=True)
 def _expand(ctx: _Lowering, node: fx.Node, a: _Value, shape: Sequence[int]) -> _Value:
-    size = tuple(_val(node).shape)
+    size = _shape(_val(node))
     return _view_of(a, size, _broadcast_fn(a, size, a.dtype))
 
 
 @register(aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
           view=True)
 def _squeeze(ctx: _Lowering, node: fx.Node, a: _Value, *args: Any) -> _Value:
-    return _reshape(ctx, node, a, tuple(_val(node).shape))
+    return _reshape(ctx, node, a, _shape(_val(node)))
 
 
 @register(aten.alias.default, view=True)
@@ -589,8 +648,14 @@ def _slice(ctx: _Lowering, node: fx.Node, a: _Value, dim: int = 0, start: Any = 
            end: Any = None, step: int = 1) -> _Value:
     dim %= len(a.size)
     start = 0 if start is None else start
-    start = max(start + a.size[dim], 0) if start < 0 else min(start, a.size[dim])
-    size = tuple(_val(node).shape)
+    if isinstance(start, SymScalar) or isinstance(step, SymScalar):
+        raise Unsupported("slice with a symbolic start or step")
+    if not is_static(a.size[dim]):
+        if start != 0:  # clamping to a symbolic size would need a guard
+            raise Unsupported("slice of a symbolic dim at a nonzero start")
+    else:
+        start = max(start + a.size[dim], 0) if start < 0 else min(start, a.size[dim])
+    size = _shape(_val(node))
 
     def fn(idx: Sequence[sympy.Expr]) -> Expr:
         src = list(idx)
@@ -602,8 +667,10 @@ def _slice(ctx: _Lowering, node: fx.Node, a: _Value, dim: int = 0, start: Any = 
 @register(aten.select.int, view=True)
 def _select(ctx: _Lowering, node: fx.Node, a: _Value, dim: int, index: int) -> _Value:
     dim %= len(a.size)
+    if isinstance(index, SymScalar) or (index < 0 and not is_static(a.size[dim])):
+        raise Unsupported("select at a symbolic index")
     index = index + a.size[dim] if index < 0 else index
-    return _view_of(a, tuple(_val(node).shape),
+    return _view_of(a, _shape(_val(node)),
                     lambda idx: a.fn([*idx[:dim], sympy.Integer(index), *idx[dim:]]))
 
 
@@ -612,13 +679,13 @@ def _split(ctx: _Lowering, node: fx.Node, a: _Value, sizes: Any, dim: int = 0) -
     dim %= len(a.size)
     out, start = [], 0
     for part in _val(node):
-        n = part.shape[dim]
+        n = static_or_expr(part.shape[dim])
 
         def fn(idx: Sequence[sympy.Expr], start: int = start) -> Expr:
             src = list(idx)
             src[dim] = start + idx[dim]
             return a.fn(src)
-        out.append(_view_of(a, tuple(part.shape), fn))
+        out.append(_view_of(a, _shape(part), fn))
         start += n
     return tuple(out)
 
@@ -647,7 +714,7 @@ def _reduce(ctx: _Lowering, node: fx.Node, a: _Value, dims: Any = None, keepdim:
     acc = out.dtype
     fn = a.fn if a.dtype == acc else (lambda idx: Op("cast", (a.fn(idx),), acc))
     red = ReductionInfo(a.size, dims, kind)
-    stride = (tuple(out.stride()) if node in ctx.outputs and out.storage_offset() == 0
-              and _non_overlapping(out.shape, out.stride()) else contiguous_strides(out.shape))
-    return Computed(node.name, NodeKind.REDUCTION, tuple(out.shape), stride, out.dtype, fn,
-                    red, node)
+    shape, strides = _shape(out), _strides(out)
+    stride = (strides if node in ctx.outputs and _offset_is_zero(out)
+              and _non_overlapping(shape, strides) else contiguous_strides(shape))
+    return Computed(node.name, NodeKind.REDUCTION, shape, stride, out.dtype, fn, red, node)

@@ -4,9 +4,10 @@ Stage: `select_backend(module, backend, interpret) -> CompiledGraph | None`.
 Requires: a forward or backward stage graph; `backend` in "aten", "triton", "auto".
 Ensures: None means "run the graph as ATen calls" (runtime.launch.make_callable): for "aten",
 for "auto" unless the graph's tensors are on CUDA, for "triton" on CPU when Triton's interpreter
-is not active (logged). Any failure of the Triton path is logged on `aotc.kernels` and falls
-back to ATen for the whole graph; failures of single kernels fall back per group (see
-passes.kernelize).
+is not active (logged). Graphs with symbolic sizes (dynamic=True) are lowered with sympy sizes
+(see Note [Symbolic sizes] in passes.loop_ir). Any failure of the Triton path is logged on
+`aotc.kernels` and falls back to ATen for the whole graph; failures of single kernels fall back
+per group (see passes.kernelize).
 """
 
 from __future__ import annotations
@@ -36,11 +37,6 @@ def select_backend(module: fx.GraphModule, backend: str, interpret: bool,
                     "switched on before triton is imported (TRITON_INTERPRET=1); running ATen "
                     "calls instead", device)
         return None
-    if _has_symbolic_sizes(module):
-        # TODO(lead): symbolic sizes in the loop IR and kernel arguments (#4/#5)
-        log.warning("backend=%r: the graph has symbolic sizes (dynamic=True), which the Triton "
-                    "lowering does not handle yet; running this graph as ATen calls", backend)
-        return None
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -53,20 +49,3 @@ def select_backend(module: fx.GraphModule, backend: str, interpret: bool,
                     type(e).__name__, e)
         return None
 
-
-def _has_symbolic_sizes(module: fx.GraphModule) -> bool:
-    """Any value with a SymInt size or stride, or a SymInt placeholder. Looks only at node meta,
-    never compares a SymInt (a comparison would add a guard to the ShapeEnv)."""
-    import torch
-
-    for node in module.graph.nodes:
-        val = node.meta.get("val")
-        vals = val if isinstance(val, (tuple, list)) else (val,)
-        for v in vals:
-            if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-                return True
-            if isinstance(v, torch.Tensor) and any(
-                isinstance(d, torch.SymInt) for d in (*v.shape, *v.stride())
-            ):
-                return True
-    return False

@@ -18,6 +18,7 @@ inputs become un-mutatable; floating outputs become requires_grad), which eager 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -46,20 +47,28 @@ def make_autograd_function(
 ) -> type[torch.autograd.Function]:
     n_out = plan.num_fwd_outs
     diff = plan.diff_outs
-    grad_slots = tuple(1 + g for g in plan.grad_args)
     n_result = 1 + plan.num_graph_args
     n_tensors = n_out + plan.num_saved - plan.num_saved_symints
+    has_sizes = plan.num_saved_symints > 0
+    # See Note [Per-plan forward and backward]
+    pick_diff = _picker(diff, n_out)
+    any_autocast = torch._C._is_any_autocast_enabled
+    grad_enabled = torch.is_grad_enabled
 
     def forward(ctx, holder: list, *args: torch.Tensor):  # type: ignore[no-untyped-def]
         outs = fwd(*args)
         # Every saved tensor goes through save_for_backward, so saved-tensor hooks
         # (saved_tensors_hooks, save_on_cpu) around the call see exactly these values.
-        ctx.save_for_backward(*outs[n_out:n_tensors])
-        ctx.aotc_sizes = outs[n_tensors:]
+        if has_sizes:
+            ctx.save_for_backward(*outs[n_out:n_tensors])
+            ctx.aotc_sizes = tuple(outs[n_tensors:])
+        else:
+            ctx.save_for_backward(*outs[n_out:n_tensors])
         holder.extend(outs[:n_out])
-        return tuple(outs[k] for k in diff)
+        return pick_diff(outs)
 
     refused = plan.backward_error
+    place = _placer(tuple(1 + g for g in plan.grad_args), n_result)
 
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[no-untyped-def]
         if refused is not None:
@@ -67,26 +76,66 @@ def make_autograd_function(
                 f"backward through aotc-compiled {name}: {refused} Eager PyTorch refuses this "
                 "backward too. Use the out-of-place op, or .clone() the value before modifying it."
             )
-        if torch.is_grad_enabled():
+        if grad_enabled():
             raise UnsupportedError(
                 f"double backward (create_graph=True) through aotc-compiled {name} is not "
                 "supported: its backward graph is not itself differentiable. Use eager for the "
                 "part that needs higher-order gradients, or call backward without create_graph."
             )
-        grads = tuple(g if g.is_contiguous() else g.contiguous() for g in grads)
+        if not all(map(_is_contiguous, grads)):
+            grads = tuple(g if g.is_contiguous() else g.contiguous() for g in grads)
+        saved = ctx.saved_tensors + ctx.aotc_sizes if has_sizes else ctx.saved_tensors
         # The backward graph carries its dtypes already (Note [Graphs run without autocast]).
-        with torch._C._DisableAutocast():
-            computed = bwd(*ctx.saved_tensors, *ctx.aotc_sizes, *grads)
-        result: list[torch.Tensor | None] = [None] * n_result
-        for slot, g in zip(grad_slots, computed):
-            result[slot] = g
-        return tuple(result)
+        if any_autocast():
+            with torch._C._DisableAutocast():
+                return place(bwd(*saved, *grads))
+        return place(bwd(*saved, *grads))
 
     return type(
         f"AotcFunction_{name}",
         (torch.autograd.Function,),
         {"forward": staticmethod(forward), "backward": staticmethod(backward)},
     )
+
+
+_is_contiguous = torch.Tensor.is_contiguous
+
+
+def _picker(diff: tuple[int, ...], n_out: int) -> Callable[[tuple[torch.Tensor, ...]], tuple]:
+    """outs -> the tuple of outs[k] for k in diff."""
+    if diff == tuple(range(len(diff))):
+        n = len(diff)
+        return lambda outs: tuple(outs[:n])
+    if len(diff) == 1:
+        (k,) = diff
+        return lambda outs: (outs[k],)
+    return operator.itemgetter(*diff)  # type: ignore[return-value]
+
+
+def _placer(slots: tuple[int, ...], n_result: int) -> Callable[[tuple], tuple]:
+    """computed gradients -> backward's result tuple with each at its slot, None elsewhere."""
+    first = slots[0] if slots else 1
+    if slots == tuple(range(first, first + len(slots))):
+        head, tail = (None,) * first, (None,) * (n_result - first - len(slots))
+        return lambda computed: (*head, *computed, *tail)
+
+    def place(computed: tuple) -> tuple:
+        result: list[object] = [None] * n_result
+        for slot, g in zip(slots, computed):
+            result[slot] = g
+        return tuple(result)
+
+    return place
+
+
+# Note [Per-plan forward and backward]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The forward and backward run once per training call, so what they can decide from the plan they
+# decide here: how to pick the differentiable outputs (a slice when they lead the outputs, else an
+# itemgetter), where each gradient goes in backward's result (one tuple display when the gradients
+# are for consecutive graph args), whether sizes were saved, and whether any gradient needs
+# `.contiguous()` (one C-level `all(map(...))` in the common case where none does). Autocast is
+# switched off around the backward graph only when it is on.
 
 
 # Note [Backward eager would refuse]

@@ -13,7 +13,11 @@ Ensures:
 - intermediate buffers of one call share storage when their lifetimes do not overlap (the slots
   are planned at compile time, allocated once per call);
 - a kernel that fails to compile or launch is logged on `aotc.kernels` (warning) and its group
-  runs as ATen calls from then on; results never depend on which path ran.
+  runs as ATen calls from then on; results never depend on which path ran;
+- a graph with symbolic sizes (`CompiledGraph.symbols`) reads the symbols' values from each
+  call's arguments, evaluates its kernels' `xnumel`/`rnumel`, size arguments, grids and buffer
+  sizes from them, and passes the values to the kernels; the same compiled kernels serve every
+  size (runtime.symsizes).
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ import importlib.util
 import logging
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 import torch
+
+from runtime.symsizes import SymSource, compile_sizes, read_symbols
 
 log = logging.getLogger("aotc.kernels")
 
@@ -40,13 +46,14 @@ class KernelSource:
     reduction: bool
     inputs: tuple[str, ...]  # buffer names, in parameter order
     outputs: tuple[str, ...]  # buffer names, in parameter order after the inputs
-    xnumel: int
-    rnumel: int
-    persistent_rblock: int  # RBLOCK of a persistent reduction; 0 otherwise
+    xnumel: Any  # int, or a sympy expression over `symbols` (evaluated at launch)
+    rnumel: Any
+    persistent_rblock: int  # RBLOCK of a persistent reduction (-1: at launch); 0 otherwise
     device: str
-    bytes_read: int
-    bytes_written: int
+    bytes_read: Any
+    bytes_written: Any
     tiled: bool = False  # 2-D tiled pointwise: xnumel = columns, rnumel = rows
+    symbols: tuple[str, ...] = ()  # size parameters after xnumel, rnumel (symbolic sizes)
 
     @cached_property
     def key(self) -> str:
@@ -59,8 +66,8 @@ class KernelSource:
 @dataclass(frozen=True)
 class BufferSpec:
     name: str
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
+    size: tuple[Any, ...]  # ints, or sympy expressions over the graph's symbols
+    stride: tuple[Any, ...]
     dtype: torch.dtype
     device: str
     slot: int | None  # shared storage slot for intermediates; None: a fresh tensor per call
@@ -93,7 +100,8 @@ class CompiledGraph:
     num_slots: int
     fusion_text: str = ""  # the fusion plan, printable
     # per placeholder: the strides kernels index it with (None: not a tensor); see run()
-    input_strides: tuple[tuple[int, ...] | None, ...] = field(default=())
+    input_strides: tuple[tuple[Any, ...] | None, ...] = field(default=())
+    symbols: tuple[SymSource, ...] = ()  # symbolic sizes: where each symbol's value is read
     decomposed: Any = None  # the decomposed fx graph the kernels come from (the disk cache keeps it)
 
     @cached_property
@@ -132,14 +140,16 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def candidate_configs(kernel: KernelSource, on_cuda: bool) -> list[tuple[int, int, int]]:
+def candidate_configs(kernel: KernelSource, on_cuda: bool, xnumel: int | None = None,
+                      rnumel: int | None = None) -> list[tuple[int, int, int]]:
     """(XBLOCK, RBLOCK or YBLOCK, num_warps) choices; the first is used when not autotuning.
+    `xnumel`/`rnumel`: the launch's sizes (default: the kernel's static ones).
 
     Heuristic (not yet measured on a GPU): block sizes common for memory-bound kernels; every
     candidate costs one Triton compile on the first launch at a shape, so the sets stay small."""
-    x = max(kernel.xnumel, 1)
+    x = max(kernel.xnumel if xnumel is None else xnumel, 1)
     if kernel.tiled:
-        rows = max(kernel.rnumel, 1)
+        rows = max(kernel.rnumel if rnumel is None else rnumel, 1)
         if not on_cuda:
             return [(min(_next_pow2(x), 64), min(_next_pow2(rows), 64), 4)]
         return [(32, 32, 4), (64, 16, 4), (16, 64, 4)]
@@ -150,6 +160,8 @@ def candidate_configs(kernel: KernelSource, on_cuda: bool) -> list[tuple[int, in
                 if b <= max(_next_pow2(x), 256)]
     if kernel.persistent_rblock:
         r = kernel.persistent_rblock
+        if r < 0:  # chosen at launch (symbolic row length; see passes.codegen)
+            r = _next_pow2(max(kernel.rnumel if rnumel is None else rnumel, 1))
         cap = max(1, (4096 if on_cuda else 16384) // r)
         first = min(cap, _next_pow2(x))
         # Heuristic: at most three row blocks, so cold compiles stay few (each config is a compile)
@@ -162,37 +174,43 @@ def candidate_configs(kernel: KernelSource, on_cuda: bool) -> list[tuple[int, in
     return [(1, 1024, 8), (4, 256, 4), (8, 128, 4)]
 
 
-def launch(kernel: KernelSource, args: list[torch.Tensor]) -> None:
+def launch(kernel: KernelSource, args: list[torch.Tensor],
+           sizes: tuple[int, int, tuple[int, ...]] | None = None) -> None:
+    """`sizes`: (xnumel, rnumel, size arguments) of a kernel with symbolic sizes, evaluated for
+    this call; block sizes and the grid are chosen from them here."""
     fn = _KERNELS.get((kernel.key, kernel.device)) or load_kernel(kernel)
-    if kernel.xnumel == 0 or (kernel.tiled and kernel.rnumel == 0):
+    xnumel, rnumel, extra = sizes if sizes is not None else (kernel.xnumel, kernel.rnumel, ())
+    if xnumel == 0 or (kernel.tiled and rnumel == 0):
         return
-    shape_key = (kernel.key, kernel.device, kernel.xnumel, kernel.rnumel)
+    shape_key = (kernel.key, kernel.device, xnumel, rnumel)
     best = _BEST.get(shape_key)
     if best is None:
         on_cuda = kernel.device.startswith("cuda")
-        configs = candidate_configs(kernel, on_cuda)
-        best = _autotune(fn, kernel, args, configs) if on_cuda and len(configs) > 1 else configs[0]
+        configs = candidate_configs(kernel, on_cuda, xnumel, rnumel)
+        best = (_autotune(fn, kernel, args, configs, (xnumel, rnumel, extra))
+                if on_cuda and len(configs) > 1 else configs[0])
         _BEST[shape_key] = best
-    _run(fn, kernel, args, best)
+    _run(fn, kernel, args, best, xnumel, rnumel, extra)
 
 
 def _run(fn: Any, kernel: KernelSource, args: list[torch.Tensor],
-         config: tuple[int, int, int]) -> None:
+         config: tuple[int, int, int], xnumel: int, rnumel: int, extra: tuple[int, ...]) -> None:
     xblock, second, warps = config  # second: RBLOCK, or YBLOCK of a tiled kernel
-    tiles = (kernel.xnumel + xblock - 1) // xblock
+    tiles = (xnumel + xblock - 1) // xblock
     if kernel.tiled:
-        tiles *= (kernel.rnumel + second - 1) // second
-    fn[(tiles,)](*args, kernel.xnumel, kernel.rnumel, xblock, second, num_warps=warps)
+        tiles *= (rnumel + second - 1) // second
+    fn[(tiles,)](*args, xnumel, rnumel, *extra, xblock, second, num_warps=warps)
 
 
 def _autotune(fn: Any, kernel: KernelSource, args: list[torch.Tensor],
-              configs: list[tuple[int, int, int]]) -> tuple[int, int, int]:
+              configs: list[tuple[int, int, int]], sizes: tuple[int, int, tuple[int, ...]]
+              ) -> tuple[int, int, int]:
     from triton.testing import do_bench
 
     timings = []
     for cfg in configs:
         try:
-            t = do_bench(lambda cfg=cfg: _run(fn, kernel, args, cfg), warmup=3, rep=15)
+            t = do_bench(lambda cfg=cfg: _run(fn, kernel, args, cfg, *sizes), warmup=3, rep=15)
         except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped
             log.info("%s: config %s failed: %s", kernel.name, cfg, e)
             continue
@@ -205,6 +223,8 @@ def _autotune(fn: Any, kernel: KernelSource, args: list[torch.Tensor],
 # ---- run a compiled graph ------------------------------------------------------------------
 
 def _make_runner(graph: CompiledGraph) -> Callable[..., tuple[Any, ...]]:
+    if graph.symbols:
+        return _make_symbolic_runner(graph)
     steps, placeholders, outputs = graph.steps, graph.placeholders, graph.outputs
     num_slots = graph.num_slots
     strides = graph.input_strides or (None,) * len(placeholders)
@@ -226,6 +246,89 @@ def _make_runner(graph: CompiledGraph) -> Callable[..., tuple[Any, ...]]:
         return tuple(env[o] if isinstance(o, str) else o for o in outputs)
 
     return run
+
+
+SYMS = "\x00syms"  # env key of the symbols' values in a symbolic graph (no fx name clashes)
+
+
+def _make_symbolic_runner(graph: CompiledGraph) -> Callable[..., tuple[Any, ...]]:
+    """Like `_make_runner`, with every size evaluated per call from the symbols' values."""
+    steps, placeholders, outputs = graph.steps, graph.placeholders, graph.outputs
+    sources, num_slots = graph.symbols, graph.num_slots
+    names = [src.symbol for src in sources]
+    strides = graph.input_strides or (None,) * len(placeholders)
+    strided = [(i, len(st)) for i, st in enumerate(strides) if st is not None]
+    stride_fn = compile_sizes([e for _, st in enumerate(strides) if st is not None for e in st],
+                              names)
+    plans: list[tuple[Callable[[Sequence[int]], tuple[int, ...]], int, int] | None] = []
+    for step in steps:
+        if not isinstance(step, KernelStep):
+            plans.append(None)
+            continue
+        k = step.kernel
+        exprs = [k.xnumel, k.rnumel, *[_symbol(name) for name in k.symbols]]
+        for spec in step.outputs:
+            exprs += [*spec.size, *spec.stride]
+        plans.append((compile_sizes(exprs, names), len(k.symbols), len(step.outputs)))
+
+    def run(*args: Any) -> tuple[Any, ...]:
+        values = read_symbols(sources, args)
+        flat = stride_fn(values)
+        args_l = list(args)
+        pos = 0
+        for i, n in strided:
+            args_l[i] = _restride(args_l[i], flat[pos:pos + n])
+            pos += n
+        env: dict[str, Any] = dict(zip(placeholders, args_l, strict=True))
+        env[SYMS] = values
+        slots: list[torch.Tensor | None] = [None] * num_slots
+        for step, plan in zip(steps, plans, strict=True):
+            if plan is None:
+                step.run(env)  # type: ignore[union-attr]
+            else:
+                _run_symbolic_step(step, plan, values, env, slots)  # type: ignore[arg-type]
+            for name in step.frees:
+                env.pop(name, None)
+        return tuple(env[o] if isinstance(o, str) else o for o in outputs)
+
+    return run
+
+
+def _symbol(name: str) -> Any:
+    import sympy
+
+    return sympy.Symbol(name, integer=True, positive=True)
+
+
+def _run_symbolic_step(step: KernelStep, plan: tuple[Any, int, int], values: tuple[int, ...],
+                       env: dict[str, Any], slots: list[torch.Tensor | None]) -> None:
+    kernel = step.kernel
+    if (kernel.key, kernel.device) in _FAILED:
+        step.fallback(env)
+        return
+    fn, n_sym, _ = plan
+    sizes = fn(values)
+    xnumel, rnumel, extra = sizes[0], sizes[1], sizes[2:2 + n_sym]
+    pos = 2 + n_sym
+    outs = []
+    for spec in step.outputs:
+        n = len(spec.size)
+        size, stride = sizes[pos:pos + n], sizes[pos + n:pos + 2 * n]
+        pos += 2 * n
+        t = slots[spec.slot] if spec.slot is not None else None
+        if t is None:
+            t = torch.empty_strided(size, stride, dtype=spec.dtype, device=spec.device)
+            if spec.slot is not None:
+                slots[spec.slot] = t
+        env[spec.name] = t
+        outs.append(t)
+    try:
+        launch(kernel, [env[b] for b in kernel.inputs] + outs, (xnumel, rnumel, extra))
+    except Exception as e:  # noqa: BLE001 - see the module docstring: fall back, never crash
+        _FAILED.add((kernel.key, kernel.device))
+        log.warning("kernel %s failed (%s: %s); running its ops as ATen calls instead",
+                    kernel.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        step.fallback(env)
 
 
 def _restride(arg: Any, stride: tuple[int, ...] | None) -> Any:

@@ -6,6 +6,8 @@ Stage: `build_entry(plan, fwd, bwd) -> CompiledEntry` (one compiled signature) a
 Every call of a compiled entry goes:
     user leaves --apply_convention--> graph args --autograd node (or plain forward)--> fwd outputs
     --apply_mutations--> inputs updated --build_outputs--> user outputs --unflatten--> result
+Entries whose plan needs none of the fix-ups run a generated straight-line version of this
+instead (runtime/fastpath.py, Note [Direct plans]).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from runtime.autograd import AutogradPlan, make_autograd_function
 from runtime.convention import apply_convention
 from runtime.epilogue import EpiloguePlan, apply_mutations, build_outputs
 from runtime.errors import GuardError, UnsupportedError
+from runtime.fastpath import make_fast_call
 from runtime.guards import explain_bad_leaves, signature_key
 from runtime.schema import CallingConvention, GraphArg
 
@@ -46,10 +49,12 @@ class RuntimePlan:
 
 
 class CompiledEntry:
-    """One compiled signature. `run(leaves)` is the per-call hot path."""
+    """One compiled signature. `call(leaves)` (also `run`) is the per-call hot path: the
+    generated fast path for direct plans (runtime/fastpath.py), else `_call_general`."""
 
     __slots__ = (
-        "plan", "record", "_fwd", "_fn", "_apply", "_detach", "_diff", "_unflatten", "_mutates"
+        "plan", "record", "call", "_fwd", "_fn", "_apply", "_detach", "_diff", "_unflatten",
+        "_mutates",
     )
 
     def __init__(
@@ -74,8 +79,12 @@ class CompiledEntry:
         self._detach = frozenset(plan.detach_args)
         self._mutates = bool(plan.epilogue.mutations)
         self._unflatten = _unflattener(plan.out_spec)
+        self.call = make_fast_call(plan, fwd, self._apply, self._call_general) or self._call_general
 
     def run(self, leaves: list[object]) -> object:
+        return self.call(leaves)
+
+    def _call_general(self, leaves: list[object]) -> object:
         if torch._C._is_any_autocast_enabled():  # See Note [Graphs run without autocast]
             with torch._C._DisableAutocast():
                 return self._run(leaves)
@@ -191,7 +200,7 @@ class Dispatcher:
             raise UnsupportedError(f"{self._name}: {reason}") from e
         if entry is None:
             entry = self._miss(key, leaves)
-        return entry.run(leaves)
+        return entry.call(leaves)
 
     def _miss(self, key: tuple[object, ...], leaves: list[object]) -> CompiledEntry:
         with COMPILE_LOCK, self._lock:

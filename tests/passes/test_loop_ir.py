@@ -60,3 +60,28 @@ def test_simplified_indices_equal_brute_force() -> None:
             flat = simplify(flat_index(idx, contiguous_strides(size)), ranges)
             for x, r in itertools.product(range(n // cols), range(cols)):
                 assert _eval(flat, {X: x, R: r}) == x * cols + r
+
+
+def test_symbolic_sizes_simplify_without_guards():
+    """Sizes as sympy expressions over positive size symbols (see Note [Symbolic sizes]): the
+    gcd rule and the row recombination hold for every value of the symbol, checked by brute
+    force on small values."""
+    from passes.fusion import RINDEX, XINDEX
+    from passes.loop_ir import flat_index, floordiv, mod, simplify, unflatten
+    from runtime.symsizes import size_code
+
+    s0 = sympy.Symbol("s0", integer=True, positive=True)
+    ranges = {XINDEX: 2 * s0, RINDEX: 16}
+    assert floordiv(16 * XINDEX + RINDEX, 16 * s0, ranges) == floordiv(XINDEX, s0, ranges)
+    idx = unflatten(16 * XINDEX + RINDEX, [2, s0, 16], ranges)
+    row = simplify(flat_index(idx[:2], [s0, 1]), ranges)  # a (2, s0, 1) reduction result
+    assert row == simplify(flat_index(unflatten(XINDEX, [2, s0], ranges), [s0, 1]), ranges)
+    exprs = [floordiv(16 * XINDEX + RINDEX, 16 * s0, ranges),
+             mod(16 * XINDEX + RINDEX, 16 * s0, ranges), *idx, row]
+    fns = [eval(f"lambda s0, xindex, rindex: {size_code(e)}") for e in exprs]
+    for n in (2, 3, 5):
+        for x, r in itertools.product(range(2 * n), range(16)):
+            flat = 16 * x + r
+            want = [flat // (16 * n), flat % (16 * n), flat // (16 * n) % 2, flat // 16 % n, r,
+                    x]
+            assert [f(n, x, r) for f in fns] == want

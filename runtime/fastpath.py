@@ -1,0 +1,113 @@
+"""Fast path: one straight-line call function per compiled entry whose plan needs no fix-ups.
+
+Stage: `make_fast_call(plan, fwd, apply, general) -> Callable[[list], object] | None`, once per
+entry at build time.
+Requires: `plan` is the entry's RuntimePlan; `apply(holder, *graph_args)` is its autograd node's
+apply (None for an inference entry); `general(leaves)` is the entry's full call path.
+Ensures: None unless the plan is *direct* (see Note [Direct plans]); otherwise a function that
+returns what `general(leaves)` returns for every call, doing only the work the plan needs.
+
+Note [Direct plans]
+~~~~~~~~~~~~~~~~~~~
+Most entries have no synthetic bases, no mutated inputs, no arguments to detach, and only outputs
+that are fresh tensors, constants or inputs returned as they are. For those, the whole of
+`CompiledEntry._run` (convention, autograd apply, holder fix-up, epilogue, unflatten) reduces to
+picking graph args out of the leaves, one call, and picking user outputs out of its results.
+That is generated as Python source with every index inlined, like runtime/launch.py does for
+graphs, so a call allocates no plan-sized lists and runs no per-output `match`:
+
+    def call(leaves):
+        if any_autocast() or functorch_active():
+            return general(leaves)
+        d = apply([], leaves[0], leaves[1])
+        return d[0]
+
+Calls under autocast or inside a functorch transform take `general` (it switches autocast off and
+goes through `Function.apply`, see Note [Direct apply] in runtime/wrappers.py). Anything else
+(views of inputs or intermediates, mutations, duplicates folded into synthetic bases) takes
+`general` always: those steps carry the aliasing semantics and stay in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from runtime.schema import OutputKind
+
+_DIRECT_OUTPUTS = (OutputKind.FRESH, OutputKind.NOT_TENSOR, OutputKind.IS_INPUT)
+
+
+def make_fast_call(
+    plan: Any,
+    fwd: Callable[..., Any],
+    apply: Callable[..., Any] | None,
+    general: Callable[[list[object]], object],
+) -> Callable[[list[object]], object] | None:
+    conv, epi = plan.convention, plan.epilogue
+    if conv.synthetic_bases or epi.mutations or plan.detach_args:
+        return None
+    if any(s.kind not in _DIRECT_OUTPUTS for s in epi.outputs):
+        return None
+    namespace: dict[str, Any] = {
+        "any_autocast": torch._C._is_any_autocast_enabled,
+        "functorch_active": torch._C._are_functorch_transforms_active,
+        "general": general,
+    }
+    args = ", ".join(f"leaves[{i}]" for i in conv.graph_sources)
+    if list(conv.graph_sources) == list(range(conv.num_user_leaves)):
+        args = "*leaves"
+    if apply is not None:
+        namespace["apply"] = apply
+        diff_pos = {k: pos for pos, k in enumerate(plan.autograd.diff_outs)}
+        lines = [
+            "    if any_autocast() or functorch_active():",
+            "        return general(leaves)",
+            f"    d = apply(h := [], {args})" if args else "    d = apply(h := [])",
+        ]
+
+        def fwd_out(k: int) -> str:
+            return f"d[{diff_pos[k]}]" if k in diff_pos else f"h[{k}]"
+
+    else:
+        namespace["fwd"] = fwd
+        lines = [
+            "    if any_autocast():",
+            "        return general(leaves)",
+            f"    d = fwd({args})",
+        ]
+
+        def fwd_out(k: int) -> str:
+            return f"d[{k}]"
+
+    exprs = []
+    for j, s in enumerate(epi.outputs):
+        if s.kind is OutputKind.FRESH:
+            exprs.append(fwd_out(s.source))
+        elif s.kind is OutputKind.IS_INPUT:
+            exprs.append(f"leaves[{s.source}]")
+        else:
+            namespace[f"c{j}"] = s.constant
+            exprs.append(f"c{j}")
+    spec = plan.out_spec
+    if spec.is_leaf():
+        lines.append(f"    return {exprs[0]}")
+    elif spec.type is tuple and all(c.is_leaf() for c in spec.children()):
+        if apply is not None and exprs == [f"d[{p}]" for p in range(len(exprs))] and len(
+            plan.autograd.diff_outs
+        ) == len(exprs):
+            lines.append("    return d")  # autograd's own tuple holds exactly the outputs
+        else:
+            lines.append(f"    return ({''.join(e + ', ' for e in exprs)})")
+    else:
+        namespace["unflatten"] = pytree.tree_unflatten
+        namespace["spec"] = spec
+        lines.append(f"    return unflatten([{', '.join(exprs)}], spec)")
+    source = "def call(leaves):\n" + "\n".join(lines) + "\n"
+    exec(compile(source, f"<aotc fast call {plan.name}>", "exec"), namespace)  # noqa: S102
+    call = namespace["call"]
+    call.__aotc_source__ = source
+    return call  # type: ignore[no-any-return]

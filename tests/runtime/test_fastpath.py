@@ -1,0 +1,84 @@
+"""Fast path (runtime/fastpath.py): which entries get a generated call, and that it gives eager's
+results, including the calls it hands to the general path (autocast)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import aotc
+from tests.conftest import assert_matches_eager
+
+
+def one_out(x, w):
+    return (x @ w).relu().sum()
+
+
+def tuple_out(x, w):
+    y = x @ w
+    return y.sin(), y.argmax(), 3, x  # differentiable, integer (not differentiable), constant, input
+
+
+def tree_out(x, w):
+    y = x @ w
+    return {"a": y.cos(), "b": [y.sum(), y.detach() * 2]}
+
+
+def swapped_args(x, w):
+    return w.t() @ x.t()  # graph args in leaf order; output a fresh tensor
+
+
+def returns_view(x, w):
+    return (x @ w).t(), x[0]  # a view of an intermediate and a view of an input: general path
+
+
+def mutates(x, w):
+    x.add_(1)
+    return x @ w
+
+
+def make():
+    return torch.randn(5, 4), torch.randn(4, 3, requires_grad=True)
+
+
+def make_grad_x():
+    return torch.randn(5, 4, requires_grad=True), torch.randn(4, 3, requires_grad=True)
+
+
+def is_fast(compiled) -> list[bool]:
+    return [hasattr(e.call, "__aotc_source__") for e in compiled._dispatch.entries]
+
+
+@pytest.mark.parametrize("fn", [one_out, tuple_out, tree_out, swapped_args])
+@pytest.mark.parametrize("make_args", [make, make_grad_x])
+def test_direct_plans_take_fast_path_and_match_eager(fn, make_args):
+    compiled = assert_matches_eager(fn, make_args, runs=3)
+    with torch.no_grad():
+        assert_matches_eager(fn, make_args, compiled=compiled, backward=False)
+    assert is_fast(compiled) == [True, True]
+
+
+@pytest.mark.parametrize("fn", [returns_view, mutates])
+def test_plans_with_fixups_take_general_path(fn):
+    compiled = assert_matches_eager(fn, make, runs=2, backward=fn is returns_view)
+    assert is_fast(compiled) == [False]
+
+
+def test_autocast_call_goes_through_general_path():
+    compiled = aotc.compile(one_out)
+    x, w = make()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = compiled(x, w)
+        want = one_out(x, w)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert all(is_fast(compiled))
+
+
+def test_generated_call_inlines_indices():
+    compiled = aotc.compile(one_out)
+    x, w = make()
+    compiled(x, w).backward()
+    (entry,) = compiled._dispatch.entries
+    assert "apply(h := [], *leaves)" in entry.call.__aotc_source__
+    assert "return d[0]" in entry.call.__aotc_source__
