@@ -13,7 +13,7 @@ from passes.recompute import RecomputePolicy
 class CompileOptions:
     # How graphs run: "aten" runs the fx graphs as ATen ops; "triton" runs generated Triton
     # kernels (on CPU through Triton's interpreter); "auto" uses Triton for CUDA graphs only.
-    backend: str = "aten"
+    backend: str = "auto"
     triton_interpret: bool = False  # set by from_env: Triton's interpreter runs CPU kernels
     dynamic: bool = False  # symbolic sizes for tensor arguments (see aotc/symbolic.py)
     recompile_warn_limit: int = 8  # warn once a function has this many compiled signatures
@@ -33,7 +33,7 @@ class CompileOptions:
     @staticmethod
     def from_env(**overrides: object) -> CompileOptions:
         opts = CompileOptions(
-            backend=os.environ.get("AOTC_BACKEND") or "aten",  # e.g. the OpInfo sweep on Triton
+            backend=os.environ.get("AOTC_BACKEND") or "auto",  # e.g. the OpInfo sweep on Triton
             dump_dir=os.environ.get("AOTC_DUMP_DIR") or None,
             check_invariants=os.environ.get("AOTC_CHECK_INVARIANTS", "0") == "1",
             cache=os.environ.get("AOTC_CACHE", "1").strip().lower() not in ("0", "false", "off"),
