@@ -70,7 +70,7 @@ def expanded_inplace(x, y):
 
 
 class Opaque:
-    pass
+    """A user type aotc does not know how to return from a graph."""
 
 
 def opaque_output(x):
