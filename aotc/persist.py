@@ -248,16 +248,9 @@ def _check_autograd(outs: list[object], inputs: list[torch.Tensor], seen: list[t
     for t in seen:
         if getattr(t, "_backward_hooks", None):
             raise _Unkeyable("a tensor hook registered inside the function")
-    stack = [t.grad_fn for t in [*outs, *inputs] if isinstance(t, torch.Tensor) and t.grad_fn]
-    visited: set[int] = set()
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in visited:
-            continue
-        visited.add(id(node))
+    for node in autograd.autograd_nodes([*outs, *inputs]):
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             raise _Unkeyable(f"custom autograd.Function {type(node).__name__}")
-        stack.extend(fn for fn, _ in node.next_functions)
 
 
 class _Recorder(TorchDispatchMode):

@@ -19,8 +19,9 @@ inputs become un-mutatable; floating outputs become requires_grad), which eager 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -173,9 +174,8 @@ def version_checked_saves() -> object:
     return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
 
 
-def stale_saved_value(roots: list[object]) -> str | None:
-    """eager's error message if some value saved by the autograd graph reachable from `roots`
-    was modified in place after being saved, else None."""
+def autograd_nodes(roots: Iterable[object]) -> Iterator[Any]:
+    """Every autograd graph node reachable from the tensors among `roots`, each once."""
     stack = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     visited: set[int] = set()
     while stack:
@@ -183,6 +183,14 @@ def stale_saved_value(roots: list[object]) -> str | None:
         if node is None or id(node) in visited:
             continue
         visited.add(id(node))
+        yield node
+        stack.extend(fn for fn, _ in node.next_functions)
+
+
+def stale_saved_value(roots: list[object]) -> str | None:
+    """eager's error message if some value saved by the autograd graph reachable from `roots`
+    was modified in place after being saved, else None."""
+    for node in autograd_nodes(roots):
         for attr in dir(node):
             if attr.startswith("_saved_"):
                 try:
@@ -191,5 +199,4 @@ def stale_saved_value(roots: list[object]) -> str | None:
                     if _STALE in str(e):
                         return str(e).split(" Hint:", 1)[0]
                     raise
-        stack.extend(fn for fn, _ in node.next_functions)
     return None
