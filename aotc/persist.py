@@ -15,17 +15,18 @@ Note [Cache key]
 ~~~~~~~~~~~~~~~~
 A warm start must cost under 10% of a cold compile, and tracing (two metadata runs and the joint
 trace) is ~80% of a cold compile, so the key cannot come from the joint graph. It comes from one
-cheap *key trace*: the program runs once on plain fake tensors (no functionalization, no joint
-backward), with the inputs' real requires_grad and grad mode, under a dispatch mode that writes
-every ATen call as one line of canonical text:
+cheap *key trace* (aotc/keytrace.py): the program runs once on key tensors (meta tensors that
+report the real device; fake tensors for inputs those do not model, see Note [Meta key trace]),
+with no functionalization and no joint backward, with the inputs' real requires_grad and grad
+mode, under a dispatch mode that writes every ATen call as one line of canonical text:
 
-    t3 = aten.mul.Tensor(t0 rg, 2.0) grad=1 -> float32[4, 3]/(3, 1)+0
+    t3:float32[4, 3]/(3, 1)+0@cpu = aten.mul.Tensor((t0 rg, 2.0), {}) grad=1
 
 Every tensor is named by when it first appeared (inputs t0..tn in graph-argument order), so the
 text records which op reads and writes which tensor, in order, with every non-tensor argument
 (Python floats exactly, via repr), the grad mode and requires_grad of each tensor argument, and
-each result's dtype, shape, strides and offset. Tensors created from Python data (`torch.tensor`)
-appear as real constants and are hashed by value. The text ends with the output leaves (tensor
+each result's dtype, shape, strides, offset and device. Tensors created from Python data
+(`torch.tensor`) appear as real constants and are hashed by value. The text ends with the output leaves (tensor
 names or typed constant values) and the output tree structure.
 
 Why the same text means the same compiled graphs: everything the pipeline derives (mutations,
@@ -63,12 +64,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from aotc.functional import FlatProgram, fakeify
+from aotc import keytrace
+from aotc.functional import FlatProgram
 from aotc.options import CompileOptions
 from passes import descriptors
 from passes.ir import StageGraph
@@ -76,7 +76,6 @@ from passes.partition import PartitionResult, SavedValue
 from passes.select import select_backend
 from runtime import autograd, epilogue, schema, wrappers
 from runtime import cache as store
-from runtime.convention import apply_convention, expand_graph_args, plan_convention
 from runtime.errors import CacheError
 from runtime.kernels import CompiledGraph
 
@@ -96,8 +95,7 @@ _NOT_IN_KEY = frozenset({
     "dump_dir", "check_invariants", "recompile_warn_limit", "max_signatures",
     "cache", "cache_dir", "cache_max_bytes",
 })
-_PLAIN = (int, float, bool, str, complex, type(None), torch.dtype, torch.device, slice,
-          type(Ellipsis), torch.layout, torch.memory_format)
+_PLAIN = keytrace.PLAIN
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +103,8 @@ class CacheKey:
     key: str | None  # hex digest, or None when the program cannot be keyed safely
     reason: str  # why not, when key is None
     seconds: float  # time the key trace took
+    tracer: str = ""  # "meta" or "fake" (see Note [Meta key trace] in aotc/keytrace.py)
+    trace: str = ""  # the key trace's text
 
 
 def is_enabled(options: CompileOptions) -> bool:
@@ -122,20 +122,46 @@ def cache_key(
     start = time.perf_counter()
     try:
         parts = [_versions(), _options_text(options), _signature_text(leaves, names, grad_enabled)]
-        parts.append(_trace_text(program, leaves, grad_enabled))
     except _Unkeyable as e:
         return CacheKey(None, str(e), time.perf_counter() - start)
-    except Exception as e:  # noqa: BLE001 the key trace failed: the full compile reports it
-        return CacheKey(None, f"key trace failed ({type(e).__name__})", time.perf_counter() - start)
-    text = "\n".join(parts)
+    tracers = ("meta", "fake") if keytrace.meta_eligible(leaves) else ("fake",)
+    for tracer in tracers:
+        try:
+            trace = keytrace.trace_text(program, leaves, grad_enabled, tracer)
+            break
+        except _Unkeyable as e:
+            reason = str(e)
+        except Exception as e:  # noqa: BLE001 the key trace failed: the full compile reports it
+            reason = f"key trace failed ({type(e).__name__})"
+    else:
+        return CacheKey(None, reason, time.perf_counter() - start)
+    text = "\n".join([*parts, f"tracer {tracer}", trace])
     if " at 0x" in text:
         return CacheKey(None, "a value prints with its memory address", time.perf_counter() - start)
     digest = hashlib.sha256(text.encode()).hexdigest()
-    return CacheKey(digest, "", time.perf_counter() - start)
+    return CacheKey(digest, "", time.perf_counter() - start, tracer, trace)
 
 
-class _Unkeyable(Exception):
-    pass
+def verify_key(
+    key: CacheKey, program: FlatProgram, leaves: list[object], grad_enabled: bool
+) -> str | None:
+    """None when `key` may be stored under; else why not. A meta-traced key is trusted only if a
+    fake-tensor trace of the same program writes the same text (Note [Meta key trace])."""
+    if key.tracer != "meta":
+        return None
+    try:
+        fake = keytrace.trace_text(program, leaves, grad_enabled, "fake")
+    except Exception as e:  # noqa: BLE001 the fake tracer is the reference: any failure refuses
+        return f"the fake-tensor key trace failed ({type(e).__name__}: {e})"
+    if fake == key.trace:
+        return None
+    for i, (a, b) in enumerate(zip(key.trace.splitlines(), fake.splitlines())):
+        if a != b:
+            return f"meta and fake key traces differ at line {i}: {a[:200]!r} vs {b[:200]!r}"
+    return "meta and fake key traces differ in length"
+
+
+_Unkeyable = keytrace.Unkeyable
 
 
 _VERSIONS: list[str] = []
@@ -209,127 +235,6 @@ def _signature_text(leaves: Sequence[object], names: Sequence[str], grad_enabled
     return "\n".join(lines)
 
 
-def _trace_text(program: FlatProgram, leaves: list[object], grad_enabled: bool) -> str:
-    convention = plan_convention(leaves)
-    graph_args = apply_convention(convention, leaves)
-    constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
-    # Heuristic: one run sees most ops once, so fake tensors' dispatch cache mostly costs: in a
-    # cProfile of the GPT block's key trace in a fresh process, building its keys and entries
-    # took ~75 of 255 ms.
-    mode.cache_enabled = False
-    with mode:
-        fakes = fakeify(mode, graph_args, as_leaves=False)
-    recorder = _Recorder(fakes)
-    with mode, recorder, torch.set_grad_enabled(grad_enabled):
-        user_leaves = expand_graph_args(convention, fakes, constants)
-        outs, out_spec = program(user_leaves)
-    if recorder.unkeyable is not None:
-        raise _Unkeyable(recorder.unkeyable)
-    lines = recorder.lines
-    out_text = []
-    for o in outs:
-        if isinstance(o, torch.Tensor):
-            out_text.append(f"{recorder.name(o)} rg={o.requires_grad} leaf={o.is_leaf}")
-        elif isinstance(o, _PLAIN):
-            out_text.append(f"{type(o).__name__} {o!r}")
-        else:
-            raise _Unkeyable(f"output of type {type(o).__name__}")
-    lines.append("outputs " + ", ".join(out_text))
-    lines.append(f"out_spec {out_spec}")
-    lines.append("inputs after " + ", ".join(
-        f"rg={f.requires_grad} leaf={f.is_leaf}" for f in fakes))
-    _check_autograd(outs, fakes, recorder.seen)
-    return "\n".join(lines)
-
-
-def _check_autograd(outs: list[object], inputs: list[torch.Tensor], seen: list[torch.Tensor]) -> None:
-    """Python code the op text cannot see: custom autograd.Functions and tensor hooks."""
-    for t in seen:
-        if getattr(t, "_backward_hooks", None):
-            raise _Unkeyable("a tensor hook registered inside the function")
-    for node in autograd.autograd_nodes([*outs, *inputs]):
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
-            raise _Unkeyable(f"custom autograd.Function {type(node).__name__}")
-
-
-class _Recorder(TorchDispatchMode):
-    """Writes each ATen call as canonical text (see Note [Cache key])."""
-
-    def __init__(self, inputs: list[torch.Tensor]) -> None:
-        super().__init__()
-        self.seen: list[torch.Tensor] = []  # keeps every tensor alive, so ids stay unique
-        self.names: dict[int, str] = {}
-        self.lines: list[str] = []
-        # Never raise inside __torch_dispatch__ (some callers are C++ that cannot propagate a
-        # Python error); the reason is raised after the program returns.
-        self.unkeyable: str | None = None
-        for t in inputs:
-            self._new(t)
-        for t in inputs:  # autograd replays views of inputs on their bases
-            if t._base is not None and id(t._base) not in self.names:
-                self.lines.append(f"{self._new(t._base)} = base of {self.names[id(t)]}")
-
-    def _new(self, t: torch.Tensor) -> str:
-        name = self.names.get(id(t))
-        if name is None:
-            name = self.names[id(t)] = f"t{len(self.seen)}"
-            self.seen.append(t)
-        return name
-
-    def name(self, t: torch.Tensor) -> str:
-        name = self.names.get(id(t))
-        if name is None:
-            raise _Unkeyable("a tensor reached without a dispatched op (e.g. `.data`)")
-        return name
-
-    def _arg(self, a: Any) -> str:
-        if isinstance(a, torch.Tensor):
-            if id(a) in self.names:
-                return self.names[id(a)] + (" rg" if a.requires_grad else "")
-            if isinstance(a, FakeTensor) or type(a) is not torch.Tensor:
-                self.unkeyable = "a tensor reached without a dispatched op (e.g. `.data`)"
-                return self._new(a)
-            return self._constant(a)
-        if isinstance(a, (list, tuple)):
-            inner = ", ".join(self._arg(x) for x in a)
-            return f"[{inner}]" if isinstance(a, list) else f"({inner})"
-        if isinstance(a, dict):
-            return "{" + ", ".join(f"{k}={self._arg(v)}" for k, v in a.items()) + "}"
-        if isinstance(a, _PLAIN):
-            return repr(a)
-        self.unkeyable = f"op argument of type {type(a).__name__}"
-        return "?"
-
-    def _constant(self, t: torch.Tensor) -> str:
-        """A real tensor inside the program (`torch.tensor([...])`): named by its value."""
-        data = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        digest = hashlib.sha256(data.numpy().tobytes() if data.numel() else b"").hexdigest()
-        name = self._new(t)
-        return f"{name}=const({t.dtype} {tuple(t.shape)} {t.stride()} {digest})"
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        try:
-            text = f"{func}({self._arg(args)}, {self._arg(kwargs)}) grad={int(torch.is_grad_enabled())}"
-        except Exception as e:  # noqa: BLE001 see __init__: never raise from here
-            self.unkeyable, text = f"cannot print the arguments of {func} ({e})", ""
-        out = func(*args, **kwargs)
-        try:
-            results = []
-            for o in pytree.tree_leaves(out):
-                if isinstance(o, torch.Tensor):
-                    results.append(
-                        f"{self._new(o)}:{o.dtype}{list(o.shape)}/{o.stride()}+{o.storage_offset()}"
-                    )
-                else:
-                    results.append(self._arg(o))
-            self.lines.append(f"{', '.join(results)} = {text}")
-        except Exception as e:  # noqa: BLE001 see __init__
-            self.unkeyable = f"cannot print the result of {func} ({e})"
-        return out
-
-
 def load_entry(options: CompileOptions, key: str) -> dict[str, Any] | None:
     """The decoded body of entry `key`, or None: {"record": fields, "plan": RuntimePlan,
     "kernels": stored [{"name", "source"}], "lowered": (forward, backward) went to Triton}."""
@@ -344,8 +249,8 @@ def load_entry(options: CompileOptions, key: str) -> dict[str, Any] | None:
         # get meta values, which are cheaper to make.
         lowering = _lowered_graph_ids(body, lowered)
         mode = FakeTensorMode(allow_non_fake_inputs=True) if lowering else None
-        graphs = [store.decode_graph(g, mode if i in lowering else None)
-                  for i, g in enumerate(store._list(body.get("graphs")))]
+        graphs = store.GraphTable(store._list(body.get("graphs")), lambda i, g: store.decode_graph(
+            g, mode if i in lowering else None))
         kernels = [{"name": str(k["name"]), "source": str(k["source"])}
                    for k in store._list(body.get("kernels", []))]
         if len(lowered) != 2:
@@ -356,7 +261,7 @@ def load_entry(options: CompileOptions, key: str) -> dict[str, Any] | None:
                                            for g in decomposed):
             raise CacheError("bad 'decomposed' field")
         return {
-            "record": store.decode(body.get("record"), graphs),
+            "record": _decode_record(body.get("record"), graphs, key),
             "plan": store.decode(body.get("plan"), graphs),
             "kernels": kernels,
             "lowered": lowered,
@@ -372,6 +277,24 @@ def load_entry(options: CompileOptions, key: str) -> dict[str, Any] | None:
             stacklevel=3,
         )
         return None
+
+
+# Record fields only inspection reads (the joint graphs): decoded on first read.
+_DEFERRED_FIELDS = ("joint", "joint_graph", "partitioned_joint")
+
+
+def _decode_record(value: Any, graphs: store.GraphTable, key: str) -> dict[str, Any]:
+    fields = value.get("D") if isinstance(value, dict) and len(value) == 1 else None
+    if not isinstance(fields, dict):
+        raise CacheError("bad record")
+    eager = {k: v for k, v in fields.items() if k not in _DEFERRED_FIELDS}
+    out = store.decode({"D": eager}, graphs)
+    for name in _DEFERRED_FIELDS:
+        if name not in fields:
+            raise CacheError(f"record has no {name!r}")
+        out[name] = store.Deferred(lambda v=fields[name]: store.decode(v, graphs),
+                                   f"the {name} of entry {key[:16]}")
+    return out
 
 
 def _lowered_graph_ids(body: dict[str, Any], lowered: tuple[bool, ...]) -> set[int]:

@@ -46,6 +46,7 @@ from runtime.convention import alias_groups, plan_convention
 from runtime.epilogue import EpiloguePlan, plan_epilogue
 from runtime.schema import CallingConvention, FwdOut, GraphArg, MutationAliasInfo, UserArg
 from runtime.kernels import CompiledGraph, KernelSource
+from runtime.cache import DeferredField
 from runtime.launch import make_callable
 from runtime.wrappers import CompiledEntry, RuntimePlan
 
@@ -59,13 +60,15 @@ class CompiledRecord:
     training: bool
     convention: CallingConvention
     meta: MutationAliasInfo
-    joint: fx.GraphModule
+    # Deferred on a cache hit (see runtime.cache.Deferred): only inspection reads them.
+    joint: fx.GraphModule = DeferredField()  # type: ignore[assignment]
     forward: fx.GraphModule
     backward: fx.GraphModule | None
     partition: PartitionResult | None
     epilogue: EpiloguePlan
-    joint_graph: JointGraph
-    partitioned_joint: JointGraph  # the joint graph after cleanup, as the partition saw it
+    joint_graph: JointGraph = DeferredField()  # type: ignore[assignment]
+    # the joint graph after cleanup, as the partition saw it
+    partitioned_joint: JointGraph = DeferredField()  # type: ignore[assignment]
     source: str  # where the user function is defined, "file:line"
     guards: str  # what the compiled entry is specialized on, readable
     stage_seconds: dict[str, float] = field(default_factory=dict)
@@ -164,7 +167,8 @@ def _compile_signature(
     grad_enabled = torch.is_grad_enabled()
     key: str | None = None
     if given_mode is None and persist.is_enabled(options):  # symbolic: never stored
-        key = persist.cache_key(program, leaves, names, options, grad_enabled).key
+        cache_key = persist.cache_key(program, leaves, names, options, grad_enabled)
+        key = cache_key.key
         lap("cache_key")
         cached = persist.load_entry(options, key) if key is not None else None
         if cached is not None:
@@ -265,8 +269,13 @@ def _compile_signature(
         **_kernel_fields(fwd_compiled, bwd_compiled),
     )
     if key is not None:
-        persist.store_entry(options, key, _record_fields(entry.record), plan,
-                            (fwd_compiled, bwd_compiled))
+        refused = persist.verify_key(cache_key, program, leaves, grad_enabled)
+        lap("cache_key")  # the check of a meta key: part of the cold compile's cost
+        if refused is None:
+            persist.store_entry(options, key, _record_fields(entry.record), plan,
+                                (fwd_compiled, bwd_compiled))
+        else:
+            logging.getLogger("aotc.cache").info("%s: not caching: %s", name, refused)
     _log_record(entry.record, fwd_module, bwd_module)
     if options.dump_dir:
         dump_record(entry.record, options.dump_dir)

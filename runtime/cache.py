@@ -48,9 +48,10 @@ import math
 import operator
 import os
 import tempfile
+import threading
 import warnings
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
@@ -248,7 +249,7 @@ def _registered_name(cls: type) -> str:
     return name
 
 
-def decode(value: Any, graphs: list[fx.GraphModule] | None = None) -> Any:
+def decode(value: Any, graphs: Sequence[fx.GraphModule] | None = None) -> Any:
     """Inverse of `encode`. Raises CacheError on anything not produced by `encode`."""
     dec: Callable[[Any], Any] = lambda v: decode(v, graphs)
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -313,6 +314,79 @@ def _list(value: object) -> list[Any]:
     if not isinstance(value, list):
         raise CacheError("expected a list")
     return value
+
+
+# --------------------------------------------------------------------------- deferred decoding
+
+_T = TypeVar("_T")
+
+
+class Deferred(Generic[_T]):
+    """A value decoded on first use, once, under a lock. A hit decodes what the call path needs
+    (forward and backward graphs, the plan) and defers what only inspection reads (the joint
+    graphs: ~60% of a training entry's nodes). A deferred value that fails to decode raises
+    CacheError then, naming the entry (the checksum already passed, so only a foreign or
+    hand-edited entry can get there)."""
+
+    def __init__(self, make: Callable[[], _T], where: str) -> None:
+        self._make: Callable[[], _T] | None = make
+        self._where = where
+        self._lock = threading.Lock()
+        self._value: _T | None = None
+
+    def get(self) -> _T:
+        with self._lock:
+            if self._make is not None:
+                try:
+                    self._value = self._make()
+                except (CacheError, RecursionError, ValueError, TypeError, KeyError) as e:
+                    raise CacheError(f"aotc cache: {self._where} cannot be decoded ({e}); delete "
+                                     "the entry or compile with cache=False") from e
+                self._make = None
+        return self._value  # type: ignore[return-value]
+
+
+class DeferredField:
+    """A dataclass field that may hold a `Deferred`, resolved on first read. (A descriptor-typed
+    field: reading it on the class raises AttributeError, so the field has no default.)"""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._slot = "_deferred_" + name
+
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        if obj is None:
+            raise AttributeError(self._slot)
+        value = obj.__dict__[self._slot]
+        if isinstance(value, Deferred):
+            value = value.get()
+            obj.__dict__[self._slot] = value
+        return value
+
+    def __set__(self, obj: object, value: Any) -> None:
+        obj.__dict__[self._slot] = value
+
+
+class GraphTable(Sequence[fx.GraphModule]):
+    """An entry's graphs, each built on first index (see `Deferred`). Every graph's node kinds
+    and call targets are checked up front (`check_graph`, cheap), so a foreign op is still
+    caught on load and the entry rebuilt."""
+
+    def __init__(self, encoded: list[Any], decode_one: Callable[[int, Any], fx.GraphModule]):
+        for g in encoded:
+            check_graph(g)
+        self._encoded = encoded
+        self._decode_one = decode_one
+        self._done: dict[int, fx.GraphModule] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._encoded)
+
+    def __getitem__(self, i: int) -> fx.GraphModule:  # type: ignore[override]
+        with self._lock:
+            if i not in self._done:
+                self._done[i] = self._decode_one(i, self._encoded[i])
+            return self._done[i]
 
 
 # --------------------------------------------------------------------------- graphs
@@ -503,6 +577,20 @@ def decode_graph(value: Any, fake_mode: Any = None) -> fx.GraphModule:
     except ImportError:
         return fx.GraphModule(root, graph)
     return _LazyGraphModule(root, graph)
+
+
+def check_graph(value: Any) -> None:
+    """The node kinds and call targets of an encoded graph, without building it."""
+    if not isinstance(value, dict):
+        raise CacheError("bad graph")
+    for item in _list(value.get("nodes")):
+        if not isinstance(item, dict):
+            raise CacheError("bad node")
+        op = item.get("op")
+        if op == "call_function":
+            _resolve_target(item.get("target"))
+        elif op not in ("placeholder", "output", "get_attr"):
+            raise CacheError(f"bad node kind {str(op)[:20]!r}")
 
 
 def _fetch_attr(module: torch.nn.Module, target: str) -> Any:

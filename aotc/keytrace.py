@@ -1,0 +1,350 @@
+"""The key trace: one run of the user's program that writes every ATen call as canonical text.
+
+Stage: `trace_text(program, leaves, grad_enabled, tracer) -> str`, `tracer` "meta" or "fake".
+`meta_eligible(leaves) -> bool` says whether the meta tracer accepts the inputs.
+Requires: `program` and `leaves` as `aotc.pipeline._compile_signature` compiles them.
+Ensures: the text names every ATen call with its arguments, grad mode and results (see Note
+[Cache key] in aotc/persist.py for why equal texts mean equal compiled graphs); raises
+`Unkeyable` when the program does something the text cannot describe.
+
+Note [Meta key trace]
+~~~~~~~~~~~~~~~~~~~~~
+The compile itself traces on fake tensors, so the key trace must see what a fake-tensor run
+sees. Running on FakeTensorMode costs ~0.7 ms per op (its Python dispatch, device logic and
+reference implementations), most of a warm start. The "meta" tracer is a small wrapper
+subclass: each tensor reports the real device, dtype, sizes, strides and offset, and holds a
+meta tensor; one dispatch mode unwraps, runs the op's meta kernel, wraps the results and writes
+the line. It is ~5x cheaper, but it is not FakeTensor: a few ops have fake-tensor rules of
+their own (devices of factory calls, special strides), where the two could answer a query
+differently.
+
+So the meta text is trusted only once verified. An entry is stored under a meta key only if,
+on the cold compile, a fake-tensor trace of the same program wrote the *same* text (the
+pipeline checks; `persist.store_entry` is never reached otherwise). Why that suffices: every
+property a program can read from a tensor in the trace (dtype, shape, strides, offset, device;
+requires_grad and autograd structure, which both get from the same autograd layer) is written
+in the text for every result, so a run's answers to its queries are a function of the text
+before them. Let P be verified (meta text == fake text == T) and P' a later program with meta
+text T. By induction over T's lines: if P' under fake tensors has issued the same calls as
+under meta up to line k, each tensor it holds has the fake results of those calls, which are
+T's recorded results (P's fake run recorded them), so every query gets the same answer under
+fake as under meta and P' issues line k+1 the same way. Hence P' writes T under fake tensors,
+the text the entry was compiled from. Things the text cannot hold make the meta trace fail
+(and so the program unkeyable, or keyed by the fake tracer): storage pointers (`untyped_storage`,
+`data_ptr` raise), values (`.item()` has no meta kernel), results not on the meta device.
+Inputs the wrapper does not model (views, non-leaves requiring grad, shared storage, conj/neg
+bits, non-strided layouts) use the fake tracer; the two tracers' texts start with different
+headers so their keys never meet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from aotc.functional import FlatProgram, fakeify
+from runtime import autograd
+from runtime.convention import apply_convention, expand_graph_args, plan_convention
+
+PLAIN = (int, float, bool, str, complex, type(None), torch.dtype, torch.device, slice,
+         type(Ellipsis), torch.layout, torch.memory_format)
+
+
+class Unkeyable(Exception):
+    """The program does something the key text cannot describe; it is compiled, not stored."""
+
+
+def meta_eligible(leaves: list[object]) -> bool:
+    """Inputs the meta tracer models exactly: plain strided leaves (or tensors without grad)
+    that are not views, do not share storage and carry no conj/neg bit."""
+    storages: set[int] = set()
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        if type(leaf) is not torch.Tensor and type(leaf) is not torch.nn.Parameter:
+            return False
+        if (leaf.layout is not torch.strided or leaf._base is not None or leaf.is_conj()
+                or leaf.is_neg() or (leaf.requires_grad and not leaf.is_leaf)
+                or leaf.is_inference() or leaf.device.type == "meta"):
+            return False
+        ptr = leaf.untyped_storage().data_ptr()
+        if ptr in storages and ptr != 0:
+            return False  # a duplicate (same tensor twice) included: the fake tracer dedupes
+        storages.add(ptr)
+    return True
+
+
+def trace_text(program: FlatProgram, leaves: list[object], grad_enabled: bool, tracer: str) -> str:
+    """The canonical text of one run (see the module docstring)."""
+    convention = plan_convention(leaves)
+    graph_args = apply_convention(convention, leaves)
+    constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+    if tracer == "meta":
+        tensors = [_MetaKeyTensor.of(t) for t in graph_args]
+        recorder: _Recorder = _MetaRecorder(tensors)
+        with recorder, torch.set_grad_enabled(grad_enabled):
+            user_leaves = expand_graph_args(convention, tensors, constants)
+            outs, out_spec = program(user_leaves)
+    else:
+        mode = FakeTensorMode(allow_non_fake_inputs=False)
+        # Heuristic: one run sees most ops once, so fake tensors' dispatch cache mostly costs: in
+        # a cProfile of the GPT block's key trace in a fresh process, building its keys and
+        # entries took ~75 of 255 ms.
+        mode.cache_enabled = False
+        with mode:
+            tensors = fakeify(mode, graph_args, as_leaves=False)
+        recorder = _FakeRecorder(tensors)
+        with mode, recorder, torch.set_grad_enabled(grad_enabled):
+            user_leaves = expand_graph_args(convention, tensors, constants)
+            outs, out_spec = program(user_leaves)
+    if recorder.unkeyable is not None:
+        raise Unkeyable(recorder.unkeyable)
+    lines = recorder.lines
+    out_text = []
+    for o in outs:
+        if isinstance(o, torch.Tensor):
+            out_text.append(f"{recorder.name(o)} rg={o.requires_grad} leaf={o.is_leaf}")
+        elif isinstance(o, PLAIN):
+            out_text.append(f"{type(o).__name__} {o!r}")
+        else:
+            raise Unkeyable(f"output of type {type(o).__name__}")
+    lines.append("outputs " + ", ".join(out_text))
+    lines.append(f"out_spec {out_spec}")
+    lines.append("inputs after " + ", ".join(
+        f"rg={f.requires_grad} leaf={f.is_leaf}" for f in tensors))
+    _check_autograd(outs, tensors, recorder.seen)
+    return "\n".join(lines)
+
+
+def _check_autograd(outs: list[object], inputs: list[torch.Tensor], seen: list[torch.Tensor]) -> None:
+    """Python code the op text cannot see: custom autograd.Functions and tensor hooks."""
+    for t in seen:
+        if getattr(t, "_backward_hooks", None):
+            raise Unkeyable("a tensor hook registered inside the function")
+    for node in autograd.autograd_nodes([*outs, *inputs]):
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            raise Unkeyable(f"custom autograd.Function {type(node).__name__}")
+
+
+class _Recorder(TorchDispatchMode):
+    """Writes each ATen call as canonical text (see Note [Cache key] in aotc/persist.py)."""
+
+    def __init__(self, inputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.seen: list[torch.Tensor] = []  # keeps every tensor alive, so ids stay unique
+        self.names: dict[int, str] = {}
+        self.lines: list[str] = []
+        # Never raise inside __torch_dispatch__ (some callers are C++ that cannot propagate a
+        # Python error); the reason is raised after the program returns.
+        self.unkeyable: str | None = None
+        for t in inputs:
+            self._new(t)
+        for t in inputs:  # autograd replays views of inputs on their bases
+            if t._base is not None and id(t._base) not in self.names:
+                self.lines.append(f"{self._new(t._base)} = base of {self.names[id(t)]}")
+
+    def _new(self, t: torch.Tensor) -> str:
+        name = self.names.get(id(t))
+        if name is None:
+            name = self.names[id(t)] = f"t{len(self.seen)}"
+            self.seen.append(t)
+        return name
+
+    def name(self, t: torch.Tensor) -> str:
+        name = self.names.get(id(t))
+        if name is None:
+            raise Unkeyable("a tensor reached without a dispatched op (e.g. `.data`)")
+        return name
+
+    def _arg(self, a: Any) -> str:
+        if isinstance(a, torch.Tensor):
+            if id(a) in self.names:
+                return self.names[id(a)] + (" rg" if a.requires_grad else "")
+            if type(a) is not torch.Tensor:
+                self.unkeyable = "a tensor reached without a dispatched op (e.g. `.data`)"
+                return self._new(a)
+            return self._constant(a)
+        if isinstance(a, (list, tuple)):
+            inner = ", ".join(self._arg(x) for x in a)
+            return f"[{inner}]" if isinstance(a, list) else f"({inner})"
+        if isinstance(a, dict):
+            return "{" + ", ".join(f"{k}={self._arg(v)}" for k, v in a.items()) + "}"
+        if isinstance(a, PLAIN):
+            return repr(a)
+        self.unkeyable = f"op argument of type {type(a).__name__}"
+        return "?"
+
+    def _constant(self, t: torch.Tensor) -> str:
+        """A real tensor inside the program (`torch.tensor([...])`): named by its value."""
+        with unset_fake_temporarily():  # the fake tracer's mode is still on below this one
+            data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            digest = hashlib.sha256(data.numpy().tobytes() if data.numel() else b"").hexdigest()
+        name = self._new(t)
+        return f"{name}=const({t.dtype} {tuple(t.shape)} {t.stride()} {digest})"
+
+    def record(self, func: Any, text: str, out: Any) -> None:
+        try:
+            results = []
+            for o in pytree.tree_leaves(out):
+                if isinstance(o, torch.Tensor):
+                    results.append(f"{self._new(o)}:{o.dtype}{list(o.shape)}/{o.stride()}"
+                                   f"+{o.storage_offset()}@{o.device}")
+                else:
+                    results.append(self._arg(o))
+            self.lines.append(f"{', '.join(results)} = {text}")
+        except Exception as e:  # noqa: BLE001 see __init__
+            self.unkeyable = f"cannot print the result of {func} ({e})"
+
+    def call_text(self, func: Any, args: Any, kwargs: Any) -> str:
+        try:
+            return f"{func}({self._arg(args)}, {self._arg(kwargs)}) grad={int(torch.is_grad_enabled())}"
+        except Exception as e:  # noqa: BLE001 see __init__: never raise from here
+            self.unkeyable = f"cannot print the arguments of {func} ({e})"
+            return ""
+
+
+_DEVICE_QUERY = torch.ops.prim.device.default
+
+
+class _FakeRecorder(_Recorder):
+    """Runs above FakeTensorMode. Device queries (fake tensors dispatch them) are not written:
+    every result's device is in the text already, so they add nothing (Note [Meta key trace])."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is _DEVICE_QUERY:
+            return func(*args, **kwargs)
+        text = self.call_text(func, args, kwargs)
+        out = func(*args, **kwargs)
+        self.record(func, text, out)
+        return out
+
+
+class _MetaKeyTensor(torch.Tensor):
+    """A tensor of the meta key trace: the real device and geometry, a meta tensor inside.
+    Only _MetaRecorder runs ops on it; storage pointers are refused (Note [Meta key trace])."""
+
+    meta: torch.Tensor
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, meta: torch.Tensor, device: torch.device) -> _MetaKeyTensor:  # noqa: PYI034
+        out = torch.Tensor._make_wrapper_subclass(
+            cls, meta.size(), meta.stride(), meta.storage_offset(), dtype=meta.dtype,
+            device=device, layout=meta.layout, requires_grad=False,
+        )
+        out.meta = meta
+        return out
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _MetaKeyTensor:
+        """A key tensor with `t`'s geometry, dtype, device and requires_grad (a leaf)."""
+        extent = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1 \
+            if t.numel() else t.storage_offset()
+        storage = torch.empty(extent, dtype=t.dtype, device="meta")
+        out = cls(storage.as_strided(t.shape, t.stride(), t.storage_offset()), t.device)
+        return out.requires_grad_(t.requires_grad)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        raise Unkeyable(f"{func} ran on a key-trace tensor outside the key trace")
+
+    def untyped_storage(self) -> Any:  # type: ignore[override]
+        raise Unkeyable("the program reads a tensor's storage")
+
+    def data_ptr(self) -> int:  # type: ignore[override]
+        raise Unkeyable("the program reads a tensor's data pointer")
+
+    storage = untyped_storage  # type: ignore[assignment]
+    _typed_storage = untyped_storage  # type: ignore[assignment]
+
+
+class _MetaRecorder(_Recorder):
+    """Runs each op's meta kernel on the wrapped meta tensors and writes the line."""
+
+    def __init__(self, inputs: list[torch.Tensor]) -> None:
+        super().__init__(inputs)
+        self.constants: dict[int, _MetaKeyTensor] = {}
+
+    def _unwrap(self, a: Any, pairs: list[tuple[torch.Tensor, _MetaKeyTensor]]) -> Any:
+        """`a` with meta tensors for key tensors (and for real constants, `torch.tensor(...)`);
+        `pairs` collects (meta, key tensor) per tensor argument."""
+        if isinstance(a, torch.Tensor):
+            wrapped = a if isinstance(a, _MetaKeyTensor) else self.constants.get(id(a))
+            if wrapped is None:
+                wrapped = self.constants[id(a)] = _MetaKeyTensor(a.to("meta"), a.device)
+            pairs.append((wrapped.meta, wrapped))
+            return wrapped.meta
+        if isinstance(a, (list, tuple)) and any(isinstance(x, (torch.Tensor, list, tuple))
+                                                for x in a):
+            return type(a)(self._unwrap(x, pairs) for x in a)
+        return a
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        text = self.call_text(func, args, kwargs)
+        pairs: list[tuple[torch.Tensor, _MetaKeyTensor]] = []
+        meta_args = self._unwrap(args, pairs)
+        meta_kwargs = {k: self._unwrap(v, pairs) for k, v in kwargs.items()}
+        if "device" in kwargs:
+            device = _factory_device(kwargs["device"])
+            meta_kwargs["device"] = "meta"
+        elif pairs:
+            device = _common_device([(w.device, w.dim()) for _, w in pairs])
+            if device is None:
+                self.unkeyable = f"{func} mixes devices {sorted({str(w.device) for _, w in pairs})}"
+                device = pairs[0][1].device
+        else:
+            device = _CPU
+        meta_out = func(*meta_args, **meta_kwargs)
+        # In-place and out= calls return an argument: give back its key tensor, keeping identity.
+        by_id = {id(m): w for m, w in pairs}
+        out = pytree.tree_map(lambda o: self._wrap(func, o, device, by_id), meta_out)
+        self.record(func, text, out)
+        return out
+
+    def _wrap(self, func: Any, o: Any, device: torch.device, by_id: dict[int, Any]) -> Any:
+        if not isinstance(o, torch.Tensor):
+            return o
+        same = by_id.get(id(o))
+        if same is not None:
+            return same
+        if o.device.type != "meta":
+            self.unkeyable = f"{func} returned a tensor on {o.device}, not a meta tensor"
+            return o
+        return _MetaKeyTensor(o, device)
+
+
+_CPU = torch.device("cpu")
+
+
+def _factory_device(device: object) -> torch.device:
+    """The device a factory call's result lands on: None is CPU at this level (a default device
+    set by `torch.set_default_device` is filled in above the dispatcher), and "cuda" means the
+    current CUDA device, as fake tensors write it."""
+    if device is None:
+        return _CPU
+    out = torch.device(device)  # type: ignore[call-overload]
+    if out.type == "cuda" and out.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return out
+
+
+def _common_device(devices: list[tuple[torch.device, int]]) -> torch.device | None:
+    """The device of an op's results from its tensor arguments' (device, dim): all the same, or
+    one non-CPU device with CPU scalars (0-dim) beside it, as eager allows; None when mixed."""
+    first = devices[0][0]
+    if all(d == first for d, _ in devices):
+        return first
+    others = {d for d, _ in devices if d.type != "cpu"}
+    if len(others) == 1 and all(n == 0 for d, n in devices if d.type == "cpu"):
+        return others.pop()
+    return None
+
+
+__all__ = ["PLAIN", "Unkeyable", "meta_eligible", "trace_text"]

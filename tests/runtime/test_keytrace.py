@@ -1,0 +1,193 @@
+"""The meta key trace (Note [Meta key trace] in aotc/keytrace.py): it writes the same text as the
+fake-tensor trace on real programs, an entry is stored under a meta key only when the two agree,
+inputs it does not model use the fake tracer, and a hit defers the joint graphs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import aotc
+from aotc import keytrace, persist
+from aotc.options import CompileOptions
+from tests.conftest import assert_matches_eager, assert_module_matches_eager
+from tests.e2e import models
+
+
+def program_of(fn):
+    def program(user_leaves):
+        import torch.utils._pytree as pytree
+
+        return pytree.tree_flatten(fn(*user_leaves))
+
+    return program
+
+
+def module_program(module, n_inputs):
+    state = [*module.named_parameters(), *module.named_buffers()]
+
+    def fn(*leaves):
+        params = dict(zip([n for n, _ in state], leaves[n_inputs:]))
+        return torch.func.functional_call(module, params, leaves[:n_inputs])
+
+    return fn, [t for _, t in state]
+
+
+def both_texts(fn, *args):
+    leaves = list(args)
+    program = program_of(fn)
+    meta = keytrace.trace_text(program, leaves, torch.is_grad_enabled(), "meta")
+    fake = keytrace.trace_text(program, leaves, torch.is_grad_enabled(), "fake")
+    return meta, fake
+
+
+def _inplace(x, y):
+    y.add_(1)
+    return x.sin() * y, y.view(-1)
+
+
+def _factories(x):
+    return x + torch.ones(x.shape, device=x.device) + torch.tensor([1.0, 2.0, 3.0]) \
+        + torch.arange(3) + torch.zeros_like(x).fill_(2)
+
+
+def _scalar_tensor(x):
+    return x * torch.tensor(2.0), x.new_zeros(2)
+
+
+def _queries(x):
+    # Branches on properties the text records for every result.
+    y = x.t() if x.is_contiguous() else x
+    z = y.contiguous() if not y.is_contiguous() else y * 2
+    return z.to(torch.float64) if z.dtype == torch.float32 else z, z.shape[0] * 2
+
+
+PROGRAMS = {
+    "inplace": (_inplace, lambda: (torch.randn(3, requires_grad=True), torch.randn(3))),
+    "factories": (_factories, lambda: (torch.randn(2, 3),)),
+    "scalar_tensor": (_scalar_tensor, lambda: (torch.randn(4, 3),)),
+    "queries": (_queries, lambda: (torch.randn(4, 3, requires_grad=True),)),
+    "reductions": (lambda x: (x.softmax(-1), x.var(0), x.amax(1, keepdim=True).expand(4, 3)),
+                   lambda: (torch.randn(4, 3, requires_grad=True),)),
+    "int_and_bool": (lambda x, i: ((x > 0) & (i % 2 == 0)[:, None], i.cumsum(0), x[i.clamp(0, 3)]),
+                     lambda: (torch.randn(4, 3), torch.arange(4))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_meta_and_fake_texts_agree_on_programs(name):
+    fn, make = PROGRAMS[name]
+    args = make()
+    assert keytrace.meta_eligible(list(args))
+    meta, fake = both_texts(fn, *args)
+    assert meta == fake
+    assert meta.count("\n") > 2
+
+
+MODELS = {
+    "gpt": (models.GPT, models.gpt_batch),
+    "bert": (models.BERT, models.bert_batch),
+    "llama": (models.LlamaBlock, models.llama_batch),
+    "conv": (models.ConvNet, models.conv_batch),
+    "lstm": (models.LSTMLoop, models.lstm_batch),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_meta_and_fake_texts_agree_on_models(name):
+    make_model, batch = MODELS[name]
+    torch.manual_seed(0)
+    model = make_model()
+    inputs = batch()
+    fn, params = module_program(model, len(inputs))
+    meta, fake = both_texts(fn, *inputs, *params)
+    assert meta == fake
+
+
+def test_results_carry_device_and_geometry():
+    meta, _ = both_texts(lambda x: x.t().contiguous(), torch.randn(2, 3))
+    assert "float32[3, 2]/(1, 3)+0@cpu = aten.t.default" in meta
+    assert "float32[3, 2]/(2, 1)+0@cpu = aten.clone.default" in meta
+
+
+def test_storage_reads_are_unkeyable_by_meta_and_fake():
+    def peeks(x):
+        return x + x.untyped_storage().nbytes()
+
+    with pytest.raises(Exception):  # noqa: B017 the meta tracer refuses; which error is torch's
+        keytrace.trace_text(program_of(peeks), [torch.randn(3)], True, "meta")
+    opts = CompileOptions.from_env(cache_dir="/unused")
+    key = persist.cache_key(program_of(peeks), [torch.randn(3)], ["x"], opts, True)
+    assert key.tracer in ("fake", "")
+
+
+@pytest.mark.parametrize("args", [
+    lambda: (torch.randn(4, 3)[1:].t(),),  # a view
+    lambda: (torch.randn(4, 3, requires_grad=True) * 1,),  # a non-leaf requiring grad
+    lambda: (torch.randn(3, dtype=torch.complex64).conj(),),
+], ids=["view", "non_leaf", "conj"])
+def test_inputs_the_wrapper_does_not_model_use_the_fake_tracer(args, tmp_path):
+    leaves = list(args())
+    assert not keytrace.meta_eligible(leaves)
+    opts = CompileOptions.from_env(cache_dir=str(tmp_path))
+    key = persist.cache_key(program_of(lambda x: x * 2), leaves, ["x"], opts, True)
+    assert key.key is not None and key.tracer == "fake"
+    assert persist.verify_key(key, program_of(lambda x: x * 2), leaves, True) is None
+
+
+def test_duplicate_inputs_use_the_fake_tracer():
+    x = torch.randn(3)
+    assert not keytrace.meta_eligible([x, x])
+    assert keytrace.meta_eligible([x, x.clone()])
+
+
+def test_meta_and_fake_keys_never_meet():
+    x = torch.randn(3, 4)
+    opts = CompileOptions.from_env(cache_dir="/unused")
+    program = program_of(lambda x: x.sin())
+    meta_key = persist.cache_key(program, [x], ["x"], opts, True)
+    assert meta_key.tracer == "meta"
+    fake_trace = keytrace.trace_text(program, [x], True, "fake")
+    assert fake_trace == meta_key.trace  # same text, but the key hashes the tracer's name too
+    assert "tracer meta" not in fake_trace
+
+
+def test_disagreeing_meta_trace_is_not_stored(tmp_path, monkeypatch, caplog):
+    """A meta trace that differs from the fake one (simulated: one result's strides are
+    written wrong) is refused at store time, so no later process can hit under it."""
+    d = str(tmp_path)
+    real_record = keytrace._MetaRecorder.record
+
+    def wrong(self, func, text, out):
+        real_record(self, func, text, out)
+        if "aten.mm" in text:
+            self.lines[-1] = self.lines[-1].replace("/(", "/(7, ", 1)
+
+    monkeypatch.setattr(keytrace._MetaRecorder, "record", wrong)
+    args = lambda: (torch.randn(5, 4, requires_grad=True), torch.randn(4, 3))
+    fn = lambda a, b: (a @ b).relu()
+    with caplog.at_level("INFO", logger="aotc.cache"):
+        first = assert_matches_eager(fn, args, cache_dir=d)
+    assert "meta and fake key traces differ" in caplog.text
+    assert not [n for n in os.listdir(d) if n.endswith(".json")]
+    second = assert_matches_eager(fn, args, cache_dir=d)
+    assert "cache_load" not in aotc.inspect(first)[0].stage_seconds
+    assert "cache_load" not in aotc.inspect(second)[0].stage_seconds
+
+
+def test_meta_key_hit_matches_eager_and_defers_joint_graphs(tmp_path):
+    d = str(tmp_path)
+    make = lambda: models.GPTBlock(32, 4, 0.0)
+    inputs = lambda: (torch.randn(2, 8, 32),)
+    cold = assert_module_matches_eager(make, inputs, steps=2, cache_dir=d)
+    warm = assert_module_matches_eager(make, inputs, steps=2, cache_dir=d)
+    cold_rec, warm_rec = aotc.inspect(cold)[0], aotc.inspect(warm)[0]
+    assert "cache_load" in warm_rec.stage_seconds and "trace" not in warm_rec.stage_seconds
+    # Deferred until read; then the same graphs as the cold compile's.
+    assert "_deferred_joint" in vars(warm_rec)
+    assert isinstance(vars(warm_rec)["_deferred_joint"], persist.store.Deferred)
+    assert warm_rec.joint.code == cold_rec.joint.code
+    assert warm_rec.partitioned_joint.module.code == cold_rec.partitioned_joint.module.code
+    assert warm_rec.joint_graph.format("joint") == cold_rec.joint_graph.format("joint")
