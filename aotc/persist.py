@@ -65,7 +65,6 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from aotc import keytrace
 from aotc.functional import FlatProgram
@@ -248,9 +247,8 @@ def load_entry(options: CompileOptions, key: str) -> dict[str, Any] | None:
         # reads node values on their real devices (fake tensors); the others (the joint graphs)
         # get meta values, which are cheaper to make.
         lowering = _lowered_graph_ids(body, lowered)
-        mode = FakeTensorMode(allow_non_fake_inputs=True) if lowering else None
         graphs = store.GraphTable(store._list(body.get("graphs")), lambda i, g: store.decode_graph(
-            g, mode if i in lowering else None))
+            g, on_device=i in lowering))
         kernels = [{"name": str(k["name"]), "source": str(k["source"])}
                    for k in store._list(body.get("kernels", []))]
         if len(lowered) != 2:

@@ -26,8 +26,9 @@ directory written by someone else can at worst make a compile fail over to a reb
 `kernels` holds the generated Triton kernels as `{"name", "source"}` records, for inspection and
 as a consistency check only: the source is never compiled from the cache. On a hit the kernels
 are regenerated from the cached (allowlisted) graphs, whose node values (shape, strides, storage
-offset, dtype, device) are rebuilt as fake tensors on their devices for the lowering; generation
-is a pure function of the graph, and Triton's own on-disk cache holds the compiled binaries.
+offset, dtype, device) are rebuilt as storage-less `ValueTensor`s on their devices for the
+lowering; generation is a pure function of the graph, and Triton's own on-disk cache holds the
+compiled binaries.
 
 Writes go to a temporary file in the same directory, are flushed and fsynced, and are renamed over
 the entry with `os.replace` (atomic on POSIX), so a concurrent reader sees the old entry, no entry,
@@ -39,7 +40,6 @@ touches the entry's mtime (least-recently-used eviction).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import hashlib
@@ -460,8 +460,29 @@ def _encode_val(val: Any) -> Any:
     return None  # symbolic or opaque values are dropped; only inspection reads them
 
 
-def _decode_val(value: Any, fake_mode: Any) -> Any:
-    """A node value: a meta tensor, or with `fake_mode` a fake tensor on the stored device
+class ValueTensor(torch.Tensor):
+    """A node value of a cached graph that the Triton lowering reads: sizes, strides, storage
+    offset, dtype and the real device, and no storage. It runs no ops (the lowering only reads
+    geometry); building one costs a fraction of a fake tensor, which made up most of a Triton
+    hit's load."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(  # noqa: PYI034
+        cls, size: tuple[int, ...], strides: tuple[int, ...], offset: int, dtype: torch.dtype,
+        device: torch.device,
+    ) -> ValueTensor:
+        return torch.Tensor._make_wrapper_subclass(
+            cls, size, strides, offset, dtype=dtype, device=device, requires_grad=False)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        raise CacheError(f"{func} ran on the value of a cached graph node (values hold no data)")
+
+
+def _decode_val(value: Any, on_device: bool) -> Any:
+    """A node value: a meta tensor, or with `on_device` a ValueTensor on the stored device
     (what the Triton lowering reads, see Note [Cache entry format])."""
     if isinstance(value, dict) and set(value) == {"t"}:
         shape, stride, dtype, offset, device = _list(value["t"])
@@ -470,18 +491,22 @@ def _decode_val(value: Any, fake_mode: Any) -> Any:
         offset = int(offset)
         if len(size) != len(strides) or min((*size, *strides, offset, 0)) < 0:
             raise CacheError("bad tensor value")
+        dtype = decode(dtype)
+        if not isinstance(dtype, torch.dtype):
+            raise CacheError("bad tensor dtype")
+        if on_device:
+            where = decode(device)
+            if not isinstance(where, torch.device):
+                raise CacheError("bad tensor device")
+            return ValueTensor(size, strides, offset, dtype, where)
+        if offset == 0:
+            return torch.empty_strided(size, strides, dtype=dtype, device="meta")
         extent = offset + 1 + sum((n - 1) * st for n, st in zip(size, strides)) if all(size) \
             else offset
-        where = "meta" if fake_mode is None else decode(device)
-        if not isinstance(where, (str, torch.device)):
-            raise CacheError("bad tensor device")
-        with fake_mode if fake_mode is not None else contextlib.nullcontext():
-            if offset == 0:
-                return torch.empty_strided(size, strides, dtype=decode(dtype), device=where)
-            storage = torch.empty(extent, dtype=decode(dtype), device=where)
-            return storage.as_strided(size, strides, offset)
+        storage = torch.empty(extent, dtype=dtype, device="meta")
+        return storage.as_strided(size, strides, offset)
     if isinstance(value, list):
-        return [_decode_val(v, fake_mode) for v in value]
+        return [_decode_val(v, on_device) for v in value]
     return decode(value)
 
 
@@ -537,8 +562,8 @@ def encode_graph(module: fx.GraphModule) -> dict[str, Any]:
     return {"nodes": nodes, "consts": consts}
 
 
-def decode_graph(value: Any, fake_mode: Any = None) -> fx.GraphModule:
-    """`fake_mode` (a FakeTensorMode): node values become fake tensors on their stored devices,
+def decode_graph(value: Any, on_device: bool = False) -> fx.GraphModule:
+    """`on_device`: node values become ValueTensors on their stored devices,
     as after tracing; otherwise meta tensors (enough to run and print the graph)."""
     if not isinstance(value, dict):
         raise CacheError("bad graph")
@@ -568,7 +593,7 @@ def decode_graph(value: Any, fake_mode: Any = None) -> fx.GraphModule:
         if node.name != name:
             raise CacheError(f"node name {name!r} clashes")
         if "val" in item:
-            node.meta["val"] = _decode_val(item["val"], fake_mode)
+            node.meta["val"] = _decode_val(item["val"], on_device)
         if "stack_trace" in item:
             node.meta["stack_trace"] = str(item["stack_trace"])
         env[name] = node
