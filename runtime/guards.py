@@ -42,6 +42,13 @@ def explain_bad_leaves(leaves: Sequence[object], names: Sequence[str]) -> str | 
     """Why `signature_key` cannot key these leaves (off the hot path), or None."""
     for i, t in enumerate(leaves):
         name = names[i] if i < len(names) else f"argument {i}"
+        if isinstance(t, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return (
+                f"{name} is a tensor inside a torch.func transform (grad, vjp, jacrev, vmap); "
+                "aotc-compiled functions run under regular autograd only. Call the compiled "
+                "function outside the transform and differentiate with .backward() or "
+                "torch.autograd.grad."
+            )
         if isinstance(t, Tensor) and t.layout is not torch.strided:
             return (
                 f"{name} is a {t.layout} tensor; aotc compiles dense (strided) tensors only. "

@@ -181,3 +181,14 @@ def test_too_many_signatures_is_a_guard_error():
     with pytest.raises(aotc.GuardError, match="max_signatures=2") as info:
         compiled(torch.randn(3))
     assert "input 0 shape" in str(info.value)
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_call_inside_torch_func_transform_is_an_aotc_error(transform):
+    compiled = aotc.compile(lambda x: (x.sin() * 2).sum(), cache=False)
+    wrapped = torch.func.grad(compiled) if transform == "grad" else torch.func.vmap(compiled)
+    with pytest.raises(aotc.UnsupportedError) as info:
+        wrapped(torch.randn(4, 3))
+    text = str(info.value)
+    assert "argument 0" in text and "torch.func transform" in text
+    assert "torch.autograd.grad" in text
