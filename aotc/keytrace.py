@@ -19,8 +19,10 @@ their own (devices of factory calls, special strides), where the two could answe
 differently.
 
 So the meta text is trusted only once verified. An entry is stored under a meta key only if,
-on the cold compile, a fake-tensor trace of the same program wrote the *same* text (the
-pipeline checks; `persist.store_entry` is never reached otherwise). Why that suffices: every
+on the cold compile, a fake-tensor trace of the same program wrote the *same* text
+(`persist.store_verified`). Otherwise the entry goes under the program's fake key and the meta
+key holds only a redirect ("key this program with the fake tracer"), which is sound whatever
+program later reaches it, since fake keys need no verification. Why that suffices: every
 property a program can read from a tensor in the trace (dtype, shape, strides, offset, device;
 requires_grad and autograd structure, which both get from the same autograd layer) is written
 in the text for every result, so a run's answers to its queries are a function of the text

@@ -116,14 +116,18 @@ def cache_key(
     names: Sequence[str],
     options: CompileOptions,
     grad_enabled: bool,
+    tracers: Sequence[str] | None = None,
 ) -> CacheKey:
-    """See Note [Cache key]."""
+    """See Note [Cache key]. `tracers`: which key tracers to try, in order (default: meta, then
+    fake, or fake alone for inputs the meta tracer does not model)."""
     start = time.perf_counter()
     try:
         parts = [_versions(), _options_text(options), _signature_text(leaves, names, grad_enabled)]
     except _Unkeyable as e:
         return CacheKey(None, str(e), time.perf_counter() - start)
-    tracers = ("meta", "fake") if keytrace.meta_eligible(leaves) else ("fake",)
+    if tracers is None:
+        tracers = ("meta", "fake") if keytrace.meta_eligible(leaves) else ("fake",)
+    reason = "no key tracer"
     for tracer in tracers:
         try:
             trace = keytrace.trace_text(program, leaves, grad_enabled, tracer)
@@ -139,6 +143,54 @@ def cache_key(
         return CacheKey(None, "a value prints with its memory address", time.perf_counter() - start)
     digest = hashlib.sha256(text.encode()).hexdigest()
     return CacheKey(digest, "", time.perf_counter() - start, tracer, trace)
+
+
+def lookup(
+    program: FlatProgram, leaves: list[object], names: Sequence[str], options: CompileOptions,
+    grad_enabled: bool,
+) -> tuple[CacheKey, dict[str, Any] | None]:
+    """The key of this signature and its decoded entry, if stored. A meta key whose entry is a
+    redirect (its program's meta and fake texts differed, see `store_verified`) is keyed again
+    with the fake tracer."""
+    key = cache_key(program, leaves, names, options, grad_enabled)
+    cached = load_entry(options, key.key) if key.key is not None else None
+    if cached is _REDIRECT:
+        key = cache_key(program, leaves, names, options, grad_enabled, tracers=("fake",))
+        cached = load_entry(options, key.key) if key.key is not None else None
+    return key, cached if cached is not _REDIRECT else None
+
+
+def store_verified(
+    key: CacheKey, program: FlatProgram, leaves: list[object], names: Sequence[str],
+    options: CompileOptions, grad_enabled: bool, record: dict[str, Any], plan: object,
+    compiled: tuple[CompiledGraph | None, CompiledGraph | None] = (None, None),
+) -> None:
+    """Store a cold compile's entry under `key` once `verify_key` accepts it. A meta key it
+    refuses gets a redirect instead, and the entry goes under the program's fake key, so the next
+    process pays one extra key trace rather than a cold compile."""
+    assert key.key is not None
+    refused = verify_key(key, program, leaves, grad_enabled)
+    if refused is None:
+        store_entry(options, key.key, record, plan, compiled)
+        return
+    log.info("%s: not stored under its meta key: %s", record.get("name", "?"), refused)
+    fake = cache_key(program, leaves, names, options, grad_enabled, tracers=("fake",))
+    if fake.key is None:
+        log.info("not caching: %s", fake.reason)
+        return
+    if store_entry(options, fake.key, record, plan, compiled):
+        _write_redirect(options, key.key)
+
+
+_REDIRECT: dict[str, Any] = {"redirect": "fake"}
+
+
+def _write_redirect(options: CompileOptions, key: str) -> None:
+    assert options.cache_dir is not None
+    try:
+        store.write_entry(options.cache_dir, key, dict(_REDIRECT), options.cache_max_bytes)
+    except OSError as e:
+        log.info("cannot write a redirect entry: %s", e)
 
 
 def verify_key(
@@ -241,6 +293,8 @@ def load_entry(options: CompileOptions, key: str) -> dict[str, Any] | None:
     body = store.read_entry(options.cache_dir, key)
     if body is None:
         return None
+    if body == _REDIRECT:
+        return _REDIRECT
     try:
         lowered = tuple(bool(x) for x in store._list(body.get("lowered", [False, False])))
         # Graphs that the cold compile lowered to Triton are lowered again on this hit, which
@@ -381,5 +435,6 @@ def store_entry(options: CompileOptions, key: str, record: dict[str, Any], plan:
 
 
 __all__ = [
-    "CacheKey", "cache_key", "is_enabled", "load_entry", "regenerate_kernels", "store_entry",
+    "CacheKey", "cache_key", "is_enabled", "load_entry", "lookup", "regenerate_kernels",
+    "store_entry", "store_verified",
 ]

@@ -167,10 +167,9 @@ def _compile_signature(
     grad_enabled = torch.is_grad_enabled()
     key: str | None = None
     if given_mode is None and persist.is_enabled(options):  # symbolic: never stored
-        cache_key = persist.cache_key(program, leaves, names, options, grad_enabled)
+        cache_key, cached = persist.lookup(program, leaves, names, options, grad_enabled)
         key = cache_key.key
         lap("cache_key")
-        cached = persist.load_entry(options, key) if key is not None else None
         if cached is not None:
             lap("cache_load")
             compiled = persist.regenerate_kernels(cached, options)
@@ -269,13 +268,9 @@ def _compile_signature(
         **_kernel_fields(fwd_compiled, bwd_compiled),
     )
     if key is not None:
-        refused = persist.verify_key(cache_key, program, leaves, grad_enabled)
+        persist.store_verified(cache_key, program, leaves, names, options, grad_enabled,
+                               _record_fields(entry.record), plan, (fwd_compiled, bwd_compiled))
         lap("cache_key")  # the check of a meta key: part of the cold compile's cost
-        if refused is None:
-            persist.store_entry(options, key, _record_fields(entry.record), plan,
-                                (fwd_compiled, bwd_compiled))
-        else:
-            logging.getLogger("aotc.cache").info("%s: not caching: %s", name, refused)
     _log_record(entry.record, fwd_module, bwd_module)
     if options.dump_dir:
         dump_record(entry.record, options.dump_dir)
