@@ -59,7 +59,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -147,16 +147,20 @@ def cache_key(
 
 def lookup(
     program: FlatProgram, leaves: list[object], names: Sequence[str], options: CompileOptions,
-    grad_enabled: bool,
+    grad_enabled: bool, lap: Callable[[str], None],
 ) -> tuple[CacheKey, dict[str, Any] | None]:
     """The key of this signature and its decoded entry, if stored. A meta key whose entry is a
     redirect (its program's meta and fake texts differed, see `store_verified`) is keyed again
-    with the fake tracer."""
+    with the fake tracer. `lap(stage)` closes the timing of "cache_key" and, on a hit,
+    "cache_load" (a miss's read counts as key time)."""
     key = cache_key(program, leaves, names, options, grad_enabled)
+    lap("cache_key")
     cached = load_entry(options, key.key) if key.key is not None else None
     if cached is _REDIRECT:
+        lap("cache_key")
         key = cache_key(program, leaves, names, options, grad_enabled, tracers=("fake",))
         cached = load_entry(options, key.key) if key.key is not None else None
+    lap("cache_load" if cached is not None and cached is not _REDIRECT else "cache_key")
     return key, cached if cached is not _REDIRECT else None
 
 

@@ -167,11 +167,9 @@ def _compile_signature(
     grad_enabled = torch.is_grad_enabled()
     key: str | None = None
     if given_mode is None and persist.is_enabled(options):  # symbolic: never stored
-        cache_key, cached = persist.lookup(program, leaves, names, options, grad_enabled)
+        cache_key, cached = persist.lookup(program, leaves, names, options, grad_enabled, lap)
         key = cache_key.key
-        lap("cache_key")
         if cached is not None:
-            lap("cache_load")
             compiled = persist.regenerate_kernels(cached, options)
             if any(cached["lowered"]):
                 lap("kernels")
