@@ -58,7 +58,6 @@ import importlib.metadata
 import logging
 import os
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -101,7 +100,6 @@ _PLAIN = keytrace.PLAIN
 class CacheKey:
     key: str | None  # hex digest, or None when the program cannot be keyed safely
     reason: str  # why not, when key is None
-    seconds: float  # time the key trace took
     tracer: str = ""  # "meta" or "fake" (see Note [Meta key trace] in aotc/keytrace.py)
     trace: str = ""  # the key trace's text
 
@@ -120,11 +118,10 @@ def cache_key(
 ) -> CacheKey:
     """See Note [Cache key]. `tracers`: which key tracers to try, in order (default: meta, then
     fake, or fake alone for inputs the meta tracer does not model)."""
-    start = time.perf_counter()
     try:
         parts = [_versions(), _options_text(options), _signature_text(leaves, names, grad_enabled)]
     except _Unkeyable as e:
-        return CacheKey(None, str(e), time.perf_counter() - start)
+        return CacheKey(None, str(e))
     if tracers is None:
         tracers = ("meta", "fake") if keytrace.meta_eligible(leaves) else ("fake",)
     reason = "no key tracer"
@@ -137,12 +134,12 @@ def cache_key(
         except Exception as e:  # noqa: BLE001 the key trace failed: the full compile reports it
             reason = f"key trace failed ({type(e).__name__})"
     else:
-        return CacheKey(None, reason, time.perf_counter() - start)
+        return CacheKey(None, reason)
     text = "\n".join([*parts, f"tracer {tracer}", trace])
     if " at 0x" in text:
-        return CacheKey(None, "a value prints with its memory address", time.perf_counter() - start)
+        return CacheKey(None, "a value prints with its memory address")
     digest = hashlib.sha256(text.encode()).hexdigest()
-    return CacheKey(digest, "", time.perf_counter() - start, tracer, trace)
+    return CacheKey(digest, "", tracer, trace)
 
 
 def lookup(
@@ -302,8 +299,8 @@ def load_entry(options: CompileOptions, key: str) -> dict[str, Any] | None:
     try:
         lowered = tuple(bool(x) for x in store._list(body.get("lowered", [False, False])))
         # Graphs that the cold compile lowered to Triton are lowered again on this hit, which
-        # reads node values on their real devices (fake tensors); the others (the joint graphs)
-        # get meta values, which are cheaper to make.
+        # reads node values on their real devices (storage-less ValueTensors); the others get
+        # meta values.
         lowering = _lowered_graph_ids(body, lowered)
         graphs = store.GraphTable(store._list(body.get("graphs")), lambda i, g: store.decode_graph(
             g, on_device=i in lowering))
