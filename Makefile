@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test opinfo bench bench-gpu clean
+.PHONY: setup demo test lint opinfo bench bench-gpu clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,6 +20,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# Lint and format checks (CI runs them before the tests).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 opinfo: $(STAMP)
 	$(BIN)/python -m pytest -m opinfo tests/opinfo -p no:cacheprovider

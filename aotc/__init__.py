@@ -1,15 +1,96 @@
-"""aotc: an ahead-of-time joint forward/backward graph compiler for PyTorch."""
+"""aotc: an ahead-of-time joint forward/backward graph compiler for PyTorch.
 
-from aotc.api import CompiledFunction, CompiledModule, compile, inspect
-from aotc.errors import AotcError, GraphInvariantError, GuardError, UnsupportedError
-from aotc.options import CompileOptions, configure_logging
+Importing `aotc` is cheap and imports no compiler stage: the public names below resolve on first
+use (PEP 562), so a process that only runs compiled artifacts (`aotc.runtime`) never imports
+`aotc.passes`, networkx or sympy.
 
-configure_logging()
+Note [One import name]
+~~~~~~~~~~~~~~~~~~~~~~
+Everything aotc installs lives under the import name `aotc`: the compiler front end (`aotc.*`),
+the graph passes (`aotc.passes`) and the runtime (`aotc.runtime`). The repository keeps the passes
+and the runtime in the top-level folders `passes/` and `runtime/` (the project's required
+layout); pyproject's `package-dir` maps them to `aotc.passes` and `aotc.runtime` when installed.
+Run from a checkout without installing (`PYTHONPATH=.`, as on GPU machines), `_map_checkout`
+below binds the same two names to those folders. Nothing named `runtime` or `passes` is ever
+imported at top level, so a user's own `runtime/` folder or `runtime.py` cannot shadow ours.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+
+def _map_checkout() -> None:
+    """See Note [One import name]: in a checkout (this package has no runtime/ of its own and the
+    repository's runtime/ and passes/ sit beside it), bind aotc.runtime and aotc.passes to them.
+    Decided by the layout on disk, so a second checkout on PYTHONPATH uses its own folders even
+    where an editable install of another checkout is present."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    for name in ("runtime", "passes"):
+        full = f"{__name__}.{name}"
+        init = os.path.join(root, name, "__init__.py")
+        if full in sys.modules or os.path.isdir(os.path.join(here, name)):
+            continue  # already bound, or installed inside this package
+        if not os.path.isfile(init):
+            continue  # not a checkout: the installer's mapping finds it
+        spec = importlib.util.spec_from_file_location(
+            full, init, submodule_search_locations=[os.path.dirname(init)]
+        )
+        assert spec is not None and spec.loader is not None, init
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[full] = module
+        spec.loader.exec_module(module)
+        globals()[name] = module
+
+
+_map_checkout()
+
+from aotc.runtime.errors import (  # noqa: E402  (needs _map_checkout in a checkout)
+    AotcError,
+    CacheError,
+    GraphInvariantError,
+    GuardError,
+    UnsupportedError,
+)
+
+if TYPE_CHECKING:
+    from aotc.api import CompiledFunction, CompiledModule, compile, inspect
+    from aotc.options import CompileOptions, configure_logging
+
+# Public name -> the module that defines it (imported on first access).
+_LAZY = {
+    "CompiledFunction": "aotc.api",
+    "CompiledModule": "aotc.api",
+    "compile": "aotc.api",
+    "inspect": "aotc.api",
+    "CompileOptions": "aotc.options",
+    "configure_logging": "aotc.options",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'aotc' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
 __all__ = [
     "AotcError",
+    "CacheError",
     "CompileOptions",
     "CompiledFunction",
     "CompiledModule",
@@ -18,5 +99,6 @@ __all__ = [
     "UnsupportedError",
     "__version__",
     "compile",
+    "configure_logging",
     "inspect",
 ]

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect as pyinspect
 import logging
 import time
-import inspect as pyinspect
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -22,22 +22,23 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from aotc.lifting import (
     Lifted,
     find_free_tensors,
+    lifted_reader,
     module_accesses,
     module_training_flags,
-    lifted_reader,
     swapped,
 )
-from aotc.options import CompileOptions
+from aotc.options import CompileOptions, configure_logging
 from aotc.pipeline import CompiledRecord, compile_signature
+from aotc.runtime.convention import alias_groups
+from aotc.runtime.errors import UnsupportedError
+from aotc.runtime.symbolic import SymbolicDispatcher
+from aotc.runtime.wrappers import CompiledEntry, Dispatcher
 from aotc.symbolic import check_static_geometry, guard_expression, symbolic_leaves, symbolic_mode
-from runtime.convention import alias_groups
-from runtime.errors import UnsupportedError
-from runtime.symbolic import SymbolicDispatcher
-from runtime.wrappers import CompiledEntry, Dispatcher
 
 Tensor = torch.Tensor
 _PLAIN_TENSOR = frozenset((Tensor,))
 progress = logging.getLogger("aotc.progress")
+configure_logging()  # AOTC_LOG, once the compiler is first used
 
 # Called with (compiled function, record, recompile reason or None) after every compilation.
 COMPILE_LISTENERS: list[Callable[[CompiledFunction, CompiledRecord, str | None], None]] = []
@@ -136,11 +137,17 @@ class CompiledFunction:
         progress.info("aotc: compiling %s (signature %d) ...", self._name, n)
         start = time.perf_counter()
         entry = compile_signature(
-            program, fakes if fakes is not None else leaves, names, self._options, self._name,
-            self._source, fake_mode,
+            program,
+            fakes if fakes is not None else leaves,
+            names,
+            self._options,
+            self._name,
+            self._source,
+            fake_mode,
         )
-        progress.info("aotc: compiled %s (signature %d) in %.2f s", self._name, n,
-                      time.perf_counter() - start)
+        progress.info(
+            "aotc: compiled %s (signature %d) in %.2f s", self._name, n, time.perf_counter() - start
+        )
         reason = self._dispatch.recompile_reasons[-1] if n > 1 else None
         for listener in COMPILE_LISTENERS:
             listener(self, entry.record, reason)  # type: ignore[arg-type]
@@ -270,7 +277,9 @@ def compile(fn: torch.nn.Module, **options: Any) -> CompiledModule: ...
 @overload
 def compile(fn: Callable[..., Any], **options: Any) -> CompiledFunction: ...
 @overload
-def compile(fn: None = None, **options: Any) -> Callable[[Callable[..., Any]], CompiledFunction]: ...
+def compile(
+    fn: None = None, **options: Any
+) -> Callable[[Callable[..., Any]], CompiledFunction]: ...
 
 
 def compile(fn: Any = None, **options: Any) -> Any:

@@ -39,9 +39,9 @@ from aotc.api import COMPILE_LISTENERS, CompiledFunction, _flatten_output, compi
 from aotc.lifting import find_free_tensors, swapped
 from aotc.options import CompileOptions
 from aotc.pipeline import compile_signature
+from aotc.runtime.errors import UnsupportedError
+from aotc.runtime.wrappers import CompiledEntry
 from aotc.symbolic import check_static_geometry, symbolic_leaves
-from runtime.errors import UnsupportedError
-from runtime.wrappers import CompiledEntry
 
 log = logging.getLogger("aotc.graphs")
 
@@ -89,10 +89,14 @@ def _specialize_float_inputs(shape_env: Any) -> None:
     from torch._dynamo.symbolic_convert import TensorifyState
     from torch.utils._sympy.symbol import SymT, symbol_is_type
 
-    values = (shape_env.backed_var_to_val if hasattr(shape_env, "backed_var_to_val")
-              else shape_env.var_to_val)  # torch < 2.13
+    values = (
+        shape_env.backed_var_to_val
+        if hasattr(shape_env, "backed_var_to_val")
+        else shape_env.var_to_val
+    )  # torch < 2.13
     floats = [
-        str(s) for s in values
+        str(s)
+        for s in values
         if symbol_is_type(s, SymT.FLOAT) and not TensorifyState.should_specialize(str(s))
     ]
     if floats:
@@ -156,8 +160,9 @@ def _compile_ahead(
     bindings = {
         k: _size_binding(x, fakes) for k, x in enumerate(fakes) if isinstance(x, torch.SymInt)
     }
-    leaves = symbolic_leaves(mode, [*fakes, *(a.get() for a in accesses)], [False] * (
-        num_inputs + len(accesses)))
+    leaves = symbolic_leaves(
+        mode, [*fakes, *(a.get() for a in accesses)], [False] * (num_inputs + len(accesses))
+    )
     forward = gm.forward
 
     def program(user_leaves: list[object]) -> tuple[list[object], object]:
@@ -179,11 +184,14 @@ def _compile_ahead(
         listener(graph, entry.record, None)  # type: ignore[arg-type]
     run_entry = entry.run
     if accesses:
+
         def run(*args: Any) -> Any:
             return run_entry([*args, *(a.get() for a in accesses)])
     else:
+
         def run(*args: Any) -> Any:
             return run_entry(list(args))
+
     run.aotc_graph = graph  # type: ignore[attr-defined]
     return run
 
@@ -200,8 +208,14 @@ def _graph_source(gm: torch.fx.GraphModule) -> str:
     for node in gm.graph.nodes:
         trace = node.meta.get("stack_trace")
         if trace:
-            lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File")]
+            lines = [
+                ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File")
+            ]
             if lines:
                 parts = lines[-1].split('"')
-                return f"{parts[1]}:{lines[-1].split('line ')[-1].split(',')[0]}" if len(parts) > 2 else lines[-1]
+                return (
+                    f"{parts[1]}:{lines[-1].split('line ')[-1].split(',')[0]}"
+                    if len(parts) > 2
+                    else lines[-1]
+                )
     return "<dynamo graph>"

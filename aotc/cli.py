@@ -32,17 +32,23 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     dump = sub.add_parser(
-        "dump", help="run a script and write every compiled graph under a folder",
+        "dump",
+        help="run a script and write every compiled graph under a folder",
         usage="aotc dump SCRIPT [--out DIR] [-- SCRIPT_ARGS ...]",
         description="Run SCRIPT unchanged and write, per compiled graph, a folder with its source "
         "location, signature and guards, metadata, joint/forward/backward graphs, partition "
         "report and compile time, plus DIR/index.html with pictures of the graphs.",
     )
     dump.add_argument("script", help="the Python script to run")
-    dump.add_argument("--out", default="aotc_dump", metavar="DIR",
-                      help="where to write the dump (default: aotc_dump)")
+    dump.add_argument(
+        "--out",
+        default="aotc_dump",
+        metavar="DIR",
+        help="where to write the dump (default: aotc_dump)",
+    )
     explain = sub.add_parser(
-        "explain", help="run a script and print a summary of every compiled graph",
+        "explain",
+        help="run a script and print a summary of every compiled graph",
         usage="aotc explain SCRIPT [-- SCRIPT_ARGS ...]",
         description="Run SCRIPT unchanged and print, per compiled graph: ops, ATen calls, saved "
         "bytes against save-everything, recomputed ops, compile time by stage, recompiles.",
@@ -57,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     script_args: list[str] = []
     if "--" in words:  # everything after `--` belongs to the script
         cut = words.index("--")
-        words, script_args = words[:cut], words[cut + 1:]
+        words, script_args = words[:cut], words[cut + 1 :]
     try:
         args = parser.parse_args(words)
     except SystemExit as e:  # argparse: 2 on usage errors, 0 on --help
@@ -148,7 +154,8 @@ def explain_text(compiled: list[tuple[Any, Any, str | None]]) -> str:
         graphs = [("joint", rec.joint), ("forward", rec.forward), ("backward", rec.backward)]
         ops = {
             label: sum(1 for n in g.graph.nodes if n.op == "call_function")
-            for label, g in graphs if g is not None
+            for label, g in graphs
+            if g is not None
         }
         part = rec.partition
         rows = [
@@ -158,13 +165,21 @@ def explain_text(compiled: list[tuple[Any, Any, str | None]]) -> str:
             ("kernels", _kernels_text(rec, ops.get("forward", 0) + ops.get("backward", 0))),
         ]
         if part is not None:
-            ratio = part.saved_bytes / part.save_everything_bytes if part.save_everything_bytes else 0
+            ratio = (
+                part.saved_bytes / part.save_everything_bytes if part.save_everything_bytes else 0
+            )
             rows += [
-                ("saved", f"{part.saved_bytes} B in {len(part.saved)} values "
-                          f"({ratio:.0%} of save-everything {part.save_everything_bytes} B)"),
-                ("recomputed", f"{len(part.recomputed)} ops"
-                               + (f": {', '.join(part.recomputed[:8])}" if part.recomputed else "")
-                               + (" ..." if len(part.recomputed) > 8 else "")),
+                (
+                    "saved",
+                    f"{part.saved_bytes} B in {len(part.saved)} values "
+                    f"({ratio:.0%} of save-everything {part.save_everything_bytes} B)",
+                ),
+                (
+                    "recomputed",
+                    f"{len(part.recomputed)} ops"
+                    + (f": {', '.join(part.recomputed[:8])}" if part.recomputed else "")
+                    + (" ..." if len(part.recomputed) > 8 else ""),
+                ),
             ]
         times = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in rec.stage_seconds.items())
         rows.append(("compile time", f"{rec.compile_seconds * 1e3:.1f} ms ({times})"))

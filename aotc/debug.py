@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
-from passes.descriptors import describe
-from passes.partition import source_line
+from aotc.passes.descriptors import describe
+from aotc.passes.partition import source_line
 
 if TYPE_CHECKING:
     from aotc.pipeline import CompiledRecord
@@ -39,7 +39,8 @@ def graph_json(record: CompiledRecord) -> dict[str, Any]:
     fwd_names = {n.name for n in record.forward.graph.nodes if n.op != "output"}
     bwd_names = (
         {n.name for n in record.backward.graph.nodes if n.op not in ("output", "placeholder")}
-        if record.backward is not None else set()
+        if record.backward is not None
+        else set()
     )
     part = record.partition
     saved = {s.name for s in part.saved} if part is not None else set()

@@ -1,6 +1,6 @@
 """aotc's error hierarchy. Defined in `runtime.errors` so the runtime can raise them too."""
 
-from runtime.errors import (
+from aotc.runtime.errors import (
     AotcError,
     CacheError,
     GraphInvariantError,

@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import (
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runtime.errors import AotcError, UnsupportedError
+from aotc.runtime.errors import AotcError, UnsupportedError
 
 # A user program after flattening: takes the user leaves, returns (output leaves, output spec).
 FlatProgram = Callable[[list[object]], tuple[list[object], object]]
@@ -59,10 +59,7 @@ def functionalization() -> Iterator[None]:
 
 _OWN_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep  # type: ignore[arg-type]
-    for m in (torch, sys.modules[__name__.split(".")[0]])
-) + tuple(
-    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), p) + os.sep
-    for p in ("passes", "runtime")
+    for m in (torch, sys.modules["aotc"], sys.modules["aotc.passes"], sys.modules["aotc.runtime"])
 )
 
 
@@ -115,18 +112,26 @@ def user_errors(what: str) -> Iterator[None]:
 def _program_error(what: str, e: RuntimeError, where: str) -> str:
     """The user program raised while being traced: eager raises the same for these inputs (a
     device mismatch, an in-place op autograd forbids), so say where and keep torch's reason."""
-    reason = str(e).strip().splitlines()[0][:300].rstrip(".") if str(e).strip() else type(e).__name__
+    reason = (
+        str(e).strip().splitlines()[0][:300].rstrip(".") if str(e).strip() else type(e).__name__
+    )
     if "device" in reason and ("same device" in reason or "expected device" in reason):
-        hint = ("Move every tensor the op reads to one device before the call (or with .to() "
-                "inside the function).")
+        hint = (
+            "Move every tensor the op reads to one device before the call (or with .to() "
+            "inside the function)."
+        )
     elif "fake impl" in reason or "fake kernel" in reason or "Meta" in reason:
-        hint = ("aotc traces with fake tensors: give the op a fake kernel "
-                "(torch.library.register_fake / `<op>.register_fake`), or call it outside the "
-                "compiled function.")
+        hint = (
+            "aotc traces with fake tensors: give the op a fake kernel "
+            "(torch.library.register_fake / `<op>.register_fake`), or call it outside the "
+            "compiled function."
+        )
     else:
-        hint = ("Eager PyTorch rejects such programs too (e.g. an in-place op autograd forbids): "
-                "use the out-of-place op or .clone() the tensor before modifying it. If eager "
-                "runs this line, call it outside the compiled function and report it.")
+        hint = (
+            "Eager PyTorch rejects such programs too (e.g. an in-place op autograd forbids): "
+            "use the out-of-place op or .clone() the tensor before modifying it. If eager "
+            "runs this line, call it outside the compiled function and report it."
+        )
     return f"{what}: the program failed at {where}: {type(e).__name__}: {reason}. {hint}"
 
 
@@ -209,22 +214,29 @@ class OverlapCheck(TorchDispatchMode):
 
     def _check(self, func: torch._ops.OpOverload, args: tuple[object, ...]) -> None:
         written = [
-            value for arg, value in zip(func._schema.arguments, args)
-            if arg.alias_info is not None and arg.alias_info.is_write
+            value
+            for arg, value in zip(func._schema.arguments, args)
+            if arg.alias_info is not None
+            and arg.alias_info.is_write
             and isinstance(value, torch.Tensor)
         ]
         read = [a for a in args if isinstance(a, torch.Tensor) and all(a is not w for w in written)]
         for w in written:
             if torch._debug_has_internal_overlap(w) == 1:
                 self.problem = self._message(
-                    func, "writes into a tensor in which several elements share memory (e.g. "
-                    "an expand()ed view)", "more than one element of the written-to tensor "
-                    "refers to a single memory location")
+                    func,
+                    "writes into a tensor in which several elements share memory (e.g. "
+                    "an expand()ed view)",
+                    "more than one element of the written-to tensor "
+                    "refers to a single memory location",
+                )
             elif func._schema.name.endswith("_") and any(_partial_overlap(w, r) for r in read):
                 self.problem = self._message(
-                    func, "writes into a tensor that partially overlaps one of its inputs",
+                    func,
+                    "writes into a tensor that partially overlaps one of its inputs",
                     "some elements of the input tensor and the written-to tensor refer to a "
-                    "single memory location")
+                    "single memory location",
+                )
 
     @staticmethod
     def _message(func: object, what: str, eager: str) -> str:

@@ -50,11 +50,23 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from aotc.functional import FlatProgram, fakeify
-from runtime import autograd
-from runtime.convention import apply_convention, expand_graph_args, plan_convention
+from aotc.runtime import autograd
+from aotc.runtime.convention import apply_convention, expand_graph_args, plan_convention
 
-PLAIN = (int, float, bool, str, complex, type(None), torch.dtype, torch.device, slice,
-         type(Ellipsis), torch.layout, torch.memory_format)
+PLAIN = (
+    int,
+    float,
+    bool,
+    str,
+    complex,
+    type(None),
+    torch.dtype,
+    torch.device,
+    slice,
+    type(Ellipsis),
+    torch.layout,
+    torch.memory_format,
+)
 
 
 class Unkeyable(Exception):
@@ -70,9 +82,15 @@ def meta_eligible(leaves: list[object]) -> bool:
             continue
         if type(leaf) is not torch.Tensor and type(leaf) is not torch.nn.Parameter:
             return False
-        if (leaf.layout is not torch.strided or leaf._base is not None or leaf.is_conj()
-                or leaf.is_neg() or (leaf.requires_grad and not leaf.is_leaf)
-                or leaf.is_inference() or leaf.device.type == "meta"):
+        if (
+            leaf.layout is not torch.strided
+            or leaf._base is not None
+            or leaf.is_conj()
+            or leaf.is_neg()
+            or (leaf.requires_grad and not leaf.is_leaf)
+            or leaf.is_inference()
+            or leaf.device.type == "meta"
+        ):
             return False
         ptr = leaf.untyped_storage().data_ptr()
         if ptr in storages and ptr != 0:
@@ -117,13 +135,16 @@ def trace_text(program: FlatProgram, leaves: list[object], grad_enabled: bool, t
             raise Unkeyable(f"output of type {type(o).__name__}")
     lines.append("outputs " + ", ".join(out_text))
     lines.append(f"out_spec {out_spec}")
-    lines.append("inputs after " + ", ".join(
-        f"rg={f.requires_grad} leaf={f.is_leaf}" for f in tensors))
+    lines.append(
+        "inputs after " + ", ".join(f"rg={f.requires_grad} leaf={f.is_leaf}" for f in tensors)
+    )
     _check_autograd(outs, tensors, recorder.seen)
     return "\n".join(lines)
 
 
-def _check_autograd(outs: list[object], inputs: list[torch.Tensor], seen: list[torch.Tensor]) -> None:
+def _check_autograd(
+    outs: list[object], inputs: list[torch.Tensor], seen: list[torch.Tensor]
+) -> None:
     """Python code the op text cannot see: custom autograd.Functions and tensor hooks."""
     for t in seen:
         if getattr(t, "_backward_hooks", None):
@@ -194,8 +215,10 @@ class _Recorder(TorchDispatchMode):
             results = []
             for o in pytree.tree_leaves(out):
                 if isinstance(o, torch.Tensor):
-                    results.append(f"{self._new(o)}:{o.dtype}{list(o.shape)}/{o.stride()}"
-                                   f"+{o.storage_offset()}@{o.device}")
+                    results.append(
+                        f"{self._new(o)}:{o.dtype}{list(o.shape)}/{o.stride()}"
+                        f"+{o.storage_offset()}@{o.device}"
+                    )
                 else:
                     results.append(self._arg(o))
             self.lines.append(f"{', '.join(results)} = {text}")
@@ -237,8 +260,14 @@ class _MetaKeyTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, meta: torch.Tensor, device: torch.device) -> _MetaKeyTensor:  # noqa: PYI034
         out = torch.Tensor._make_wrapper_subclass(
-            cls, meta.size(), meta.stride(), meta.storage_offset(), dtype=meta.dtype,
-            device=device, layout=meta.layout, requires_grad=False,
+            cls,
+            meta.size(),
+            meta.stride(),
+            meta.storage_offset(),
+            dtype=meta.dtype,
+            device=device,
+            layout=meta.layout,
+            requires_grad=False,
         )
         out.meta = meta
         return out
@@ -246,8 +275,11 @@ class _MetaKeyTensor(torch.Tensor):
     @classmethod
     def of(cls, t: torch.Tensor) -> _MetaKeyTensor:
         """A key tensor with `t`'s geometry, dtype, device and requires_grad (a leaf)."""
-        extent = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1 \
-            if t.numel() else t.storage_offset()
+        extent = (
+            t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+            if t.numel()
+            else t.storage_offset()
+        )
         storage = torch.empty(extent, dtype=t.dtype, device="meta")
         out = cls(storage.as_strided(t.shape, t.stride(), t.storage_offset()), t.device)
         return out.requires_grad_(t.requires_grad)
@@ -282,8 +314,9 @@ class _MetaRecorder(_Recorder):
                 wrapped = self.constants[id(a)] = _MetaKeyTensor(a.to("meta"), a.device)
             pairs.append((wrapped.meta, wrapped))
             return wrapped.meta
-        if isinstance(a, (list, tuple)) and any(isinstance(x, (torch.Tensor, list, tuple))
-                                                for x in a):
+        if isinstance(a, (list, tuple)) and any(
+            isinstance(x, (torch.Tensor, list, tuple)) for x in a
+        ):
             return type(a)(self._unwrap(x, pairs) for x in a)
         return a
 

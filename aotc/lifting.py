@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from runtime.errors import UnsupportedError
+from aotc.runtime.errors import UnsupportedError
 
 _MAX_DEPTH = 4
 
@@ -154,7 +154,9 @@ class Lifted:
 
     accesses: tuple[Access, ...]
     containers: tuple[dict, ...]  # type: ignore[type-arg]
-    optimizers: tuple[torch.optim.Optimizer, ...] = ()  # see Note [Optimizers take the capturable path]
+    optimizers: tuple[
+        torch.optim.Optimizer, ...
+    ] = ()  # see Note [Optimizers take the capturable path]
 
 
 @dataclass
@@ -261,8 +263,22 @@ def _visit(value: object, name: str, slot: Slot, depth: int, walk: _Walk) -> Non
 
 def _walkable(value: object) -> bool:
     """Plain data and user objects; not code, classes, Python modules or torch internals."""
-    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType,
-                          types.ModuleType, type, str, bytes, int, float, bool, type(None))):
+    if isinstance(
+        value,
+        (
+            types.FunctionType,
+            types.BuiltinFunctionType,
+            types.MethodType,
+            types.ModuleType,
+            type,
+            str,
+            bytes,
+            int,
+            float,
+            bool,
+            type(None),
+        ),
+    ):
         return False
     module = type(value).__module__ or ""
     if isinstance(value, (torch.nn.Module, torch.optim.Optimizer, list, dict, tuple)):
@@ -371,7 +387,8 @@ def _container_snapshot(lifted: Lifted) -> list[tuple[dict, set[int]]]:  # type:
 
 
 def _check_unchanged(
-    accesses: Sequence[Access], values: Sequence[object],
+    accesses: Sequence[Access],
+    values: Sequence[object],
     containers: list[tuple[dict, set[int]]],  # type: ignore[type-arg]
 ) -> None:
     for a, v in zip(accesses, values):
@@ -407,7 +424,9 @@ def _check_unchanged(
 @contextlib.contextmanager
 def _capturable(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[None]:
     changed = [
-        group for opt in optimizers for group in opt.param_groups
+        group
+        for opt in optimizers
+        for group in opt.param_groups
         if group.get("capturable") is False
     ]
     for group in changed:

@@ -56,10 +56,10 @@ from aotc.functional import (
     to_functional,
     user_errors,
 )
-from runtime.autograd import stale_saved_value, version_checked_saves
-from runtime.convention import apply_convention, expand_graph_args
-from runtime.errors import UnsupportedError
-from runtime.schema import (
+from aotc.runtime.autograd import stale_saved_value, version_checked_saves
+from aotc.runtime.convention import apply_convention, expand_graph_args
+from aotc.runtime.errors import UnsupportedError
+from aotc.runtime.schema import (
     CallingConvention,
     FwdOutputPlan,
     Geometry,
@@ -109,7 +109,11 @@ def collect_metadata(
     with fake_mode:
         fakes = fakeify(fake_mode, graph_args, as_leaves=False)
         wrappers = [to_functional(f) for f in fakes]
-        with user_errors("metadata pass"), functionalization(), torch.set_grad_enabled(grad_enabled):
+        with (
+            user_errors("metadata pass"),
+            functionalization(),
+            torch.set_grad_enabled(grad_enabled),
+        ):
             f_leaves = expand_graph_args(convention, wrappers, constants)
             f_outs, out_spec = program(f_leaves)
         for w in wrappers:
@@ -123,14 +127,16 @@ def collect_metadata(
         plain = fakeify(eager_mode, graph_args, as_leaves=False)
         before = [(p.storage_offset(), p.requires_grad, p.is_leaf, p) for p in plain]
         overlap = OverlapCheck()
-        with user_errors("metadata pass"), torch.set_grad_enabled(grad_enabled), \
-                version_checked_saves(), overlap:
+        with (
+            user_errors("metadata pass"),
+            torch.set_grad_enabled(grad_enabled),
+            version_checked_saves(),
+            overlap,
+        ):
             p_leaves = expand_graph_args(convention, plain, constants)
             p_outs, _ = program(p_leaves)
         overlap.check()
-        inputs = tuple(
-            _input_info(kind, *state) for kind, state in zip(mutations, before)
-        )
+        inputs = tuple(_input_info(kind, *state) for kind, state in zip(mutations, before))
         outputs, base_outs = _classify_outputs(p_outs, p_leaves, convention)
         backward_error = stale_saved_value([*p_outs, *p_leaves]) if grad_enabled else None
     f_bases = [f_outs[j]._base for j in base_outs]  # type: ignore[union-attr]
@@ -190,7 +196,9 @@ def _classify_outputs(
 ) -> tuple[tuple[OutputInfo, ...], list[UserOut]]:
     """See Note [Output aliasing]. Returns the infos and, per intermediate base, one output
     whose `._base` it is."""
-    leaf_of_id = {id(t): UserArg(i) for i, t in enumerate(user_leaves) if isinstance(t, torch.Tensor)}
+    leaf_of_id = {
+        id(t): UserArg(i) for i, t in enumerate(user_leaves) if isinstance(t, torch.Tensor)
+    }
     storage_leaf: dict[StorageWeakRef, UserArg] = {}
     for leaf, _g in convention.leaf_to_graph:
         storage_leaf.setdefault(StorageWeakRef(user_leaves[leaf].untyped_storage()), leaf)  # type: ignore[union-attr]
@@ -229,7 +237,11 @@ def _classify_outputs(
             )
             infos.append(
                 OutputInfo(
-                    OutputKind.ALIAS_OF_INPUT, rg, dtype, base_arg=leaf, geometry=geometry,
+                    OutputKind.ALIAS_OF_INPUT,
+                    rg,
+                    dtype,
+                    base_arg=leaf,
+                    geometry=geometry,
                     view_without_grad=o.grad_fn is None,
                     lazy_conj=o.is_conj() and not base.is_conj(),
                     lazy_neg=o.is_neg() and not base.is_neg(),
@@ -244,7 +256,9 @@ def _classify_outputs(
             if idx is None:
                 idx = len(bases)
                 bases.append(o._base)
-            infos.append(OutputInfo(OutputKind.ALIAS_OF_INTERMEDIATE, rg, dtype, base_intermediate=idx))
+            infos.append(
+                OutputInfo(OutputKind.ALIAS_OF_INTERMEDIATE, rg, dtype, base_intermediate=idx)
+            )
         else:
             infos.append(OutputInfo(OutputKind.FRESH, rg, dtype))
             out_of_id[id(o)] = UserOut(j)
@@ -253,7 +267,9 @@ def _classify_outputs(
     for o, info in zip(outs, infos):
         if info.kind is OutputKind.ALIAS_OF_INTERMEDIATE and id(o._base) in out_of_id:  # type: ignore[union-attr]
             info = OutputInfo(
-                OutputKind.ALIAS_OF_OUTPUT, info.requires_grad, info.dtype,
+                OutputKind.ALIAS_OF_OUTPUT,
+                info.requires_grad,
+                info.dtype,
                 base_out=out_of_id[id(o._base)],  # type: ignore[union-attr]
             )
         fixed.append(info)
@@ -273,7 +289,9 @@ def _classify_outputs(
 
 
 def _check_constant(value: object, j: int) -> None:
-    if value is None or isinstance(value, (int, float, bool, str, complex, torch.dtype, torch.device)):
+    if value is None or isinstance(
+        value, (int, float, bool, str, complex, torch.dtype, torch.device)
+    ):
         return
     raise UnsupportedError(
         f"output {j} has type {type(value).__name__}, which aotc cannot return from a compiled "
@@ -295,13 +313,9 @@ def _plan_fwd_outputs(
     tensors += [wrappers[g] for g in mutated]
     tensors += bases
     needs = [outputs[j].kind is OutputKind.FRESH and outputs[j].requires_grad for j in user_outs]
-    needs += [
-        wrappers[g].requires_grad and not inputs[g].mutated_under_no_grad for g in mutated
-    ]
+    needs += [wrappers[g].requires_grad and not inputs[g].mutated_under_no_grad for g in mutated]
     needs += [b.requires_grad for b in bases]
-    specs = tuple(
-        TensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in tensors
-    )
+    specs = tuple(TensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in tensors)
     plan = FwdOutputPlan(
         user_outs=user_outs,
         mutated_args=mutated,

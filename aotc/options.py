@@ -6,7 +6,7 @@ import logging
 import os
 from dataclasses import dataclass, replace
 
-from passes.recompute import RecomputePolicy
+from aotc.passes.recompute import RecomputePolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +28,9 @@ class CompileOptions:
     # AOTC_CACHE_DIR, else $XDG_CACHE_HOME/aotc, else ~/.cache/aotc. None: no disk cache.
     cache: bool = True
     cache_dir: str | None = None
-    cache_max_bytes: int = 1 << 30  # least-recently-used entries go beyond this (AOTC_CACHE_MAX_BYTES)
+    cache_max_bytes: int = (
+        1 << 30
+    )  # least-recently-used entries go beyond this (AOTC_CACHE_MAX_BYTES)
 
     @staticmethod
     def from_env(**overrides: object) -> CompileOptions:

@@ -68,31 +68,55 @@ from torch import fx
 from aotc import keytrace
 from aotc.functional import FlatProgram
 from aotc.options import CompileOptions
-from passes import descriptors
-from passes.ir import StageGraph
-from passes.partition import PartitionResult, SavedValue
-from passes.select import select_backend
-from runtime import autograd, epilogue, schema, wrappers
-from runtime import cache as store
-from runtime.errors import CacheError
-from runtime.kernels import CompiledGraph
+from aotc.passes import descriptors
+from aotc.passes.ir import StageGraph
+from aotc.passes.partition import PartitionResult, SavedValue
+from aotc.passes.select import select_backend
+from aotc.runtime import autograd, epilogue, schema, wrappers
+from aotc.runtime import cache as store
+from aotc.runtime.errors import CacheError
+from aotc.runtime.kernels import CompiledGraph
 
 log = logging.getLogger("aotc.cache")
 
 store.register_records(
-    schema.MutationKind, schema.OutputKind, schema.Geometry, schema.InputInfo, schema.OutputInfo,
-    schema.MutationAliasInfo, schema.SyntheticBase, schema.CallingConvention,
-    schema.FwdOutputPlan, epilogue.MutationStep, epilogue.OutputStep, epilogue.EpiloguePlan,
-    autograd.AutogradPlan, wrappers.RuntimePlan, descriptors.PrimalInput, descriptors.TangentInput,
-    descriptors.SavedInput, descriptors.FwdOutput, descriptors.GradOutput,
-    descriptors.SavedOutput, StageGraph, SavedValue, PartitionResult,
+    schema.MutationKind,
+    schema.OutputKind,
+    schema.Geometry,
+    schema.InputInfo,
+    schema.OutputInfo,
+    schema.MutationAliasInfo,
+    schema.SyntheticBase,
+    schema.CallingConvention,
+    schema.FwdOutputPlan,
+    epilogue.MutationStep,
+    epilogue.OutputStep,
+    epilogue.EpiloguePlan,
+    autograd.AutogradPlan,
+    wrappers.RuntimePlan,
+    descriptors.PrimalInput,
+    descriptors.TangentInput,
+    descriptors.SavedInput,
+    descriptors.FwdOutput,
+    descriptors.GradOutput,
+    descriptors.SavedOutput,
+    StageGraph,
+    SavedValue,
+    PartitionResult,
 )
 
 # Options that change only diagnostics, never the compiled graphs: left out of the key.
-_NOT_IN_KEY = frozenset({
-    "dump_dir", "check_invariants", "recompile_warn_limit", "max_signatures",
-    "cache", "cache_dir", "cache_max_bytes",
-})
+_NOT_IN_KEY = frozenset(
+    {
+        "dump_dir",
+        "check_invariants",
+        "recompile_warn_limit",
+        "max_signatures",
+        "cache",
+        "cache_dir",
+        "cache_max_bytes",
+    }
+)
 _PLAIN = keytrace.PLAIN
 
 
@@ -143,8 +167,12 @@ def cache_key(
 
 
 def lookup(
-    program: FlatProgram, leaves: list[object], names: Sequence[str], options: CompileOptions,
-    grad_enabled: bool, lap: Callable[[str], None],
+    program: FlatProgram,
+    leaves: list[object],
+    names: Sequence[str],
+    options: CompileOptions,
+    grad_enabled: bool,
+    lap: Callable[[str], None],
 ) -> tuple[CacheKey, dict[str, Any] | None]:
     """The key of this signature and its decoded entry, if stored. A meta key whose entry is a
     redirect (its program's meta and fake texts differed, see `store_verified`) is keyed again
@@ -162,8 +190,14 @@ def lookup(
 
 
 def store_verified(
-    key: CacheKey, program: FlatProgram, leaves: list[object], names: Sequence[str],
-    options: CompileOptions, grad_enabled: bool, record: dict[str, Any], plan: object,
+    key: CacheKey,
+    program: FlatProgram,
+    leaves: list[object],
+    names: Sequence[str],
+    options: CompileOptions,
+    grad_enabled: bool,
+    record: dict[str, Any],
+    plan: object,
     compiled: tuple[CompiledGraph | None, CompiledGraph | None] = (None, None),
 ) -> None:
     """Store a cold compile's entry under `key` once `verify_key` accepts it. A meta key it
@@ -222,18 +256,14 @@ _VERSIONS: list[str] = []
 def _versions() -> str:
     """aotc (version and a digest of its sources), torch, triton, Python, entry format."""
     if not _VERSIONS:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         digest = hashlib.sha256()
-        for package in ("aotc", "passes", "runtime"):
-            folder = os.path.join(root, package)
-            for dirpath, dirnames, files in os.walk(folder):
-                dirnames.sort()
-                for name in sorted(files):
-                    if name.endswith(".py"):
-                        path = os.path.join(dirpath, name)
-                        digest.update(os.path.relpath(path, root).encode())
-                        with open(path, "rb") as f:
-                            digest.update(f.read())
+        for package in ("aotc", "aotc.passes", "aotc.runtime"):
+            folder = os.path.dirname(os.path.abspath(sys.modules[package].__file__ or ""))
+            for name in sorted(os.listdir(folder)):
+                if name.endswith(".py"):
+                    digest.update(f"{package}/{name}".encode())
+                    with open(os.path.join(folder, name), "rb") as f:
+                        digest.update(f.read())
         try:
             triton = importlib.metadata.version("triton")
         except importlib.metadata.PackageNotFoundError:
@@ -249,7 +279,8 @@ def _versions() -> str:
 
 def _options_text(options: CompileOptions) -> str:
     return "options " + " ".join(
-        f"{f.name}={getattr(options, f.name)!r}" for f in fields(options)
+        f"{f.name}={getattr(options, f.name)!r}"
+        for f in fields(options)
         if f.name not in _NOT_IN_KEY
     )
 
@@ -257,7 +288,9 @@ def _options_text(options: CompileOptions) -> str:
 def _signature_text(leaves: Sequence[object], names: Sequence[str], grad_enabled: bool) -> str:
     lines = [f"grad={grad_enabled} inference={torch.is_inference_mode_enabled()}"]
     autocast = [
-        (d, str(torch.get_autocast_dtype(d))) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)
+        (d, str(torch.get_autocast_dtype(d)))
+        for d in ("cpu", "cuda")
+        if torch.is_autocast_enabled(d)
     ]
     lines.append(f"autocast={autocast} default_dtype={torch.get_default_dtype()}")
     ids: dict[int, int] = {}
@@ -302,16 +335,22 @@ def load_entry(options: CompileOptions, key: str) -> dict[str, Any] | None:
         # reads node values on their real devices (storage-less ValueTensors); the others get
         # meta values.
         lowering = _lowered_graph_ids(body, lowered)
-        graphs = store.GraphTable(store._list(body.get("graphs")), lambda i, g: store.decode_graph(
-            g, on_device=i in lowering))
-        kernels = [{"name": str(k["name"]), "source": str(k["source"])}
-                   for k in store._list(body.get("kernels", []))]
+        graphs = store.GraphTable(
+            store._list(body.get("graphs")),
+            lambda i, g: store.decode_graph(g, on_device=i in lowering),
+        )
+        kernels = [
+            {"name": str(k["name"]), "source": str(k["source"])}
+            for k in store._list(body.get("kernels", []))
+        ]
         if len(lowered) != 2:
             raise CacheError("bad 'lowered' field")
-        decomposed = tuple(store.decode(g, graphs) for g in
-                           store._list(body.get("decomposed", [None, None])))
-        if len(decomposed) != 2 or not all(g is None or isinstance(g, fx.GraphModule)
-                                           for g in decomposed):
+        decomposed = tuple(
+            store.decode(g, graphs) for g in store._list(body.get("decomposed", [None, None]))
+        )
+        if len(decomposed) != 2 or not all(
+            g is None or isinstance(g, fx.GraphModule) for g in decomposed
+        ):
             raise CacheError("bad 'decomposed' field")
         return {
             "record": _decode_record(body.get("record"), graphs, key),
@@ -320,8 +359,15 @@ def load_entry(options: CompileOptions, key: str) -> dict[str, Any] | None:
             "lowered": lowered,
             "decomposed": decomposed,
         }
-    except (CacheError, RecursionError, ValueError, TypeError, KeyError, AttributeError,
-            RuntimeError) as e:
+    except (
+        CacheError,
+        RecursionError,
+        ValueError,
+        TypeError,
+        KeyError,
+        AttributeError,
+        RuntimeError,
+    ) as e:
         import warnings
 
         warnings.warn(
@@ -345,8 +391,9 @@ def _decode_record(value: Any, graphs: store.GraphTable, key: str) -> dict[str, 
     for name in _DEFERRED_FIELDS:
         if name not in fields:
             raise CacheError(f"record has no {name!r}")
-        out[name] = store.Deferred(lambda v=fields[name]: store.decode(v, graphs),
-                                   f"the {name} of entry {key[:16]}")
+        out[name] = store.Deferred(
+            lambda v=fields[name]: store.decode(v, graphs), f"the {name} of entry {key[:16]}"
+        )
     return out
 
 
@@ -378,20 +425,27 @@ def regenerate_kernels(
     for module, lowered, decomposed in graphs:
         compiled = None
         if lowered and module is not None:
-            compiled = select_backend(module, options.backend, options.triton_interpret,
-                                      decomposed)
+            compiled = select_backend(module, options.backend, options.triton_interpret, decomposed)
         out.append(compiled)
     made = [{"name": k.name, "source": k.source} for c in out if c for k in c.kernels]
     if made != cached["kernels"]:
-        log.warning("cache hit for %s: the regenerated Triton kernels differ from the stored "
-                    "ones (%d vs %d kernels); running the regenerated ones",
-                    record.get("name", "?"), len(made), len(cached["kernels"]))
+        log.warning(
+            "cache hit for %s: the regenerated Triton kernels differ from the stored "
+            "ones (%d vs %d kernels); running the regenerated ones",
+            record.get("name", "?"),
+            len(made),
+            len(cached["kernels"]),
+        )
     return out[0], out[1]
 
 
-def store_entry(options: CompileOptions, key: str, record: dict[str, Any], plan: object,
-                compiled: tuple[CompiledGraph | None, CompiledGraph | None] = (None, None)
-                ) -> bool:
+def store_entry(
+    options: CompileOptions,
+    key: str,
+    record: dict[str, Any],
+    plan: object,
+    compiled: tuple[CompiledGraph | None, CompiledGraph | None] = (None, None),
+) -> bool:
     """Write the entry; False (logged) when some value has no plain encoding or the directory
     cannot be written. `record` maps CompiledRecord field names to values; `compiled` are the
     forward and backward graphs' Triton lowerings (None: run as ATen calls)."""
@@ -417,9 +471,12 @@ def store_entry(options: CompileOptions, key: str, record: dict[str, Any], plan:
     # without a plain encoding.
     count, known = len(graphs), dict(ids)
     try:
-        body["decomposed"] = [store.encode(c.decomposed, graphs, ids)
-                              if c is not None and c.decomposed is not None else None
-                              for c in compiled]
+        body["decomposed"] = [
+            store.encode(c.decomposed, graphs, ids)
+            if c is not None and c.decomposed is not None
+            else None
+            for c in compiled
+        ]
     except store.Uncachable as e:
         log.info("not caching the decomposed graphs: %s", e)
         del graphs[count:]
@@ -436,6 +493,12 @@ def store_entry(options: CompileOptions, key: str, record: dict[str, Any], plan:
 
 
 __all__ = [
-    "CacheKey", "cache_key", "is_enabled", "load_entry", "lookup", "regenerate_kernels",
-    "store_entry", "store_verified",
+    "CacheKey",
+    "cache_key",
+    "is_enabled",
+    "load_entry",
+    "lookup",
+    "regenerate_kernels",
+    "store_entry",
+    "store_verified",
 ]

@@ -1,18 +1,18 @@
 """The compile driver: the one place to read the data flow for one input signature.
 
-    program, leaves, CompileOptions
-      │ aotc.persist.cache_key, load_entry  → a stored entry       (hit: regenerate_kernels, then
-      │                                                              straight to the callable)
-      │ runtime.convention.plan_convention  → CallingConvention    (dedupe)
-      │ aotc.metadata.collect_metadata      → MetadataResult       (mutations, aliases)
-      │   (aliased inputs with a mutation: plan synthetic bases, collect again)
-      │ aotc.tracer.trace_joint             → JointGraph           (functional ATen)
-      │ passes.cleanup.cleanup              → JointGraph           (DCE, CSE, no-op views)
-      │ passes.partition.partition          → PartitionResult      (min-cut; training only)
-      │ runtime.epilogue.plan_epilogue      → EpiloguePlan
-      │ passes.select.select_backend        → CompiledGraph | None (Triton kernels, or ATen)
-      ▼ runtime.wrappers.CompiledEntry      → the callable for this signature
-      (aotc.persist.store_entry writes the records for the next process)
+program, leaves, CompileOptions
+  │ aotc.persist.cache_key, load_entry  → a stored entry       (hit: regenerate_kernels, then
+  │                                                              straight to the callable)
+  │ runtime.convention.plan_convention  → CallingConvention    (dedupe)
+  │ aotc.metadata.collect_metadata      → MetadataResult       (mutations, aliases)
+  │   (aliased inputs with a mutation: plan synthetic bases, collect again)
+  │ aotc.tracer.trace_joint             → JointGraph           (functional ATen)
+  │ passes.cleanup.cleanup              → JointGraph           (DCE, CSE, no-op views)
+  │ passes.partition.partition          → PartitionResult      (min-cut; training only)
+  │ runtime.epilogue.plan_epilogue      → EpiloguePlan
+  │ passes.select.select_backend        → CompiledGraph | None (Triton kernels, or ATen)
+  ▼ runtime.wrappers.CompiledEntry      → the callable for this signature
+  (aotc.persist.store_entry writes the records for the next process)
 """
 
 from __future__ import annotations
@@ -34,21 +34,21 @@ from aotc import persist
 from aotc.functional import FlatProgram, compiling
 from aotc.metadata import MetadataResult, collect_metadata
 from aotc.options import CompileOptions
+from aotc.passes.cleanup import cleanup
+from aotc.passes.descriptors import GradOutput
+from aotc.passes.ir import JointGraph
+from aotc.passes.lint import lint_graph
+from aotc.passes.partition import PartitionResult, partition
+from aotc.passes.select import select_backend
+from aotc.runtime.autograd import AutogradPlan
+from aotc.runtime.cache import DeferredField
+from aotc.runtime.convention import alias_groups, plan_convention
+from aotc.runtime.epilogue import EpiloguePlan, plan_epilogue
+from aotc.runtime.kernels import CompiledGraph, KernelSource
+from aotc.runtime.launch import make_callable
+from aotc.runtime.schema import CallingConvention, FwdOut, GraphArg, MutationAliasInfo, UserArg
+from aotc.runtime.wrappers import CompiledEntry, RuntimePlan
 from aotc.tracer import trace_joint
-from passes.descriptors import GradOutput
-from passes.ir import JointGraph
-from passes.cleanup import cleanup
-from passes.lint import lint_graph
-from passes.partition import PartitionResult, partition
-from passes.select import select_backend
-from runtime.autograd import AutogradPlan
-from runtime.convention import alias_groups, plan_convention
-from runtime.epilogue import EpiloguePlan, plan_epilogue
-from runtime.schema import CallingConvention, FwdOut, GraphArg, MutationAliasInfo, UserArg
-from runtime.kernels import CompiledGraph, KernelSource
-from runtime.cache import DeferredField
-from runtime.launch import make_callable
-from runtime.wrappers import CompiledEntry, RuntimePlan
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,11 @@ class CompiledRecord:
     def stages(self) -> list[tuple[str, str]]:
         """Every stage's printable record, in pipeline order: (file name, text)."""
         out = [
-            ("00_signature.txt", f"# stage: signature\n{self.name} (defined at {self.source})\n"
-             f"{self.signature}\n# guards\n{self.guards}\n"),
+            (
+                "00_signature.txt",
+                f"# stage: signature\n{self.name} (defined at {self.source})\n"
+                f"{self.signature}\n# guards\n{self.guards}\n",
+            ),
             ("01_metadata.txt", self.meta.format() + "\n" + self.convention.format() + "\n"),
             ("02_joint.py", self.joint_graph.format("joint")),
         ]
@@ -101,8 +104,9 @@ class CompiledRecord:
         out.append(("06_epilogue.txt", self.epilogue.format() + "\n"))
         if self.kernels:
             out.append(("09_fusion.txt", self.fusion_text))
-            out += [(f"09_kernels/{i:02d}_{k.name}.py", k.source)
-                    for i, k in enumerate(self.kernels)]
+            out += [
+                (f"09_kernels/{i:02d}_{k.name}.py", k.source) for i, k in enumerate(self.kernels)
+            ]
         times = "\n".join(f"{k}: {v * 1e3:.2f} ms" for k, v in self.stage_seconds.items())
         out.append(("07_compile_time.txt", f"# stage: compile time\n{times}\n"))
         return out
@@ -202,7 +206,8 @@ def _compile_signature(
     detach: tuple[GraphArg, ...] = ()
     if training:
         mutated = frozenset(
-            GraphArg(g) for g, info in enumerate(metadata.meta.inputs)
+            GraphArg(g)
+            for g, info in enumerate(metadata.meta.inputs)
             if info.mutation.value != "none"
         )
         cleaned = cleanup(joint)
@@ -238,13 +243,18 @@ def _compile_signature(
     fwd_module = part.forward.module if part is not None else joint.module
     bwd_module = part.backward.module if part is not None else None
     fwd_compiled = select_backend(fwd_module, options.backend, options.triton_interpret)
-    bwd_compiled = select_backend(bwd_module, options.backend, options.triton_interpret) if bwd_module else None
+    bwd_compiled = (
+        select_backend(bwd_module, options.backend, options.triton_interpret)
+        if bwd_module
+        else None
+    )
     lap("kernels")
     entry = CompiledEntry(
         plan,
         fwd_compiled.callable if fwd_compiled else make_callable(fwd_module),
         (bwd_compiled.callable if bwd_compiled else make_callable(bwd_module))
-        if bwd_module else None,
+        if bwd_module
+        else None,
     )
     lap("assemble")
     entry.record = CompiledRecord(
@@ -266,8 +276,17 @@ def _compile_signature(
         **_kernel_fields(fwd_compiled, bwd_compiled),
     )
     if key is not None:
-        persist.store_verified(cache_key, program, leaves, names, options, grad_enabled,
-                               _record_fields(entry.record), plan, (fwd_compiled, bwd_compiled))
+        persist.store_verified(
+            cache_key,
+            program,
+            leaves,
+            names,
+            options,
+            grad_enabled,
+            _record_fields(entry.record),
+            plan,
+            (fwd_compiled, bwd_compiled),
+        )
         lap("cache_key")  # the check of a meta key: part of the cold compile's cost
     _log_record(entry.record, fwd_module, bwd_module)
     if options.dump_dir:
@@ -282,8 +301,11 @@ def _record_fields(record: CompiledRecord) -> dict[str, object]:
 def _kernel_fields(fwd: CompiledGraph | None, bwd: CompiledGraph | None) -> dict[str, object]:
     return {
         "kernels": tuple(k for c in (fwd, bwd) if c for k in c.kernels),
-        "fusion_text": "".join(f"# {label} graph\n{c.fusion_text}" for label, c in
-                               (("forward", fwd), ("backward", bwd)) if c),
+        "fusion_text": "".join(
+            f"# {label} graph\n{c.fusion_text}"
+            for label, c in (("forward", fwd), ("backward", bwd))
+            if c
+        ),
     }
 
 
@@ -301,22 +323,25 @@ def _entry_from_cache(
     fields = dict(cached["record"])  # type: ignore[call-overload]
     fwd, bwd = compiled
     fields.update(
-        name=name, source=source, signature=describe_signature(leaves, names), stage_seconds=times,
+        name=name,
+        source=source,
+        signature=describe_signature(leaves, names),
+        stage_seconds=times,
         **_kernel_fields(fwd, bwd),
     )
     record = CompiledRecord(**fields)
     entry = CompiledEntry(
-        plan, fwd.callable if fwd else make_callable(record.forward),
+        plan,
+        fwd.callable if fwd else make_callable(record.forward),
         (bwd.callable if bwd else make_callable(record.backward))
-        if record.backward is not None else None,
+        if record.backward is not None
+        else None,
     )
     entry.record = record
     return entry
 
 
-def _log_record(
-    record: CompiledRecord, fwd: fx.GraphModule, bwd: fx.GraphModule | None
-) -> None:
+def _log_record(record: CompiledRecord, fwd: fx.GraphModule, bwd: fx.GraphModule | None) -> None:
     graphs, partition_log = logging.getLogger("aotc.graphs"), logging.getLogger("aotc.partition")
     kernels = logging.getLogger("aotc.kernels")
     if graphs.isEnabledFor(logging.INFO):
@@ -324,13 +349,21 @@ def _log_record(
     if partition_log.isEnabledFor(logging.INFO) and record.partition is not None:
         partition_log.info("%s:\n%s", record.name, record.partition.format())
     if kernels.isEnabledFor(logging.INFO) and record.kernels:
-        kernels.info("%s: %d generated kernels\n%s", record.name, len(record.kernels),
-                     "\n".join(k.source for k in record.kernels))
+        kernels.info(
+            "%s: %d generated kernels\n%s",
+            record.name,
+            len(record.kernels),
+            "\n".join(k.source for k in record.kernels),
+        )
     elif kernels.isEnabledFor(logging.INFO):
         for label, module in (("forward", fwd), ("backward", bwd)):
             if module is not None:
-                kernels.info("%s %s: runs as ATen calls\n%s", record.name, label,
-                             make_callable(module).__aotc_source__)
+                kernels.info(
+                    "%s %s: runs as ATen calls\n%s",
+                    record.name,
+                    label,
+                    make_callable(module).__aotc_source__,
+                )
 
 
 def _mutated_alias_groups(
@@ -360,7 +393,8 @@ def _statically_no_grad(
     # that requires grad gets no gradient (linalg_vector_norm(x, 0)), eager's output still
     # requires grad, so keep them attached; the backward returns None for them.
     rg_args = [
-        g for g, src in enumerate(convention.graph_sources)
+        g
+        for g, src in enumerate(convention.graph_sources)
         if src is None or (isinstance(leaves[src], torch.Tensor) and leaves[src].requires_grad)
     ]
     return () if len(out) == len(rg_args) else tuple(out)

@@ -39,8 +39,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from aotc.functional import fresh_fake
-from runtime.epilogue import EpiloguePlan
-from runtime.errors import UnsupportedError
+from aotc.runtime.epilogue import EpiloguePlan
+from aotc.runtime.errors import UnsupportedError
 
 
 def symbolic_mode() -> FakeTensorMode:

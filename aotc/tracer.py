@@ -39,10 +39,10 @@ from aotc.functional import (
     user_errors,
 )
 from aotc.metadata import MetadataResult
-from passes.descriptors import FwdOutput, GradOutput, PrimalInput, TangentInput
-from passes.ir import JointGraph
-from runtime.convention import apply_convention, expand_graph_args
-from runtime.schema import CallingConvention, FwdOut, GraphArg, OutputKind
+from aotc.passes.descriptors import FwdOutput, GradOutput, PrimalInput, TangentInput
+from aotc.passes.ir import JointGraph
+from aotc.runtime.convention import apply_convention, expand_graph_args
+from aotc.runtime.schema import CallingConvention, FwdOut, GraphArg, OutputKind
 
 
 def trace_joint(
@@ -60,7 +60,8 @@ def trace_joint(
     num_primals = len(graph_args)
     # See Note [Mutated inputs that require grad]
     clone_args = {
-        g for g, info in enumerate(meta.inputs)
+        g
+        for g, info in enumerate(meta.inputs)
         if info.mutation is not info.mutation.NONE and training and graph_args[g].requires_grad
     }
     tangent_outs = [FwdOut(k) for k, needs in enumerate(plan.needs_tangent) if needs]
@@ -103,11 +104,15 @@ def trace_joint(
         if not training:
             for p in primals:
                 p.requires_grad_(False)
-        tangents = [
-            torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=s.device)
-            for k, s in enumerate(metadata.fwd_specs)
-            if plan.needs_tangent[k]
-        ] if training else []
+        tangents = (
+            [
+                torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=s.device)
+                for k, s in enumerate(metadata.fwd_specs)
+                if plan.needs_tangent[k]
+            ]
+            if training
+            else []
+        )
         with user_errors("joint trace"):
             module = make_fx(joint, record_stack_traces=True)(*primals, *tangents)
 
@@ -115,9 +120,7 @@ def trace_joint(
     inputs += tuple(TangentInput(k) for k in tangent_outs) if training else ()
     outputs = tuple(FwdOutput(FwdOut(k)) for k in range(plan.num_outputs))
     outputs += tuple(GradOutput(GraphArg(g)) for g in range(num_primals)) if training else ()
-    fresh = [
-        k for k, j in enumerate(plan.user_outs) if meta.outputs[j].kind is OutputKind.FRESH
-    ]
+    fresh = [k for k, j in enumerate(plan.user_outs) if meta.outputs[j].kind is OutputKind.FRESH]
     _flatten_output(module, fresh)
     return JointGraph(module=module, inputs=inputs, outputs=outputs)
 

@@ -62,13 +62,23 @@ print(json.dumps({{"first_call_s": first_call_s, "import_s": import_s,
 
 
 def child(name: str, cache_dir: str, enabled: bool, backend: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), AOTC_CACHE_DIR=cache_dir,
-               AOTC_CACHE="1" if enabled else "0")
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        AOTC_CACHE_DIR=cache_dir,
+        AOTC_CACHE="1" if enabled else "0",
+    )
     if backend == "triton" and not _has_cuda():
         env["TRITON_INTERPRET"] = "1"  # read when triton is imported (torch._dynamo may import it)
     code = CHILD.format(root=str(ROOT), name=name, backend=backend)
-    out = subprocess.run([sys.executable, "-c", code],
-                         env=env, capture_output=True, text=True, timeout=600, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -83,12 +93,16 @@ def _has_cuda() -> bool:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--backends", default="aten,triton",
-                   help="comma-separated; 'triton' without CUDA runs Triton's interpreter")
+    p.add_argument(
+        "--backends",
+        default="aten,triton",
+        help="comma-separated; 'triton' without CUDA runs Triton's interpreter",
+    )
     args = p.parse_args(argv)
     results: dict = {}
-    cases = [(name, backend) for backend in args.backends.split(",")
-             for name in ("mlp", "gpt_block")]
+    cases = [
+        (name, backend) for backend in args.backends.split(",") for name in ("mlp", "gpt_block")
+    ]
     for name, backend in cases:
         runs: dict[str, list[dict]] = {"cold": [], "warm": [], "no_cache": []}
         for _ in range(args.reps):
@@ -105,15 +119,19 @@ def main(argv: list[str] | None = None) -> dict:
             row[kind] = {
                 "first_call_s": median([r["first_call_s"] for r in rs]),
                 "compile_s": median([sum(r["stages"].values()) for r in rs]),
-                "stages_ms": {k: round(1e3 * median([r["stages"].get(k, 0.0) for r in rs]), 2)
-                              for k in rs[0]["stages"]},
+                "stages_ms": {
+                    k: round(1e3 * median([r["stages"].get(k, 0.0) for r in rs]), 2)
+                    for k in rs[0]["stages"]
+                },
                 "import_s": median([r["import_s"] for r in rs]),
             }
         row["warm_over_cold_compile"] = ratio(row["warm"]["compile_s"], row["cold"]["compile_s"])
-        row["warm_over_cold_first_call"] = ratio(row["warm"]["first_call_s"],
-                                                 row["cold"]["first_call_s"])
-        row["warm_over_no_cache_compile"] = ratio(row["warm"]["compile_s"],
-                                                  row["no_cache"]["compile_s"])
+        row["warm_over_cold_first_call"] = ratio(
+            row["warm"]["first_call_s"], row["cold"]["first_call_s"]
+        )
+        row["warm_over_no_cache_compile"] = ratio(
+            row["warm"]["compile_s"], row["no_cache"]["compile_s"]
+        )
         row["meets_goal"] = row["warm_over_cold_compile"] < TARGET
         row["backend"] = backend
         row["kernels"] = len(runs["cold"][0]["kernels"])
@@ -127,13 +145,19 @@ def main(argv: list[str] | None = None) -> dict:
 
 def table(results: dict) -> str:
     rows = [
-        (name, f"{r['cold']['compile_s'] * 1e3:.0f}", f"{r['no_cache']['compile_s'] * 1e3:.0f}",
-         f"{r['warm']['compile_s'] * 1e3:.0f}", f"{r['warm_over_cold_compile']:.3f}",
-         f"{r['warm']['stages_ms']}")
+        (
+            name,
+            f"{r['cold']['compile_s'] * 1e3:.0f}",
+            f"{r['no_cache']['compile_s'] * 1e3:.0f}",
+            f"{r['warm']['compile_s'] * 1e3:.0f}",
+            f"{r['warm_over_cold_compile']:.3f}",
+            f"{r['warm']['stages_ms']}",
+        )
         for name, r in results.items()
     ]
     return "compile time (ms, fresh processes)\n" + fmt_table(
-        ("example", "cold", "no cache", "warm", "warm/cold", "warm stages (ms)"), rows)
+        ("example", "cold", "no cache", "warm", "warm/cold", "warm stages (ms)"), rows
+    )
 
 
 if __name__ == "__main__":

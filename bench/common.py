@@ -109,7 +109,7 @@ def write_results(name: str, results: Any, goal: str | None = None, **extra: Any
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     doc: dict[str, Any] = {
         "benchmark": name,
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
         "machine": machine(),
@@ -129,8 +129,10 @@ def fmt_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
         [f"{c:.3f}" if isinstance(c, float) else str(c) for c in row] for row in rows
     ]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in cells]
+    lines = [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        for r in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 

@@ -25,9 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch._functorch.aot_autograd import aot_function, aot_module  # noqa: E402
-
-import aotc  # noqa: E402
 from common import (  # noqa: E402
     CausalSelfAttention,
     fmt_table,
@@ -37,6 +34,9 @@ from common import (  # noqa: E402
     reset_state,
     write_results,
 )
+from torch._functorch.aot_autograd import aot_function, aot_module  # noqa: E402
+
+import aotc  # noqa: E402
 
 GOAL = "compile time (first call + first backward) ratio aotc/aot_autograd <= 1.0 per workload"
 

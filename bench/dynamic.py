@@ -35,10 +35,10 @@ os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # cold compile
 
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
+from common import fmt_table, median, ratio, write_results  # noqa: E402
 
 import aotc  # noqa: E402
 import aotc.backend  # noqa: E402
-from common import fmt_table, median, ratio, write_results  # noqa: E402
 from tests.e2e import models as M  # noqa: E402
 
 BATCH_SIZES = [3, 5, 2, 8, 4, 7, 6, 9, 11, 10]
@@ -65,10 +65,10 @@ def recompile_counts() -> dict[str, Any]:
         "aotc.compile static": lambda m: aotc.compile(m),
         "aotc.compile dynamic=True": lambda m: aotc.compile(m, dynamic=True),
         "torch.compile aotc dynamic=False": lambda m: torch.compile(
-            m, backend="aotc", dynamic=False),
+            m, backend="aotc", dynamic=False
+        ),
         "torch.compile aotc automatic dynamic": lambda m: torch.compile(m, backend="aotc"),
-        "torch.compile aotc dynamic=True": lambda m: torch.compile(
-            m, backend="aotc", dynamic=True),
+        "torch.compile aotc dynamic=True": lambda m: torch.compile(m, backend="aotc", dynamic=True),
     }
     for name, make in systems.items():
         torch._dynamo.reset()
@@ -80,8 +80,11 @@ def recompile_counts() -> dict[str, Any]:
         for b in BATCH_SIZES:
             _step(compiled, M.gpt_batch(b))
         seconds = time.perf_counter() - start
-        count = (len(compiled.records) if isinstance(compiled, aotc.CompiledModule)
-                 else _backend_graphs() - before)
+        count = (
+            len(compiled.records)
+            if isinstance(compiled, aotc.CompiledModule)
+            else _backend_graphs() - before
+        )
         results[name] = {"compilations": count, "seconds_for_10_steps": seconds}
     return results
 
@@ -131,13 +134,20 @@ def model_times(names: list[str], steps: int, rounds: int) -> dict[str, Any]:
         for system in ("aotc.compile", "torch.compile(aotc)"):
             for base_name in ("torch.compile(aot_eager)", "inductor"):
                 row[system][f"compile_ratio_vs_{base_name}"] = ratio(
-                    row[system]["first_step_s"], row[base_name]["first_step_s"])
+                    row[system]["first_step_s"], row[base_name]["first_step_s"]
+                )
                 row[system][f"step_ratio_vs_{base_name}"] = ratio(
-                    row[system]["step_ms"], row[base_name]["step_ms"])
+                    row[system]["step_ms"], row[base_name]["step_ms"]
+                )
         results[model_name] = row
-        print(f"[{model_name}] " + ", ".join(
-            f"{s}: first {v['first_step_s']:.2f} s, step {v['step_ms']:.2f} ms"
-            for s, v in row.items()), flush=True)
+        print(
+            f"[{model_name}] "
+            + ", ".join(
+                f"{s}: first {v['first_step_s']:.2f} s, step {v['step_ms']:.2f} ms"
+                for s, v in row.items()
+            ),
+            flush=True,
+        )
     return results
 
 
@@ -167,12 +177,14 @@ def call_overhead(iters: int, rounds: int) -> dict[str, Any]:
             for _ in range(iters):
                 fn(x, w).backward()
             per_round[name].append((time.perf_counter() - start) / iters)
-    results: dict[str, Any] = {name: {"us_per_call": median(v) * 1e6}
-                               for name, v in per_round.items()}
+    results: dict[str, Any] = {
+        name: {"us_per_call": median(v) * 1e6} for name, v in per_round.items()
+    }
     base = results["torch.compile(aot_eager)"]["us_per_call"]
     for name in results:
         results[name]["ratio_vs_torch.compile(aot_eager)"] = ratio(
-            results[name]["us_per_call"], base)
+            results[name]["us_per_call"], base
+        )
     return results
 
 
@@ -185,13 +197,28 @@ def main(argv: list[str] | None = None) -> int:
     warnings.simplefilter("ignore", UserWarning)
     torch._dynamo.config.cache_size_limit = 64
     counts = recompile_counts()
-    print(fmt_table(["system", "compilations for 10 batch sizes", "seconds"],
-                    [(k, v["compilations"], v["seconds_for_10_steps"])
-                     for k, v in counts.items() if isinstance(v, dict)]), flush=True)
+    print(
+        fmt_table(
+            ["system", "compilations for 10 batch sizes", "seconds"],
+            [
+                (k, v["compilations"], v["seconds_for_10_steps"])
+                for k, v in counts.items()
+                if isinstance(v, dict)
+            ],
+        ),
+        flush=True,
+    )
     overhead = call_overhead(iters=300, rounds=args.rounds)
-    print(fmt_table(["system", "us per tiny fwd+bwd call", "vs aot_eager"],
-                    [(k, v["us_per_call"], v["ratio_vs_torch.compile(aot_eager)"])
-                     for k, v in overhead.items()]), flush=True)
+    print(
+        fmt_table(
+            ["system", "us per tiny fwd+bwd call", "vs aot_eager"],
+            [
+                (k, v["us_per_call"], v["ratio_vs_torch.compile(aot_eager)"])
+                for k, v in overhead.items()
+            ],
+        ),
+        flush=True,
+    )
     times = model_times(args.models.split(","), args.steps, args.rounds)
     rows = []
     for model_name, row in times.items():
@@ -202,11 +229,11 @@ def main(argv: list[str] | None = None) -> int:
         "dynamic",
         {"recompiles": counts, "call_overhead": overhead, "models": times},
         goal="one compilation for all batch sizes with dynamic shapes; compile and step time "
-             "against aot_eager and Inductor measured in the same run",
+        "against aot_eager and Inductor measured in the same run",
         steps=args.steps,
         rounds=args.rounds,
         note="shared CPU machine under load from other jobs: step times are noisy; compile "
-             "times are cold (Inductor's caches disabled)",
+        "times are cold (Inductor's caches disabled)",
     )
     print(f"wrote {path}")
     return 0

@@ -132,10 +132,17 @@ def memory_bound(device: str, dtype: torch.dtype, smoke: bool, reps: int) -> dic
     dst = torch.empty_like(src)
     copy_s = time_call(lambda: dst.copy_(src), device, reps)
     copy_bw = 2 * n * esize / copy_s
-    out: dict[str, Any] = {"copy": {"bytes": 2 * n * esize, "seconds": copy_s, "bw_GBps": copy_bw / 1e9}}
+    out: dict[str, Any] = {
+        "copy": {"bytes": 2 * n * esize, "seconds": copy_s, "bw_GBps": copy_bw / 1e9}
+    }
 
-    def case(name: str, fn: Callable[..., Any], args: list[torch.Tensor], backward: bool,
-             ideal_bytes: int) -> None:
+    def case(
+        name: str,
+        fn: Callable[..., Any],
+        args: list[torch.Tensor],
+        backward: bool,
+        ideal_bytes: int,
+    ) -> None:
         systems = make_systems(fn, "triton")
         grad = torch.randn_like(fn(*args)) if backward else None
 
@@ -155,11 +162,15 @@ def memory_bound(device: str, dtype: torch.dtype, smoke: bool, reps: int) -> dic
             for sys_name, f in systems.items():
                 secs = time_call(runner(f), device, reps)
                 bw = ideal_bytes / secs
-                res[sys_name] = {"seconds": secs, "bw_GBps": bw / 1e9,
-                                 "fraction_of_copy_bw": bw / copy_bw}
+                res[sys_name] = {
+                    "seconds": secs,
+                    "bw_GBps": bw / 1e9,
+                    "fraction_of_copy_bw": bw / copy_bw,
+                }
             res["aotc_kernels"] = num_kernels(systems["aotc"])
-            res["aotc_over_inductor_time"] = ratio(res["aotc"]["seconds"],
-                                                   res["inductor"]["seconds"])
+            res["aotc_over_inductor_time"] = ratio(
+                res["aotc"]["seconds"], res["inductor"]["seconds"]
+            )
             res["meets_goal"] = res["aotc"]["fraction_of_copy_bw"] >= BW_GOAL
             out[name] = res
 
@@ -175,8 +186,13 @@ def memory_bound(device: str, dtype: torch.dtype, smoke: bool, reps: int) -> dic
     w = torch.randn(cols, device=device, dtype=dtype, requires_grad=True)
     b = torch.randn(cols, device=device, dtype=dtype, requires_grad=True)
     # fwd: read x, write y (+ per-row stats); bwd: read x, grad_y, write grad_x (+ dw, db)
-    case("layer_norm_fwd_bwd", layer_norm, [xs, w, b], True,
-         5 * m * esize + 2 * rows * 4 + 4 * cols * esize)
+    case(
+        "layer_norm_fwd_bwd",
+        layer_norm,
+        [xs, w, b],
+        True,
+        5 * m * esize + 2 * rows * 4 + 4 * cols * esize,
+    )
     return out
 
 
@@ -202,8 +218,11 @@ def training_steps(device: str, smoke: bool, reps: int) -> dict[str, Any]:
         torch.manual_seed(0)
         base = make_model().to(device)
         x = make_x().to(device)
-        target = (torch.randint(0, classes, (x.shape[0],), device=device) if classes
-                  else torch.randn_like(x))
+        target = (
+            torch.randint(0, classes, (x.shape[0],), device=device)
+            if classes
+            else torch.randn_like(x)
+        )
 
         def loss_of(y: torch.Tensor) -> torch.Tensor:
             return F.cross_entropy(y, target) if classes else F.mse_loss(y, target)
@@ -226,16 +245,25 @@ def training_steps(device: str, smoke: bool, reps: int) -> dict[str, Any]:
 
             first = first_call_seconds(step, device)
             secs = time_call(step, device, reps)
-            res[sys_name] = {"step_seconds": secs, "first_call_seconds": first,
-                             "compile_seconds": max(first - secs, 0.0)}
+            res[sys_name] = {
+                "step_seconds": secs,
+                "first_call_seconds": first,
+                "compile_seconds": max(first - secs, 0.0),
+            }
         res["aotc_kernels"] = num_kernels(models["aotc"])
-        res["aotc_over_eager_step"] = ratio(res["aotc"]["step_seconds"], res["eager"]["step_seconds"])
-        res["aotc_over_inductor_step"] = ratio(res["aotc"]["step_seconds"],
-                                               res["inductor"]["step_seconds"])
-        res["aotc_over_inductor_compile"] = ratio(res["aotc"]["compile_seconds"],
-                                                  res["inductor"]["compile_seconds"])
-        res["meets_goal"] = (res["aotc_over_inductor_step"] <= STEP_GOAL
-                             and res["aotc_over_inductor_compile"] <= COMPILE_GOAL)
+        res["aotc_over_eager_step"] = ratio(
+            res["aotc"]["step_seconds"], res["eager"]["step_seconds"]
+        )
+        res["aotc_over_inductor_step"] = ratio(
+            res["aotc"]["step_seconds"], res["inductor"]["step_seconds"]
+        )
+        res["aotc_over_inductor_compile"] = ratio(
+            res["aotc"]["compile_seconds"], res["inductor"]["compile_seconds"]
+        )
+        res["meets_goal"] = (
+            res["aotc_over_inductor_step"] <= STEP_GOAL
+            and res["aotc_over_inductor_compile"] <= COMPILE_GOAL
+        )
         out[name] = res
     return out
 
@@ -247,7 +275,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.smoke:
-        p.error("no CUDA device: the GPU suite needs one (use --smoke for a CPU check of the script)")
+        p.error(
+            "no CUDA device: the GPU suite needs one (use --smoke for a CPU check of the script)"
+        )
     reps = args.reps or (3 if args.smoke else 50)
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -262,9 +292,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     name = "gpu_smoke" if args.smoke else "gpu"
     path = write_results(
-        name, results, device=device_name, smoke=args.smoke,
-        goal=(f"memory-bound aotc >= {BW_GOAL} of copy bandwidth; training step aotc/inductor "
-              f"<= {STEP_GOAL}; compile aotc/inductor <= {COMPILE_GOAL}"),
+        name,
+        results,
+        device=device_name,
+        smoke=args.smoke,
+        goal=(
+            f"memory-bound aotc >= {BW_GOAL} of copy bandwidth; training step aotc/inductor "
+            f"<= {STEP_GOAL}; compile aotc/inductor <= {COMPILE_GOAL}"
+        ),
     )
     print(table(results))
     print(f"wrote {path}")
@@ -278,15 +313,34 @@ def table(results: dict[str, Any]) -> str:
             if case == "copy":
                 rows.append([f"{dtype_key}:copy", f"{r['bw_GBps']:.0f} GB/s", "", "", ""])
                 continue
-            rows.append([f"{dtype_key}:{case}", f"{r['eager']['fraction_of_copy_bw']:.2f}",
-                         f"{r['inductor']['fraction_of_copy_bw']:.2f}",
-                         f"{r['aotc']['fraction_of_copy_bw']:.2f}", str(r["aotc_kernels"])])
+            rows.append(
+                [
+                    f"{dtype_key}:{case}",
+                    f"{r['eager']['fraction_of_copy_bw']:.2f}",
+                    f"{r['inductor']['fraction_of_copy_bw']:.2f}",
+                    f"{r['aotc']['fraction_of_copy_bw']:.2f}",
+                    str(r["aotc_kernels"]),
+                ]
+            )
     out = fmt_table(["workload", "eager bw", "inductor bw", "aotc bw", "aotc kernels"], rows)
-    rows = [[name, r["aotc_over_eager_step"], r["aotc_over_inductor_step"],
-             r["aotc_over_inductor_compile"], str(r["aotc_kernels"])]
-            for name, r in results["training_steps_fp32"].items()]
-    return out + "\n\n" + fmt_table(
-        ["model", "step aotc/eager", "step aotc/inductor", "compile aotc/inductor", "kernels"], rows)
+    rows = [
+        [
+            name,
+            r["aotc_over_eager_step"],
+            r["aotc_over_inductor_step"],
+            r["aotc_over_inductor_compile"],
+            str(r["aotc_kernels"]),
+        ]
+        for name, r in results["training_steps_fp32"].items()
+    ]
+    return (
+        out
+        + "\n\n"
+        + fmt_table(
+            ["model", "step aotc/eager", "step aotc/inductor", "compile aotc/inductor", "kernels"],
+            rows,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -50,7 +50,8 @@ def measure(compile_it: bool, steps: int) -> dict:
             marks[step] = {"rss_mb": round(rss_bytes() / 2**20, 2), "live_tensors": live_tensors()}
     first, last = marks[10], marks[steps]
     return {
-        "after_10": first, f"after_{steps}": last,
+        "after_10": first,
+        f"after_{steps}": last,
         "rss_growth_mb": round(last["rss_mb"] - first["rss_mb"], 2),
         "tensor_growth": last["live_tensors"] - first["live_tensors"],
     }
@@ -62,21 +63,33 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     results = {"eager": measure(False, args.steps), "aotc": measure(True, args.steps)}
     results["aotc_no_tensor_growth"] = results["aotc"]["tensor_growth"] <= 0
-    write_results("memory", results, "1,000 training steps do not grow memory (live tensors, RSS)",
-                  steps=args.steps)
+    write_results(
+        "memory",
+        results,
+        "1,000 training steps do not grow memory (live tensors, RSS)",
+        steps=args.steps,
+    )
     print(table(results, args.steps))
     return results
 
 
 def table(results: dict, steps: int = 1000) -> str:
     rows = [
-        (k, r["after_10"]["live_tensors"], r[f"after_{steps}"]["live_tensors"],
-         r["after_10"]["rss_mb"], r[f"after_{steps}"]["rss_mb"], r["rss_growth_mb"])
-        for k, r in results.items() if isinstance(r, dict)
+        (
+            k,
+            r["after_10"]["live_tensors"],
+            r[f"after_{steps}"]["live_tensors"],
+            r["after_10"]["rss_mb"],
+            r[f"after_{steps}"]["rss_mb"],
+            r["rss_growth_mb"],
+        )
+        for k, r in results.items()
+        if isinstance(r, dict)
     ]
     return f"memory after 10 vs {steps} steps\n" + fmt_table(
         ("system", "tensors@10", f"tensors@{steps}", "RSS MB@10", f"RSS MB@{steps}", "RSS growth"),
-        rows)
+        rows,
+    )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from common import fmt_table, interleaved_rounds, median, noop_compiler, ratio, write_results  # noqa: E402
 from torch._functorch.aot_autograd import aot_function  # noqa: E402
 
 import aotc  # noqa: E402
-from common import fmt_table, interleaved_rounds, median, noop_compiler, ratio, write_results  # noqa: E402
 
 FWD_BWD_TARGET_US = 45.0
 GOAL = (
@@ -55,7 +54,11 @@ def build(system: str, mode: str, x: torch.Tensor, y: torch.Tensor) -> Callable[
     def fresh(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # new object per compile
         return (x * y).sum()
 
-    fn = aotc.compile(fresh) if system == "aotc" else aot_function(fresh, noop_compiler, noop_compiler)
+    fn = (
+        aotc.compile(fresh)
+        if system == "aotc"
+        else aot_function(fresh, noop_compiler, noop_compiler)
+    )
     if mode == "fwd_no_grad":
         with torch.no_grad():
             fn(x, y)
@@ -144,7 +147,14 @@ def table(results: dict[str, object]) -> str:
         m = r["median_us_per_call"]  # type: ignore[index]
         q = r["ratio"]  # type: ignore[index]
         rows.append(
-            [mode, m["eager"], m["aotc"], m["aot_autograd"], q["aotc/eager"], q["aotc/aot_autograd"]]
+            [
+                mode,
+                m["eager"],
+                m["aotc"],
+                m["aot_autograd"],
+                q["aotc/eager"],
+                q["aotc/aot_autograd"],
+            ]
         )
     return fmt_table(
         ["overhead (us/call)", "eager", "aotc", "aot_autograd", "aotc/eager", "aotc/aot"], rows
@@ -161,14 +171,14 @@ def breakdown(iters: int = 2000, rounds: int = 9) -> dict[str, float]:
     """
     import torch.utils._pytree as pytree  # noqa: F401
 
-    from runtime.convention import apply_convention
-    from runtime.epilogue import build_outputs
-    from runtime.guards import signature_key
+    from aotc.runtime.convention import apply_convention
+    from aotc.runtime.epilogue import build_outputs
+    from aotc.runtime.guards import signature_key
 
     x, y = make_inputs()
     cf = build("aotc", "fwd_bwd", x, y)
     disp = cf._dispatch
-    (key, entry), = disp._entries.items()
+    ((key, entry),) = disp._entries.items()
     plan = entry.plan
     leaves = [x, y]
     args = apply_convention(plan.convention, leaves)
@@ -238,6 +248,7 @@ def breakdown(iters: int = 2000, rounds: int = 9) -> dict[str, float]:
     pieces["AotcFunction.backward staticmethod (under no_grad, incl. bwd graph)"] = loop(
         fn_py_backward
     )
+
     # Floor of any autograd.Function-based runtime: a minimal Function running the same eager ops
     class _MinimalFn(torch.autograd.Function):
         @staticmethod
@@ -319,11 +330,11 @@ def knockout(iters: int = 2000, rounds: int = 9) -> dict[str, dict[str, float]]:
     larger than their standalone cost. This patches module globals of runtime.wrappers inside this
     process only, around each timed loop; nothing on disk changes.
     """
-    import runtime.wrappers as W
+    import aotc.runtime.wrappers as W
 
     x, y = make_inputs()
     cf = build("aotc", "fwd_bwd", x, y)
-    (key, entry), = cf._dispatch._entries.items()
+    ((key, entry),) = cf._dispatch._entries.items()
     sig = key[1]
     assert hasattr(entry.call, "__aotc_source__"), "expected the fast path for this entry"
     orig = {n: getattr(W, n) for n in ("signature_key",)}
@@ -409,10 +420,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         print("\naotc whole-call us/call with one piece replaced by a precomputed result:")
         for mode, d in extra["aotc_knockout_us"].items():  # type: ignore[union-attr]
             base = d["baseline"]
-            print(f"  {mode}: " + ", ".join(
-                f"{k} {v:.1f}" + ("" if k == "baseline" else f" ({v - base:+.1f})")
-                for k, v in d.items()
-            ))
+            print(
+                f"  {mode}: "
+                + ", ".join(
+                    f"{k} {v:.1f}" + ("" if k == "baseline" else f" ({v - base:+.1f})")
+                    for k, v in d.items()
+                )
+            )
     if args.profile:
         print("\ncProfile of aotc fwd+bwd (tottime):")
         print(cprofile())

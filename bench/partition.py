@@ -43,13 +43,6 @@ import torch  # noqa: E402
 import torch.fx as fx  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch._functorch.aot_autograd import aot_function, aot_module  # noqa: E402
-from torch._functorch.partitioners import (  # noqa: E402
-    default_partition,
-    min_cut_rematerialization_partition,
-)
-
-import aotc  # noqa: E402
 from common import (  # noqa: E402
     CausalSelfAttention,
     fmt_table,
@@ -60,10 +53,17 @@ from common import (  # noqa: E402
     reset_state,
     write_results,
 )
-from passes.cleanup import cleanup  # noqa: E402
-from passes.descriptors import SavedInput  # noqa: E402
-from passes.ir import node_nbytes  # noqa: E402
-from passes.partition import partition  # noqa: E402
+from torch._functorch.aot_autograd import aot_function, aot_module  # noqa: E402
+from torch._functorch.partitioners import (  # noqa: E402
+    default_partition,
+    min_cut_rematerialization_partition,
+)
+
+import aotc  # noqa: E402
+from aotc.passes.cleanup import cleanup  # noqa: E402
+from aotc.passes.descriptors import SavedInput  # noqa: E402
+from aotc.passes.ir import node_nbytes  # noqa: E402
+from aotc.passes.partition import partition  # noqa: E402
 
 SCALING_GOAL_S = 2.0
 SCALING_MIN_NODES = 10_000
@@ -175,23 +175,38 @@ def workloads() -> list[Workload]:
     for m in (mlp, gpt, conv):
         m.train()
     return [
-        Workload("pointwise_chain", pointwise_chain,
-                 _seeded(lambda: (torch.randn(256, 256, requires_grad=True),)),
-                 "10 pointwise ops on float32[256,256], .sum()"),
-        Workload("layernorm_gelu_mlp", mlp,
-                 _seeded(lambda: (torch.randn(64, 128, requires_grad=True),)),
-                 "x[64,128] -> LayerNorm(128) -> Linear(128,512) -> GELU -> Linear(512,128), "
-                 ".sum()"),
-        Workload("softmax_cross_entropy", cross_entropy,
-                 _seeded(lambda: (torch.randn(64, 1000, requires_grad=True),
-                                  torch.randint(0, 1000, (64,)))),
-                 "F.cross_entropy(logits[64,1000], targets[64])"),
-        Workload("gpt_stack", gpt,
-                 _seeded(lambda: (torch.randn(4, 32, 64, requires_grad=True),)),
-                 "2 pre-LN decoder blocks, d_model 64, 4 heads, seq 32, batch 4, .sum()"),
-        Workload("conv_net", conv,
-                 _seeded(lambda: (torch.randn(8, 3, 32, 32, requires_grad=True),)),
-                 "Conv(3,16)-BN-ReLU-Conv(16,16)-ReLU-avgpool-Linear(16,10), x[8,3,32,32], train"),
+        Workload(
+            "pointwise_chain",
+            pointwise_chain,
+            _seeded(lambda: (torch.randn(256, 256, requires_grad=True),)),
+            "10 pointwise ops on float32[256,256], .sum()",
+        ),
+        Workload(
+            "layernorm_gelu_mlp",
+            mlp,
+            _seeded(lambda: (torch.randn(64, 128, requires_grad=True),)),
+            "x[64,128] -> LayerNorm(128) -> Linear(128,512) -> GELU -> Linear(512,128), .sum()",
+        ),
+        Workload(
+            "softmax_cross_entropy",
+            cross_entropy,
+            _seeded(
+                lambda: (torch.randn(64, 1000, requires_grad=True), torch.randint(0, 1000, (64,)))
+            ),
+            "F.cross_entropy(logits[64,1000], targets[64])",
+        ),
+        Workload(
+            "gpt_stack",
+            gpt,
+            _seeded(lambda: (torch.randn(4, 32, 64, requires_grad=True),)),
+            "2 pre-LN decoder blocks, d_model 64, 4 heads, seq 32, batch 4, .sum()",
+        ),
+        Workload(
+            "conv_net",
+            conv,
+            _seeded(lambda: (torch.randn(8, 3, 32, 32, requires_grad=True),)),
+            "Conv(3,16)-BN-ReLU-Conv(16,16)-ReLU-avgpool-Linear(16,10), x[8,3,32,32], train",
+        ),
     ]
 
 
@@ -202,31 +217,38 @@ def placeholder_saved(bw: fx.GraphModule, fw: fx.GraphModule | None = None) -> l
     """Backward placeholders that are not tangents, with their bytes (0 for non-tensors).
     `fw`: the forward graph, to name the op that produced each saved value (torch keeps the
     joint node's name for the forward node and the backward placeholder)."""
-    producers = {} if fw is None else {
-        n.name: "input" if n.op == "placeholder" else str(n.target) for n in fw.graph.nodes
-    }
+    producers = (
+        {}
+        if fw is None
+        else {n.name: "input" if n.op == "placeholder" else str(n.target) for n in fw.graph.nodes}
+    )
     out = []
     for node in bw.graph.nodes:
         if node.op != "placeholder" or node.name.startswith("tangents"):
             continue
         val = node.meta.get("val")
         is_tensor = isinstance(val, torch.Tensor)
-        out.append({
-            "name": node.name,
-            "nbytes": int(val.numel()) * val.element_size() if is_tensor else 0,
-            "shape": list(val.shape) if is_tensor else None,
-            "dtype": str(val.dtype).removeprefix("torch.") if is_tensor else type(val).__name__,
-            "producer": producers.get(node.name, "?"),
-        })
+        out.append(
+            {
+                "name": node.name,
+                "nbytes": int(val.numel()) * val.element_size() if is_tensor else 0,
+                "shape": list(val.shape) if is_tensor else None,
+                "dtype": str(val.dtype).removeprefix("torch.") if is_tensor else type(val).__name__,
+                "producer": producers.get(node.name, "?"),
+            }
+        )
     return out
 
 
 def _aotc_saved(record: Any) -> list[dict[str, Any]]:
     return [
-        {"name": s.name, "nbytes": s.nbytes,
-         "shape": list(s.shape) if s.shape is not None else None,
-         "dtype": str(s.dtype).removeprefix("torch.") if s.dtype is not None else None,
-         "producer": s.producer}
+        {
+            "name": s.name,
+            "nbytes": s.nbytes,
+            "shape": list(s.shape) if s.shape is not None else None,
+            "dtype": str(s.dtype).removeprefix("torch.") if s.dtype is not None else None,
+            "producer": s.producer,
+        }
         for s in record.partition.saved
     ]
 
@@ -251,8 +273,11 @@ def compile_aotc(wl: Workload, plan: str) -> dict[str, Any]:
     # Cross-check against the backward graph: its placeholders that are saved values (aotc
     # names tangent placeholders argN_1 too, so go by the stage's input descriptors).
     bw = record.partition.backward
-    saved_ph = [n for n, d in zip((n for n in bw.module.graph.nodes if n.op == "placeholder"),
-                                  bw.inputs) if isinstance(d, SavedInput)]
+    saved_ph = [
+        n
+        for n, d in zip((n for n in bw.module.graph.nodes if n.op == "placeholder"), bw.inputs)
+        if isinstance(d, SavedInput)
+    ]
     from_placeholders = sum(node_nbytes(n) for n in saved_ph)
     nbytes = sum(s["nbytes"] for s in saved)
     assert nbytes == from_placeholders, (wl.name, nbytes, from_placeholders)
@@ -330,8 +355,12 @@ def _grads_match(wl: Workload, compiled: Callable[..., torch.Tensor]) -> bool:
     )
 
 
-def step_times(wl: Workload, systems: dict[str, Callable[..., torch.Tensor]], rounds: int,
-               target_round_s: float = 0.1) -> dict[str, Any]:
+def step_times(
+    wl: Workload,
+    systems: dict[str, Callable[..., torch.Tensor]],
+    rounds: int,
+    target_round_s: float = 0.1,
+) -> dict[str, Any]:
     inputs = wl.inputs()
 
     def looper(f: Callable[..., torch.Tensor]) -> Callable[[int], None]:
@@ -367,8 +396,9 @@ def _time(fn: Callable[[], object]) -> float:
 
 
 def run_workload(wl: Workload, reps: int, rounds: int) -> dict[str, Any]:
-    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in
-                                             ("aotc_min_cut", "aotc_simple", *TORCH_PARTITIONERS)}
+    runs: dict[str, list[dict[str, Any]]] = {
+        k: [] for k in ("aotc_min_cut", "aotc_simple", *TORCH_PARTITIONERS)
+    }
     for r in range(reps):
         order = list(runs) if r % 2 == 0 else list(runs)[::-1]
         for system in order:
@@ -393,8 +423,10 @@ def run_workload(wl: Workload, reps: int, rounds: int) -> dict[str, Any]:
         "description": wl.description,
         "saved_bytes": b,
         "saved_count": {s: len(first[s]["saved"]) for s in runs},
-        "ratio": {"aotc_min_cut/torch_min_cut": r,
-                  "aotc_simple/torch_default": ratio(b["aotc_simple"], b["torch_default"])},
+        "ratio": {
+            "aotc_min_cut/torch_min_cut": r,
+            "aotc_simple/torch_default": ratio(b["aotc_simple"], b["torch_default"]),
+        },
         "meets_goal": b["aotc_min_cut"] <= b["torch_min_cut"],
         "partition_median_ms": part_ms,
         "step_median_ms": steps["median_ms"],
@@ -402,10 +434,14 @@ def run_workload(wl: Workload, reps: int, rounds: int) -> dict[str, Any]:
         "step_rounds": steps["rounds"],
         "aotc_recomputed_nodes": first["aotc_min_cut"]["recomputed"],
         "aotc_save_everything_bytes": first["aotc_min_cut"]["save_everything_bytes"],
-        "joint_nodes": {"aotc": first["aotc_min_cut"]["joint_nodes"],
-                        "torch": first["torch_min_cut"]["joint_nodes"]},
-        "grads_match_eager": {"aotc": _grads_match(wl, aotc_fn),
-                              "aot_autograd": _grads_match(wl, torch_fn)},
+        "joint_nodes": {
+            "aotc": first["aotc_min_cut"]["joint_nodes"],
+            "torch": first["torch_min_cut"]["joint_nodes"],
+        },
+        "grads_match_eager": {
+            "aotc": _grads_match(wl, aotc_fn),
+            "aot_autograd": _grads_match(wl, torch_fn),
+        },
         "saved": {s: first[s]["saved"] for s in ("aotc_min_cut", "torch_min_cut")},
         "reps": reps,
     }
@@ -417,7 +453,12 @@ def run_workload(wl: Workload, reps: int, rounds: int) -> dict[str, Any]:
 def make_long_chain(n_ops: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """A chain of n_ops pointwise ops (sin, cos * 0.5, tanh, + 0.1, sigmoid, ...) then .sum()."""
     steps: list[Callable[[torch.Tensor], torch.Tensor]] = [
-        torch.sin, lambda y: y * 0.5, torch.cos, torch.tanh, lambda y: y + 0.1, torch.sigmoid,
+        torch.sin,
+        lambda y: y * 0.5,
+        torch.cos,
+        torch.tanh,
+        lambda y: y + 0.1,
+        torch.sigmoid,
     ]
 
     def long_chain(x: torch.Tensor) -> torch.Tensor:
@@ -473,8 +514,12 @@ def run_scaling(n_ops: int, with_torch: bool, reruns: int = 2) -> dict[str, Any]
         out["cprofile_top15_tottime"] = buf.getvalue()
     if with_torch:
         box: dict[str, Any] = {}
-        aot = aot_function(make_long_chain(n_ops), noop_compiler, noop_compiler,
-                           partition_fn=_capturing(min_cut_rematerialization_partition, box))
+        aot = aot_function(
+            make_long_chain(n_ops),
+            noop_compiler,
+            noop_compiler,
+            partition_fn=_capturing(min_cut_rematerialization_partition, box),
+        )
         x.grad = None
         aot(x).backward()
         out["torch_min_cut_partition_s"] = sum(box["seconds"])
@@ -490,21 +535,47 @@ def table(results: dict[str, Any]) -> str:
     rows = []
     for name, r in results["workloads"].items():
         b, p, s = r["saved_bytes"], r["partition_median_ms"], r["step_median_ms"]
-        rows.append([
-            name, b["aotc_min_cut"], b["aotc_simple"], b["torch_min_cut"], b["torch_default"],
-            r["ratio"]["aotc_min_cut/torch_min_cut"], p["aotc_min_cut"], p["torch_min_cut"],
-            s["eager"], s["aotc"], s["aot_autograd"], "yes" if r["meets_goal"] else "NO",
-        ])
+        rows.append(
+            [
+                name,
+                b["aotc_min_cut"],
+                b["aotc_simple"],
+                b["torch_min_cut"],
+                b["torch_default"],
+                r["ratio"]["aotc_min_cut/torch_min_cut"],
+                p["aotc_min_cut"],
+                p["torch_min_cut"],
+                s["eager"],
+                s["aotc"],
+                s["aot_autograd"],
+                "yes" if r["meets_goal"] else "NO",
+            ]
+        )
     text = fmt_table(
-        ["saved bytes", "aotc mc", "aotc simple", "torch mc", "torch dflt", "aotc/torch mc",
-         "part aotc ms", "part torch ms", "step eager ms", "step aotc ms", "step aot ms", "<=1.0"],
+        [
+            "saved bytes",
+            "aotc mc",
+            "aotc simple",
+            "torch mc",
+            "torch dflt",
+            "aotc/torch mc",
+            "part aotc ms",
+            "part torch ms",
+            "step eager ms",
+            "step aotc ms",
+            "step aot ms",
+            "<=1.0",
+        ],
         rows,
     )
     sc = results["scaling"]
     text += (
         f"\nscaling: {sc['joint_nodes']} joint nodes, aotc partition {sc['aotc_partition_s']:.3f} s"
-        + (f" (torch min-cut {sc['torch_min_cut_partition_s']:.3f} s)"
-           if "torch_min_cut_partition_s" in sc else "")
+        + (
+            f" (torch min-cut {sc['torch_min_cut_partition_s']:.3f} s)"
+            if "torch_min_cut_partition_s" in sc
+            else ""
+        )
         + f", goal < {SCALING_GOAL_S:g} s: {'yes' if sc['meets_goal'] else 'NO'}"
     )
     return text
@@ -513,11 +584,14 @@ def table(results: dict[str, Any]) -> str:
 def saved_listing(r: dict[str, Any]) -> str:
     lines = []
     for system in ("aotc_min_cut", "torch_min_cut"):
-        lines.append(f"  {system}: {len(r['saved'][system])} values, "
-                     f"{sum(s['nbytes'] for s in r['saved'][system])} B")
+        lines.append(
+            f"  {system}: {len(r['saved'][system])} values, "
+            f"{sum(s['nbytes'] for s in r['saved'][system])} B"
+        )
         for s in r["saved"][system]:
-            lines.append(f"    {s['name']:28s} {s['dtype']}{s['shape']} {s['nbytes']} B "
-                         f"from {s['producer']}")
+            lines.append(
+                f"    {s['name']:28s} {s['dtype']}{s['shape']} {s['nbytes']} B from {s['producer']}"
+            )
     return "\n".join(lines)
 
 
@@ -525,10 +599,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=5, help="compilations per system (partition time)")
     p.add_argument("--rounds", type=int, default=9, help="interleaved step-time rounds")
-    p.add_argument("--scaling-ops", type=int, default=4300,
-                   help="pointwise ops in the scaling case (4300: ~10,000 joint nodes)")
-    p.add_argument("--no-torch-scaling", action="store_true",
-                   help="skip AOTAutograd's min-cut on the scaling graph (~40 s; --quick skips it)")
+    p.add_argument(
+        "--scaling-ops",
+        type=int,
+        default=4300,
+        help="pointwise ops in the scaling case (4300: ~10,000 joint nodes)",
+    )
+    p.add_argument(
+        "--no-torch-scaling",
+        action="store_true",
+        help="skip AOTAutograd's min-cut on the scaling graph (~40 s; --quick skips it)",
+    )
     p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
     p.add_argument("--only", nargs="*", help="workload names to run (default: all)")
     args = p.parse_args(argv)
@@ -541,20 +622,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         r = run_workload(wl, reps, rounds)
         per_workload[wl.name] = r
         b = r["saved_bytes"]
-        print(f"  {wl.name:22s} saved B: aotc mc {b['aotc_min_cut']:>9d}  torch mc "
-              f"{b['torch_min_cut']:>9d}  ratio {r['ratio']['aotc_min_cut/torch_min_cut']:.3f}",
-              flush=True)
+        print(
+            f"  {wl.name:22s} saved B: aotc mc {b['aotc_min_cut']:>9d}  torch mc "
+            f"{b['torch_min_cut']:>9d}  ratio {r['ratio']['aotc_min_cut/torch_min_cut']:.3f}",
+            flush=True,
+        )
         if not r["meets_goal"]:
             print(saved_listing(r), flush=True)
-    scaling = run_scaling(args.scaling_ops, with_torch=not (args.no_torch_scaling or args.quick),
-                          reruns=1 if args.quick else 2)
-    print(f"  scaling: {scaling['joint_nodes']} joint nodes, aotc partition "
-          f"{scaling['aotc_partition_s']:.3f} s", flush=True)
+    scaling = run_scaling(
+        args.scaling_ops,
+        with_torch=not (args.no_torch_scaling or args.quick),
+        reruns=1 if args.quick else 2,
+    )
+    print(
+        f"  scaling: {scaling['joint_nodes']} joint nodes, aotc partition "
+        f"{scaling['aotc_partition_s']:.3f} s",
+        flush=True,
+    )
     if "cprofile_top15" in scaling:
         print(scaling["cprofile_top15"], flush=True)
     results = {"workloads": per_workload, "scaling": scaling}
     results["all_goals_met"] = all(r["meets_goal"] for r in per_workload.values()) and bool(
-        scaling["meets_goal"])
+        scaling["meets_goal"]
+    )
     path = write_results(
         "partition",
         results,

@@ -71,22 +71,30 @@ def main(argv: list[str] | None = None) -> dict:
             rates["eager"].append(throughput(f, n, args.calls))
         aotc_rate, eager_rate = median(rates["aotc"]), median(rates["eager"])
         results[f"{n}_threads"] = {
-            "aotc_calls_per_s": round(aotc_rate), "eager_calls_per_s": round(eager_rate),
+            "aotc_calls_per_s": round(aotc_rate),
+            "eager_calls_per_s": round(eager_rate),
             "aotc_over_eager": ratio(aotc_rate, eager_rate),
         }
     assert len(aotc.inspect(compiled)) == 1
-    write_results("threads", results, "throughput of one shared compiled function from 1/2/8 "
-                  "threads, fwd+bwd on tiny inputs", calls_per_thread=args.calls,
-                  rounds=args.rounds)
+    write_results(
+        "threads",
+        results,
+        "throughput of one shared compiled function from 1/2/8 threads, fwd+bwd on tiny inputs",
+        calls_per_thread=args.calls,
+        rounds=args.rounds,
+    )
     print(table(results))
     return results
 
 
 def table(results: dict) -> str:
-    rows = [(k, v["aotc_calls_per_s"], v["eager_calls_per_s"], f"{v['aotc_over_eager']:.2f}")
-            for k, v in results.items()]
-    return "calls/second, fwd+bwd tiny\n" + fmt_table(("threads", "aotc", "eager", "aotc/eager"),
-                                                      rows)
+    rows = [
+        (k, v["aotc_calls_per_s"], v["eager_calls_per_s"], f"{v['aotc_over_eager']:.2f}")
+        for k, v in results.items()
+    ]
+    return "calls/second, fwd+bwd tiny\n" + fmt_table(
+        ("threads", "aotc", "eager", "aotc/eager"), rows
+    )
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import torch
 from common import fmt_table, write_results
 
 import aotc
-import runtime.kernels as rk
+import aotc.runtime.kernels as rk
 from examples.gpt_block import Block
 
 LENGTHS = [3, 5, 7, 9, 12]
@@ -48,8 +48,9 @@ def run(dynamic: bool, device: str) -> dict[str, Any]:
     importlib.util.spec_from_file_location = spec  # type: ignore[assignment]
     try:
         torch.manual_seed(0)
-        model = aotc.compile(Block(16, 2, use_sdpa=False).to(device), dynamic=dynamic,
-                             backend="triton")
+        model = aotc.compile(
+            Block(16, 2, use_sdpa=False).to(device), dynamic=dynamic, backend="triton"
+        )
         start = time.perf_counter()
         for t in LENGTHS:
             model(torch.randn(2, t, 16, device=device)).sum().backward()
@@ -58,19 +59,33 @@ def run(dynamic: bool, device: str) -> dict[str, Any]:
         importlib.util.spec_from_file_location = real  # type: ignore[assignment]
     recs = aotc.inspect(model)
     sources = {k.key for r in recs for k in r.kernels}
-    return {"compilations": len(recs), "kernel_sources": len(sources),
-            "triton_compiles": loads[0], "seconds_all_steps": round(seconds, 3)}
+    return {
+        "compilations": len(recs),
+        "kernel_sources": len(sources),
+        "triton_compiles": loads[0],
+        "seconds_all_steps": round(seconds, 3),
+    }
 
 
 def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    results = {"sequence_lengths": LENGTHS, "device": device,
-               "static": run(False, device), "dynamic": run(True, device)}
-    rows = [[k, *[results[m][k] for m in ("static", "dynamic")]]
-            for k in ("compilations", "kernel_sources", "triton_compiles", "seconds_all_steps")]
+    results = {
+        "sequence_lengths": LENGTHS,
+        "device": device,
+        "static": run(False, device),
+        "dynamic": run(True, device),
+    }
+    rows = [
+        [k, *[results[m][k] for m in ("static", "dynamic")]]
+        for k in ("compilations", "kernel_sources", "triton_compiles", "seconds_all_steps")
+    ]
     print(fmt_table(["GPT block, 5 lengths", "static", "dynamic=True"], rows))
-    path = write_results("triton_dynamic", results, device=device,
-                         note="CPU runs use Triton's interpreter; times include compiles")
+    path = write_results(
+        "triton_dynamic",
+        results,
+        device=device,
+        note="CPU runs use Triton's interpreter; times include compiles",
+    )
     print(f"wrote {path}")
 
 

@@ -22,11 +22,15 @@ def summarize(compiled: object) -> None:
             print("--- backward graph")
             print(rec.backward.code.strip())
         if rec.partition is not None:
-            print(f"--- saved for backward: {len(rec.partition.saved)} values, "
-                  f"{rec.saved_bytes} bytes")
+            print(
+                f"--- saved for backward: {len(rec.partition.saved)} values, "
+                f"{rec.saved_bytes} bytes"
+            )
         if rec.kernels:
-            print(f"--- {len(rec.kernels)} generated Triton kernels: "
-                  f"{', '.join(k.name for k in rec.kernels)}")
+            print(
+                f"--- {len(rec.kernels)} generated Triton kernels: "
+                f"{', '.join(k.name for k in rec.kernels)}"
+            )
         times = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in rec.stage_seconds.items())
         print(f"--- compile time: {rec.compile_seconds * 1e3:.1f} ms ({times})")
 

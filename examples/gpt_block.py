@@ -75,18 +75,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dump", metavar="DIR", help="write every compiled stage under DIR")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--plain-attention", action="store_true",
-                        help="matmul/softmax attention instead of F.scaled_dot_product_attention")
-    parser.add_argument("--backend", default="aten", choices=["aten", "triton", "auto"],
-                        help="'triton' runs generated kernels (Triton's interpreter on CPU)")
+    parser.add_argument(
+        "--plain-attention",
+        action="store_true",
+        help="matmul/softmax attention instead of F.scaled_dot_product_attention",
+    )
+    parser.add_argument(
+        "--backend",
+        default="aten",
+        choices=["aten", "triton", "auto"],
+        help="'triton' runs generated kernels (Triton's interpreter on CPU)",
+    )
     args = parser.parse_args()
 
     batch, seq, d_model, n_heads = 4, 32, 64, 4
     torch.manual_seed(0)
     model = Block(d_model, n_heads, dropout=0.0, use_sdpa=not args.plain_attention)
     train_against_eager(
-        model, lambda: (torch.randn(batch, seq, d_model), torch.randn(batch, seq, d_model)), F.mse_loss,
-        steps=args.steps, lr=0.05, dump=args.dump, backend=args.backend,
+        model,
+        lambda: (torch.randn(batch, seq, d_model), torch.randn(batch, seq, d_model)),
+        F.mse_loss,
+        steps=args.steps,
+        lr=0.05,
+        dump=args.dump,
+        backend=args.backend,
     )
 
 

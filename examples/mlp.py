@@ -36,15 +36,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dump", metavar="DIR", help="write every compiled stage under DIR")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--backend", default="aten", choices=["aten", "triton", "auto"],
-                        help="'triton' runs generated kernels (Triton's interpreter on CPU)")
+    parser.add_argument(
+        "--backend",
+        default="aten",
+        choices=["aten", "triton", "auto"],
+        help="'triton' runs generated kernels (Triton's interpreter on CPU)",
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)
     model = MLP()
     train_against_eager(
-        model, lambda: (torch.randn(32, 781), torch.randint(0, 10, (32,))), F.cross_entropy,
-        steps=args.steps, lr=0.1, dump=args.dump, backend=args.backend,
+        model,
+        lambda: (torch.randn(32, 781), torch.randint(0, 10, (32,))),
+        F.cross_entropy,
+        steps=args.steps,
+        lr=0.1,
+        dump=args.dump,
+        backend=args.backend,
     )
 
 

@@ -55,8 +55,10 @@ def main() -> None:
     print(record.format())
     print("outputs, buf mutation, view aliasing and x.grad match eager")
     if args.dump:
-        print(f"the same stages were written under {args.dump}/: "
-              f"{', '.join(sorted(os.listdir(args.dump)))}")
+        print(
+            f"the same stages were written under {args.dump}/: "
+            f"{', '.join(sorted(os.listdir(args.dump)))}"
+        )
 
 
 if __name__ == "__main__":

@@ -19,13 +19,16 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from passes.ir import StageGraph, make_module
-from passes.recompute import is_random
+from aotc.passes.ir import StageGraph, make_module
+from aotc.passes.recompute import is_random
 
 aten = torch.ops.aten
 
 _IDENTITY_VIEWS = {
-    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.expand.default,
 }
 _IDENTITY_COPIES = {aten.alias.default, aten.clone.default}
 
@@ -104,7 +107,8 @@ def _is_noop(node: fx.Node) -> bool:
     if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
         return False
     same = (
-        _known_equal(src.shape, out.shape) and _known_equal(src.stride(), out.stride())
+        _known_equal(src.shape, out.shape)
+        and _known_equal(src.stride(), out.stride())
         and src.dtype == out.dtype
         and _known_equal((src.storage_offset(),), (out.storage_offset(),))
     )
@@ -120,7 +124,8 @@ def _known_equal(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
     """Equal sizes/strides, deciding symbolic ones without adding a guard to the ShapeEnv (a
     comparison that is not known statically counts as different)."""
     return len(a) == len(b) and all(
-        statically_known_true(x == y) for x, y in zip(a, b)  # type: ignore[arg-type]
+        statically_known_true(x == y)
+        for x, y in zip(a, b)  # type: ignore[arg-type]
     )
 
 

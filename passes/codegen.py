@@ -30,7 +30,7 @@ import re
 import sympy
 import torch
 
-from passes.fusion import (
+from aotc.passes.fusion import (
     RINDEX,
     XINDEX,
     YINDEX,
@@ -42,9 +42,9 @@ from passes.fusion import (
     store_index,
     tile_columns,
 )
-from passes.loop_ir import Const, Expr, FloorDiv, IndexValue, Load, ModIdx, Op, is_static
-from passes.lowering import Computed
-from runtime.kernels import KernelSource
+from aotc.passes.loop_ir import Const, Expr, FloorDiv, IndexValue, Load, ModIdx, Op, is_static
+from aotc.passes.lowering import Computed
+from aotc.runtime.kernels import KernelSource
 
 # Heuristic: rows up to this many elements are reduced in registers in one pass (as in common
 # softmax/LayerNorm widths); longer rows loop over r.
@@ -53,31 +53,61 @@ LOOP_RBLOCK = 256
 LAUNCH_RBLOCK = -1  # KernelSource.persistent_rblock: the next power of two of rnumel at launch
 
 _TL = {
-    torch.float32: "tl.float32", torch.float16: "tl.float32", torch.bfloat16: "tl.float32",
-    torch.float64: "tl.float64", torch.int64: "tl.int64", torch.int32: "tl.int32",
-    torch.bool: "tl.int1", torch.int8: "tl.int8", torch.uint8: "tl.uint8",
+    torch.float32: "tl.float32",
+    torch.float16: "tl.float32",
+    torch.bfloat16: "tl.float32",
+    torch.float64: "tl.float64",
+    torch.int64: "tl.int64",
+    torch.int32: "tl.int32",
+    torch.bool: "tl.int1",
+    torch.int8: "tl.int8",
+    torch.uint8: "tl.uint8",
 }
 _STORE_TL = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16"}
 
 _TEMPLATES = {
-    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
-    "neg": "(-{0})", "exp": "tl.exp({0})", "log": "tl.log({0})", "sqrt": "tl.sqrt({0})",
-    "rsqrt": "tl.math.rsqrt({0})", "abs": "tl.abs({0})", "sin": "tl.sin({0})",
-    "cos": "tl.cos({0})", "tanh": "(2.0 / (1.0 + tl.exp(-2.0 * {0})) - 1.0)",
-    "sigmoid": "(1.0 / (1.0 + tl.exp(-{0})))", "relu": "tl.where({0} < 0, 0, {0})",
-    "erf": "tl.math.erf({0})", "log1p": "tl.log(1.0 + {0})", "expm1": "(tl.exp({0}) - 1.0)",
-    "reciprocal": "(1.0 / {0})", "silu": "({0} / (1.0 + tl.exp(-{0})))",
+    "add": "({0} + {1})",
+    "sub": "({0} - {1})",
+    "mul": "({0} * {1})",
+    "div": "({0} / {1})",
+    "neg": "(-{0})",
+    "exp": "tl.exp({0})",
+    "log": "tl.log({0})",
+    "sqrt": "tl.sqrt({0})",
+    "rsqrt": "tl.math.rsqrt({0})",
+    "abs": "tl.abs({0})",
+    "sin": "tl.sin({0})",
+    "cos": "tl.cos({0})",
+    "tanh": "(2.0 / (1.0 + tl.exp(-2.0 * {0})) - 1.0)",
+    "sigmoid": "(1.0 / (1.0 + tl.exp(-{0})))",
+    "relu": "tl.where({0} < 0, 0, {0})",
+    "erf": "tl.math.erf({0})",
+    "log1p": "tl.log(1.0 + {0})",
+    "expm1": "(tl.exp({0}) - 1.0)",
+    "reciprocal": "(1.0 / {0})",
+    "silu": "({0} / (1.0 + tl.exp(-{0})))",
     "sign": "(({0} > 0).to(tl.int8) - ({0} < 0).to(tl.int8))",
-    "logical_and": "(({0} != 0) & ({1} != 0))", "logical_or": "(({0} != 0) | ({1} != 0))",
-    "logical_not": "({0} == 0)", "eq": "({0} == {1})", "ne": "({0} != {1})",
-    "lt": "({0} < {1})", "le": "({0} <= {1})", "gt": "({0} > {1})", "ge": "({0} >= {1})",
-    "where": "tl.where({0}, {1}, {2})", "clamp_min": "tl.where({0} < {1}, {1}, {0})",
+    "logical_and": "(({0} != 0) & ({1} != 0))",
+    "logical_or": "(({0} != 0) | ({1} != 0))",
+    "logical_not": "({0} == 0)",
+    "eq": "({0} == {1})",
+    "ne": "({0} != {1})",
+    "lt": "({0} < {1})",
+    "le": "({0} <= {1})",
+    "gt": "({0} > {1})",
+    "ge": "({0} >= {1})",
+    "where": "tl.where({0}, {1}, {2})",
+    "clamp_min": "tl.where({0} < {1}, {1}, {0})",
     "clamp_max": "tl.where({0} > {1}, {1}, {0})",
     "gelu": "(0.5 * {0} * (1.0 + tl.math.erf({0} * 0.7071067811865476)))",
     "gelu_tanh": "(0.5 * {0} * (2.0 / (1.0 + tl.exp(-2.0 * 0.7978845608028654 * ({0} + "
-                 "0.044715 * {0} * {0} * {0}))) ))",
-    "pow2": "({0} * {0})", "pow3": "({0} * {0} * {0})", "pow0_5": "tl.sqrt({0})",
-    "powm0_5": "tl.math.rsqrt({0})", "powm1": "(1.0 / {0})", "pow1": "{0}",
+    "0.044715 * {0} * {0} * {0}))) ))",
+    "pow2": "({0} * {0})",
+    "pow3": "({0} * {0} * {0})",
+    "pow0_5": "tl.sqrt({0})",
+    "powm0_5": "tl.math.rsqrt({0})",
+    "powm1": "(1.0 / {0})",
+    "pow1": "{0}",
     "powm2": "(1.0 / ({0} * {0}))",
 }
 
@@ -174,8 +204,13 @@ class _Emitter:
                 return self.registers[e.buf]
             size, _, _, dtype = self.buffers[e.buf]
             if 0 in size:  # only a reduction over an empty dim reads it: every lane is masked
-                shape = ("[XBLOCK, RBLOCK]" if self.group.kind is GroupKind.REDUCTION
-                         else "[YBLOCK, XBLOCK]" if self.cols else "[XBLOCK]")
+                shape = (
+                    "[XBLOCK, RBLOCK]"
+                    if self.group.kind is GroupKind.REDUCTION
+                    else "[YBLOCK, XBLOCK]"
+                    if self.cols
+                    else "[XBLOCK]"
+                )
                 name = self.var()
                 target.lines.append(f"{target.indent}{name} = tl.zeros({shape}, {_TL[dtype]})")
                 target.cache[e] = name
@@ -224,7 +259,8 @@ class _Emitter:
 
     def store(self, comp: Computed, value: str, scope: _Scope, mask: str) -> None:
         idx = _block_index(
-            store_index(comp, self.group.xnumel, self.group.rnumel, self.cols), self.blocks)
+            store_index(comp, self.group.xnumel, self.group.rnumel, self.cols), self.blocks
+        )
         if comp.dtype in _STORE_TL:
             value = self.round_half(value, comp.dtype)
         elif comp.dtype == torch.bool:
@@ -261,8 +297,9 @@ def _needs_int64(group: FusionGroup, plan: FusionPlan) -> bool:
     return False
 
 
-def generate_kernel(plan: FusionPlan, group: FusionGroup, device: str, interpret: bool
-                    ) -> KernelSource:
+def generate_kernel(
+    plan: FusionPlan, group: FusionGroup, device: str, interpret: bool
+) -> KernelSource:
     members = [m for m in group.members if isinstance(m, Computed)]
     cols = tile_columns(group)
     em = _Emitter(group, plan, interpret, cols)
@@ -279,18 +316,24 @@ def generate_kernel(plan: FusionPlan, group: FusionGroup, device: str, interpret
     body: list[str] = []
     pid = "tl.program_id(0).to(tl.int64)" if int64 else "tl.program_id(0)"
     if cols:
-        body += [f"    pid = {pid}", "    xtiles = (xnumel + XBLOCK - 1) // XBLOCK",
-                 "    yindex = (pid // xtiles) * YBLOCK + tl.arange(0, YBLOCK)[:, None]",
-                 "    xindex = (pid % xtiles) * XBLOCK + tl.arange(0, XBLOCK)[None, :]",
-                 "    xmask = (xindex < xnumel) & (yindex < ynumel)"]
+        body += [
+            f"    pid = {pid}",
+            "    xtiles = (xnumel + XBLOCK - 1) // XBLOCK",
+            "    yindex = (pid // xtiles) * YBLOCK + tl.arange(0, YBLOCK)[:, None]",
+            "    xindex = (pid % xtiles) * XBLOCK + tl.arange(0, XBLOCK)[None, :]",
+            "    xmask = (xindex < xnumel) & (yindex < ynumel)",
+        ]
     else:
         body.append(f"    xoffset = {pid} * XBLOCK")
     if cols:
         pass  # the 2-D index lines are above
     elif reduction:
-        body += ["    xindex = xoffset + tl.arange(0, XBLOCK)[:, None]",
-                 "    xmask = xindex < xnumel", "    rbase = tl.arange(0, RBLOCK)[None, :]"
-                 + (".to(tl.int64)" if plan.lowered.symbols else "")]  # r * size may pass 2**31
+        body += [
+            "    xindex = xoffset + tl.arange(0, XBLOCK)[:, None]",
+            "    xmask = xindex < xnumel",
+            "    rbase = tl.arange(0, RBLOCK)[None, :]"
+            + (".to(tl.int64)" if plan.lowered.symbols else ""),
+        ]  # r * size may pass 2**31
     else:
         body += ["    xindex = xoffset + tl.arange(0, XBLOCK)", "    xmask = xindex < xnumel"]
     outer = _Scope("    ", None, "x")
@@ -309,8 +352,15 @@ def generate_kernel(plan: FusionPlan, group: FusionGroup, device: str, interpret
         elif m.name in stores:
             row = reduction and is_row_level(m, x, r)
             if row or not reduction or persistent:
-                shape = ("[XBLOCK, 1]" if row else "[XBLOCK, RBLOCK]" if reduction
-                         else "[YBLOCK, XBLOCK]" if cols else "[XBLOCK]")
+                shape = (
+                    "[XBLOCK, 1]"
+                    if row
+                    else "[XBLOCK, RBLOCK]"
+                    if reduction
+                    else "[YBLOCK, XBLOCK]"
+                    if cols
+                    else "[XBLOCK]"
+                )
                 value = em.emit(e, outer)
                 if isinstance(e, Const):
                     value = _full(value, m.dtype, shape)
@@ -327,8 +377,12 @@ def generate_kernel(plan: FusionPlan, group: FusionGroup, device: str, interpret
                 value = _full(value, m.dtype, "[XBLOCK, RBLOCK]")
             em.store(m, value, loop, "xmask & rmask")
         body += outer.lines
-        body += ["    for roffset in range(0, rnumel, RBLOCK):", "        rindex = roffset + rbase",
-                 "        rmask = rindex < rnumel", *loop.lines]
+        body += [
+            "    for roffset in range(0, rnumel, RBLOCK):",
+            "        rindex = roffset + rbase",
+            "        rmask = rindex < rnumel",
+            *loop.lines,
+        ]
     params = [f"in_{b}" for b in group.reads] + [f"out_{s}" for s in group.stores]
     second = "Y" if cols else "R"
     if isinstance(r, (int, sympy.Integer)):
@@ -338,27 +392,59 @@ def generate_kernel(plan: FusionPlan, group: FusionGroup, device: str, interpret
         bound = f"range(0, {int(r)}, RBLOCK)"
         body = [line.replace("range(0, rnumel, RBLOCK)", bound) for line in body]
     text = "\n".join(body)
-    symbols = tuple(str(sym) for sym in plan.lowered.symbols
-                    if re.search(rf"\b{sym}\b", text))
-    sig = ", ".join([*params, "xnumel", f"{second.lower()}numel", *symbols,
-                     "XBLOCK: tl.constexpr", f"{second}BLOCK: tl.constexpr"])
+    symbols = tuple(str(sym) for sym in plan.lowered.symbols if re.search(rf"\b{sym}\b", text))
+    sig = ", ".join(
+        [
+            *params,
+            "xnumel",
+            f"{second.lower()}numel",
+            *symbols,
+            "XBLOCK: tl.constexpr",
+            f"{second}BLOCK: tl.constexpr",
+        ]
+    )
     # Sizes vary between calls of a symbolic kernel: no value specialization, so one compile
     # serves all sizes (Triton's interpreter compiles nothing and rejects the option in loops).
-    jit = (f"@triton.jit(do_not_specialize={['xnumel', 'rnumel', *symbols]!r})"
-           if plan.lowered.symbols and not interpret else "@triton.jit")
-    header = [f"# kernel {group.name}: {group.kind.value}, x={x} r={r}"
-              + (" (persistent)" if persistent else (" (looped)" if reduction else ""))
-              + (f" (2-D tiles over {x // cols}x{cols})" if cols else ""),
-              f"# bytes_read={group.bytes_read} bytes_written={group.bytes_written}",
-              "# source ops:", *[f"#   {op}" for op in group.source_ops]]
+    jit = (
+        f"@triton.jit(do_not_specialize={['xnumel', 'rnumel', *symbols]!r})"
+        if plan.lowered.symbols and not interpret
+        else "@triton.jit"
+    )
+    header = [
+        f"# kernel {group.name}: {group.kind.value}, x={x} r={r}"
+        + (" (persistent)" if persistent else (" (looped)" if reduction else ""))
+        + (f" (2-D tiles over {x // cols}x{cols})" if cols else ""),
+        f"# bytes_read={group.bytes_read} bytes_written={group.bytes_written}",
+        "# source ops:",
+        *[f"#   {op}" for op in group.source_ops],
+    ]
     helpers = _ROUND_BF16 if "_round_bf16(" in "\n".join(body) else ""
-    source = "\n".join([*header, "import triton", "import triton.language as tl", "", helpers,
-                        jit, f"def {group.name}({sig}):", *body, ""])
+    source = "\n".join(
+        [
+            *header,
+            "import triton",
+            "import triton.language as tl",
+            "",
+            helpers,
+            jit,
+            f"def {group.name}({sig}):",
+            *body,
+            "",
+        ]
+    )
     return KernelSource(
-        name=group.name, source=source, reduction=reduction, inputs=group.reads,
-        outputs=group.stores, xnumel=cols or x, rnumel=x // cols if cols else r,
-        persistent_rblock=rblock if persistent else 0, device=device,
-        bytes_read=group.bytes_read, bytes_written=group.bytes_written, tiled=bool(cols),
+        name=group.name,
+        source=source,
+        reduction=reduction,
+        inputs=group.reads,
+        outputs=group.stores,
+        xnumel=cols or x,
+        rnumel=x // cols if cols else r,
+        persistent_rblock=rblock if persistent else 0,
+        device=device,
+        bytes_read=group.bytes_read,
+        bytes_written=group.bytes_written,
+        tiled=bool(cols),
         symbols=symbols,
     )
 
@@ -374,8 +460,10 @@ def _reduce(em: _Emitter, m: Computed, e: Expr, outer: _Scope, persistent: bool)
         if isinstance(e, Const):
             value = _full(value, m.dtype, "[XBLOCK, RBLOCK]")
         masked, name = em.var(), em.var()
-        outer.lines += [f"    {masked} = tl.where(xmask & rmask, {value}, {init})",
-                        f"    {name} = {combine}({masked}, 1)[:, None].to({acc_tl})"]
+        outer.lines += [
+            f"    {masked} = tl.where(xmask & rmask, {value}, {init})",
+            f"    {name} = {combine}({masked}, 1)[:, None].to({acc_tl})",
+        ]
         outer.lines += _propagate_nan(red.kind, m.dtype, masked, name, "    ")
         return name
     acc = em.var()
@@ -385,38 +473,47 @@ def _reduce(em: _Emitter, m: Computed, e: Expr, outer: _Scope, persistent: bool)
         value = _full(value, m.dtype, "[XBLOCK, RBLOCK]")
     masked = f"tl.where(xmask & rmask, {value}, {init})"
     nan = ", propagate_nan=tl.PropagateNan.ALL" if m.dtype.is_floating_point else ""
-    step = {"sum": f"{acc} + {masked}", "max": f"tl.maximum({acc}, {masked}{nan})",
-            "min": f"tl.minimum({acc}, {masked}{nan})"}[red.kind]
-    outer.lines += [f"    {acc} = tl.full([XBLOCK, RBLOCK], {init}, {acc_tl})",
-                    "    for roffset in range(0, rnumel, RBLOCK):",
-                    "        rindex = roffset + rbase", "        rmask = rindex < rnumel",
-                    *loop.lines, f"        {acc} = {step}"]
+    step = {
+        "sum": f"{acc} + {masked}",
+        "max": f"tl.maximum({acc}, {masked}{nan})",
+        "min": f"tl.minimum({acc}, {masked}{nan})",
+    }[red.kind]
+    outer.lines += [
+        f"    {acc} = tl.full([XBLOCK, RBLOCK], {init}, {acc_tl})",
+        "    for roffset in range(0, rnumel, RBLOCK):",
+        "        rindex = roffset + rbase",
+        "        rmask = rindex < rnumel",
+        *loop.lines,
+        f"        {acc} = {step}",
+    ]
     name = em.var()
     outer.lines.append(f"    {name} = {combine}({acc}, 1)[:, None]")
     outer.lines += _propagate_nan(red.kind, m.dtype, acc, name, "    ")
     return name
 
 
-def _propagate_nan(kind: str, dtype: torch.dtype, block: str, result: str, indent: str
-                   ) -> list[str]:
+def _propagate_nan(
+    kind: str, dtype: torch.dtype, block: str, result: str, indent: str
+) -> list[str]:
     """torch's amax/amin return NaN for a row with a NaN; tl.max/tl.min may skip it."""
     if kind == "sum" or not dtype.is_floating_point:
         return []
-    line = (f"{indent}{result} = tl.where(tl.sum(({block} != {block}).to(tl.int32), 1)[:, None]"
-            f" > 0, float(\"nan\"), {result})")
+    line = (
+        f"{indent}{result} = tl.where(tl.sum(({block} != {block}).to(tl.int32), 1)[:, None]"
+        f' > 0, float("nan"), {result})'
+    )
     return [line]
 
 
-_ROUND_BF16 = '''@triton.jit
+_ROUND_BF16 = """@triton.jit
 def _round_bf16(v):
     # fp32 -> bf16 with round-to-nearest-even (the interpreter's cast truncates)
     bits = v.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
-'''
+"""
 
 
 def kernel_numel(group: FusionGroup) -> int:
     return group.xnumel * max(group.rnumel, 1)
-

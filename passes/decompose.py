@@ -30,39 +30,85 @@ from torch.fx.experimental.proxy_tensor import make_fx
 aten = torch.ops.aten
 
 # Ops that run as library calls: kernels here do matmul, convolution, attention and RNG better.
-EXTERN_OPS: frozenset[object] = frozenset({
-    aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul, aten.convolution,
-    aten.convolution_backward, aten._scaled_dot_product_flash_attention,
-    aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention,
-    aten._scaled_dot_product_flash_attention_for_cpu,
-    aten._scaled_dot_product_flash_attention_backward,
-    aten._scaled_dot_product_efficient_attention_backward,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward,
-    aten._scaled_dot_product_cudnn_attention_backward,
-    aten.native_dropout, aten.rand, aten.randn, aten.rand_like, aten.randn_like, aten.bernoulli,
-    aten.embedding_dense_backward,
-})
+EXTERN_OPS: frozenset[object] = frozenset(
+    {
+        aten.mm,
+        aten.addmm,
+        aten.bmm,
+        aten.baddbmm,
+        aten.matmul,
+        aten.convolution,
+        aten.convolution_backward,
+        aten._scaled_dot_product_flash_attention,
+        aten._scaled_dot_product_efficient_attention,
+        aten._scaled_dot_product_cudnn_attention,
+        aten._scaled_dot_product_flash_attention_for_cpu,
+        aten._scaled_dot_product_flash_attention_backward,
+        aten._scaled_dot_product_efficient_attention_backward,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward,
+        aten._scaled_dot_product_cudnn_attention_backward,
+        aten.native_dropout,
+        aten.rand,
+        aten.randn,
+        aten.rand_like,
+        aten.randn_like,
+        aten.bernoulli,
+        aten.embedding_dense_backward,
+    }
+)
 
 # Pointwise ops that lowering handles directly; decomposing them would only add nodes.
-_KEEP: frozenset[object] = frozenset({
-    aten.gelu, aten.relu, aten.sigmoid, aten.tanh, aten.silu, aten.clamp, aten.where,
-})
+_KEEP: frozenset[object] = frozenset(
+    {
+        aten.gelu,
+        aten.relu,
+        aten.sigmoid,
+        aten.tanh,
+        aten.silu,
+        aten.clamp,
+        aten.where,
+    }
+)
 
 
 @functools.cache
 def decomposition_table() -> dict[Any, Callable[..., Any]]:
     table = dict(core_aten_decompositions())
-    table.update(get_decompositions([
-        aten.native_layer_norm, aten.native_layer_norm_backward, aten._softmax,
-        aten._softmax_backward_data, aten._log_softmax, aten._log_softmax_backward_data,
-        aten.gelu_backward, aten.silu_backward, aten.sigmoid_backward, aten.tanh_backward,
-        aten.threshold_backward, aten.nll_loss_forward, aten.nll_loss_backward,
-        aten.mse_loss, aten.mse_loss_backward, aten.rsub,
-        aten.addcmul, aten.addcdiv, aten.lerp, aten.hardtanh, aten.leaky_relu,
-        aten.leaky_relu_backward, aten.masked_fill, aten.native_dropout_backward,
-    ]))
-    table = {op: fn for op, fn in table.items()
-             if op.overloadpacket not in EXTERN_OPS and op.overloadpacket not in _KEEP}
+    table.update(
+        get_decompositions(
+            [
+                aten.native_layer_norm,
+                aten.native_layer_norm_backward,
+                aten._softmax,
+                aten._softmax_backward_data,
+                aten._log_softmax,
+                aten._log_softmax_backward_data,
+                aten.gelu_backward,
+                aten.silu_backward,
+                aten.sigmoid_backward,
+                aten.tanh_backward,
+                aten.threshold_backward,
+                aten.nll_loss_forward,
+                aten.nll_loss_backward,
+                aten.mse_loss,
+                aten.mse_loss_backward,
+                aten.rsub,
+                aten.addcmul,
+                aten.addcdiv,
+                aten.lerp,
+                aten.hardtanh,
+                aten.leaky_relu,
+                aten.leaky_relu_backward,
+                aten.masked_fill,
+                aten.native_dropout_backward,
+            ]
+        )
+    )
+    table = {
+        op: fn
+        for op, fn in table.items()
+        if op.overloadpacket not in EXTERN_OPS and op.overloadpacket not in _KEEP
+    }
     table[aten.var_mean.correction] = _var_mean
     table[aten.var.correction] = lambda *a, **k: _var_mean(*a, **k)[0]
     return table
@@ -93,7 +139,8 @@ def decompose(module: fx.GraphModule) -> fx.GraphModule:
     interp = fx.Interpreter(module)
     with mode:
         traced = make_fx(
-            lambda *a: interp.run(*a), decomposition_table=table,
+            lambda *a: interp.run(*a),
+            decomposition_table=table,
             tracing_mode="real",
         )(*args)
     traced.graph.eliminate_dead_code()

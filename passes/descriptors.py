@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.schema import FwdOut, GraphArg
+from aotc.runtime.schema import FwdOut, GraphArg
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from passes.loop_ir import (
+from aotc.passes.loop_ir import (
     Expr,
     IndexValue,
     Load,
@@ -50,7 +50,7 @@ from passes.loop_ir import (
     simplify,
     unflatten,
 )
-from passes.lowering import Computed, Extern, Item, LoweredGraph, _itemsize, _prod
+from aotc.passes.lowering import Computed, Extern, Item, LoweredGraph, _itemsize, _prod
 
 XINDEX = index_symbol("xindex")
 RINDEX = index_symbol("rindex")
@@ -85,9 +85,11 @@ class FusionGroup:
         names = ", ".join(m.name for m in self.members)
         if self.kind is GroupKind.EXTERN:
             return f"{self.name} EXTERN: {names}"
-        return (f"{self.name} {self.kind.name} x={self.xnumel} r={self.rnumel}: {names}; "
-                f"stores {', '.join(self.stores) or '-'}; bytes_read={self.bytes_read} "
-                f"bytes_written={self.bytes_written}")
+        return (
+            f"{self.name} {self.kind.name} x={self.xnumel} r={self.rnumel}: {names}; "
+            f"stores {', '.join(self.stores) or '-'}; bytes_read={self.bytes_read} "
+            f"bytes_written={self.bytes_written}"
+        )
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ class FusionPlan:
 
 
 # ---- iteration spaces ----------------------------------------------------------------------
+
 
 def group_ranges(xnumel: Size, rnumel: Size, cols: int = 0) -> Ranges:
     if cols:
@@ -168,8 +171,9 @@ class FusionMismatch(Exception):
     pass
 
 
-def expand(e: Expr, inline: dict[str, Computed], rows: dict[str, sympy.Expr],
-           ranges: Ranges) -> Expr:
+def expand(
+    e: Expr, inline: dict[str, Computed], rows: dict[str, sympy.Expr], ranges: Ranges
+) -> Expr:
     """`e` with loads of in-group pointwise members replaced by their computation and every
     index simplified. Loads of in-group reductions must be at the row (`rows[buf]`), else
     FusionMismatch."""
@@ -188,8 +192,9 @@ def expand(e: Expr, inline: dict[str, Computed], rows: dict[str, sympy.Expr],
     return e
 
 
-def member_expr(comp: Computed, members: Sequence[Computed], xnumel: int, rnumel: int,
-                cols: int = 0) -> Expr:
+def member_expr(
+    comp: Computed, members: Sequence[Computed], xnumel: int, rnumel: int, cols: int = 0
+) -> Expr:
     ranges = group_ranges(xnumel, rnumel, cols)
     inline = {m.name: m for m in members if m.reduction is None and m is not comp}
     rows = {m.name: store_index(m, xnumel, rnumel) for m in members if m.reduction is not None}
@@ -221,6 +226,7 @@ def tile_columns(group: FusionGroup) -> int:
 
 # ---- scheduling ----------------------------------------------------------------------------
 
+
 @dataclass
 class _Group:
     members: list[Computed]
@@ -247,8 +253,11 @@ def _fits(group: _Group, comp: Computed) -> tuple[Size, Size] | None:
     if comp.reduction is None:
         if group.rnumel == 1 and not group.is_reduction():
             return (group.xnumel, 1) if x == group.xnumel else None
-        return (group.xnumel, group.rnumel) if x in (group.xnumel, group.xnumel * group.rnumel) \
+        return (
+            (group.xnumel, group.rnumel)
+            if x in (group.xnumel, group.xnumel * group.rnumel)
             else None
+        )
     if group.is_reduction():
         return (x, r) if (x, r) == (group.xnumel, group.rnumel) else None
     if all(m.numel in (x, x * r) for m in group.members):
@@ -311,8 +320,9 @@ def _deps_of(group: _Group, group_of: dict[str, int], self_pos: int) -> set[int]
     return out
 
 
-def _creates_cycle(groups: list[_Group], group_of: dict[str, int], target: int,
-                   deps: set[int]) -> bool:
+def _creates_cycle(
+    groups: list[_Group], group_of: dict[str, int], target: int, deps: set[int]
+) -> bool:
     """Would a node depending on `deps` joining `target` make `target` depend on itself?"""
     stack = [d for d in deps if d != target]
     seen: set[int] = set()
@@ -344,31 +354,60 @@ def _toposort(groups: list[_Group], group_of: dict[str, int]) -> list[int]:
     return order
 
 
-def _record(group: _Group, gi: int, k: int, lowered: LoweredGraph, outputs: set[str],
-            readers: dict[str, set[int]]) -> FusionGroup:
+def _record(
+    group: _Group,
+    gi: int,
+    k: int,
+    lowered: LoweredGraph,
+    outputs: set[str],
+    readers: dict[str, set[int]],
+) -> FusionGroup:
     if group.externs:
         ext = group.externs[0]
-        return FusionGroup(f"extern_{ext.name}", GroupKind.EXTERN, tuple(group.externs), 0, 0,
-                           (ext.name,), ext.reads, 0, 0, (_op_text(ext.node),))
+        return FusionGroup(
+            f"extern_{ext.name}",
+            GroupKind.EXTERN,
+            tuple(group.externs),
+            0,
+            0,
+            (ext.name,),
+            ext.reads,
+            0,
+            0,
+            (_op_text(ext.node),),
+        )
     names = {m.name for m in group.members}
-    stores = tuple(m.name for m in group.members
-                   if m.name in outputs or readers.get(m.name, set()) - {gi})
+    stores = tuple(
+        m.name for m in group.members if m.name in outputs or readers.get(m.name, set()) - {gi}
+    )
     reads = sorted({b for m in group.members for b in m.reads} - names)
     bytes_read = sum(_nbytes(lowered, b) for b in reads)
     bytes_written = sum(_nbytes(lowered, b) for b in stores)
-    cone = sorted({n for m in group.members for n in m.cone},
-                  key=lambda n: list(lowered.module.graph.nodes).index(n))
+    cone = sorted(
+        {n for m in group.members for n in m.cone},
+        key=lambda n: list(lowered.module.graph.nodes).index(n),
+    )
     ops = []
     for n in cone:
         op = _short(n)
         if op not in ops and op not in ("view", "permute", "expand", "getitem", "unsqueeze"):
             ops.append(op)
     kind = GroupKind.REDUCTION if group.is_reduction() else GroupKind.POINTWISE
-    name = "_".join([kind.value[:3] if kind is GroupKind.REDUCTION else "pw",
-                     *(ops[:5] or ["copy"])])
-    return FusionGroup(f"{name}_{k}", kind, tuple(group.members), group.xnumel, group.rnumel,
-                       stores, tuple(reads), bytes_read, bytes_written,
-                       tuple(_op_text(n) for n in cone))
+    name = "_".join(
+        [kind.value[:3] if kind is GroupKind.REDUCTION else "pw", *(ops[:5] or ["copy"])]
+    )
+    return FusionGroup(
+        f"{name}_{k}",
+        kind,
+        tuple(group.members),
+        group.xnumel,
+        group.rnumel,
+        stores,
+        tuple(reads),
+        bytes_read,
+        bytes_written,
+        tuple(_op_text(n) for n in cone),
+    )
 
 
 def _short(node: object) -> str:
@@ -386,4 +425,3 @@ def _nbytes(lowered: LoweredGraph, buf: str) -> Size:
         return 0
     size, _, _, dtype = lowered.buffers[buf]
     return _prod(size) * _itemsize(dtype)
-

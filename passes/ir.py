@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from passes.descriptors import InputDesc, OutputDesc, describe
+from aotc.passes.descriptors import InputDesc, OutputDesc, describe
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from torch import fx
 
-from passes.codegen import generate_kernel
-from passes.decompose import decompose
-from passes.fusion import FusionPlan, GroupKind, plan_fusion
-from passes.loop_ir import is_static, static_or_expr
-from passes.lowering import Extern, _non_overlapping, lower, view_output_positions
-from runtime.kernels import (
+from aotc.passes.codegen import generate_kernel
+from aotc.passes.decompose import decompose
+from aotc.passes.fusion import FusionPlan, GroupKind, plan_fusion
+from aotc.passes.loop_ir import is_static, static_or_expr
+from aotc.passes.lowering import Extern, _non_overlapping, lower, view_output_positions
+from aotc.runtime.kernels import (
     AtenStep,
     BufferSpec,
     CompiledGraph,
@@ -34,7 +34,7 @@ from runtime.kernels import (
     Step,
     load_kernel,
 )
-from runtime.symsizes import SymSource, bind_symbols, compile_sizes
+from aotc.runtime.symsizes import SymSource, bind_symbols, compile_sizes
 
 log = logging.getLogger("aotc.kernels")
 
@@ -47,15 +47,21 @@ def graph_device(module: fx.GraphModule) -> torch.device | None:
     return None
 
 
-def lower_graph(module: fx.GraphModule, interpret: bool,
-                decomposed: fx.GraphModule | None = None) -> CompiledGraph:
+def lower_graph(
+    module: fx.GraphModule, interpret: bool, decomposed: fx.GraphModule | None = None
+) -> CompiledGraph:
     """`decomposed`: `decompose(module)` from an earlier compile (a disk-cache hit)."""
     decomposed = decompose(module) if decomposed is None else decomposed
     plan = plan_fusion(lower(decomposed, view_output_positions(module)))
     device = str(graph_device(decomposed) or "cpu")
     symbols = plan.lowered.symbols
-    sources = bind_symbols([n.meta.get("val") for n in decomposed.graph.nodes
-                            if n.op == "placeholder"], symbols) if symbols else ()
+    sources = (
+        bind_symbols(
+            [n.meta.get("val") for n in decomposed.graph.nodes if n.op == "placeholder"], symbols
+        )
+        if symbols
+        else ()
+    )
     outputs = {o for o in plan.lowered.outputs if isinstance(o, str)}
     extern_reads = {b for g in plan.groups if g.kind is GroupKind.EXTERN for b in g.reads}
     steps: list[Step] = []
@@ -64,18 +70,24 @@ def lower_graph(module: fx.GraphModule, interpret: bool,
         if group.kind is GroupKind.EXTERN:
             ext = group.members[0]
             assert isinstance(ext, Extern)
-            steps.append(AtenStep(ext.name, _node_runner([ext.node], [ext.name],
-                                                         plan.lowered.aliases, sources)))
+            steps.append(
+                AtenStep(
+                    ext.name, _node_runner([ext.node], [ext.name], plan.lowered.aliases, sources)
+                )
+            )
             continue
-        nodes = sorted({n for m in group.members for n in m.cone},
-                       key=_position(decomposed))
+        nodes = sorted({n for m in group.members for n in m.cone}, key=_position(decomposed))
         fallback = _node_runner(nodes, list(group.stores), plan.lowered.aliases, sources)
         try:
             kernel = generate_kernel(plan, group, device, interpret)
             load_kernel(kernel)
         except Exception as e:  # noqa: BLE001 - a group that cannot compile runs as ATen calls
-            log.warning("could not generate a kernel for %s (%s: %s); running its ops as ATen "
-                        "calls", group.name, type(e).__name__, e)
+            log.warning(
+                "could not generate a kernel for %s (%s: %s); running its ops as ATen calls",
+                group.name,
+                type(e).__name__,
+                e,
+            )
             steps.append(AtenStep(group.name, fallback))
             continue
         kernels.append(kernel)
@@ -83,8 +95,12 @@ def lower_graph(module: fx.GraphModule, interpret: bool,
         steps.append(KernelStep(kernel, specs, fallback))
     steps, num_slots = _plan_buffers(steps, plan, outputs | extern_reads)
     return CompiledGraph(
-        kernels=tuple(kernels), steps=tuple(steps), placeholders=tuple(plan.lowered.placeholders),
-        outputs=tuple(plan.lowered.outputs), num_slots=num_slots, fusion_text=plan.format(),
+        kernels=tuple(kernels),
+        steps=tuple(steps),
+        placeholders=tuple(plan.lowered.placeholders),
+        outputs=tuple(plan.lowered.outputs),
+        num_slots=num_slots,
+        fusion_text=plan.format(),
         input_strides=tuple(_input_stride(plan, name) for name in plan.lowered.placeholders),
         symbols=sources,
         decomposed=decomposed,
@@ -107,8 +123,12 @@ def _spec(plan: FusionPlan, name: str, device: str) -> BufferSpec:
     return BufferSpec(name, size, stride, dtype, device, None)
 
 
-def _node_runner(nodes: list[fx.Node], keep: list[str], aliases: dict[str, str],
-                 sources: tuple[SymSource, ...] = ()) -> Callable[[dict[str, Any]], None]:
+def _node_runner(
+    nodes: list[fx.Node],
+    keep: list[str],
+    aliases: dict[str, str],
+    sources: tuple[SymSource, ...] = (),
+) -> Callable[[dict[str, Any]], None]:
     """Run fx nodes as ATen calls, reading and writing buffers by node name. Each node's call is
     prepared once here (its C++ op entry, which arguments are buffers, whether its result's
     strides need fixing), so a run does little more than the ATen calls themselves."""
@@ -123,6 +143,7 @@ def _node_runner(nodes: list[fx.Node], keep: list[str], aliases: dict[str, str],
             local[name] = fix(out, env) if fix is not None else out
         for name in keep:
             env[name] = local[name]
+
     return run
 
 
@@ -141,8 +162,9 @@ def _to_ref(a: Any) -> Any:
     return a
 
 
-def _resolve(a: Any, local: dict[str, Any], env: dict[str, Any], aliases: dict[str, str],
-             produced: set[str]) -> Any:
+def _resolve(
+    a: Any, local: dict[str, Any], env: dict[str, Any], aliases: dict[str, str], produced: set[str]
+) -> Any:
     if isinstance(a, _Ref):
         if a.name in produced:
             return local[a.name]
@@ -152,8 +174,9 @@ def _resolve(a: Any, local: dict[str, Any], env: dict[str, Any], aliases: dict[s
     return a
 
 
-def _prepare_call(node: fx.Node, keep: bool, sources: tuple[SymSource, ...]) -> tuple[str, Callable[..., Any], list[Any],
-                                                       dict[str, Any], Any]:
+def _prepare_call(
+    node: fx.Node, keep: bool, sources: tuple[SymSource, ...]
+) -> tuple[str, Callable[..., Any], list[Any], dict[str, Any], Any]:
     if node.op == "get_attr":
         value = _fetch_attr(node.graph.owning_module, str(node.target))
         return node.name, lambda: value, [], {}, None
@@ -162,21 +185,33 @@ def _prepare_call(node: fx.Node, keep: bool, sources: tuple[SymSource, ...]) -> 
     if any(isinstance(v, fx.Node) for v in fx.node.map_arg(node.kwargs, lambda n: n).values()):
         args = [_to_ref(a) for a in node.args]
         kw_refs = {k: _to_ref(v) for k, v in node.kwargs.items()}
-        return node.name, _with_kwargs(fn, list(kw_refs)), [*args, *kw_refs.values()], {}, \
-            _stride_fix(node, keep, sources)
-    return node.name, fn, [_to_ref(a) for a in node.args], dict(node.kwargs), \
-        _stride_fix(node, keep, sources)  # type: ignore[return-value]
+        return (
+            node.name,
+            _with_kwargs(fn, list(kw_refs)),
+            [*args, *kw_refs.values()],
+            {},
+            _stride_fix(node, keep, sources),
+        )
+    return (
+        node.name,
+        fn,
+        [_to_ref(a) for a in node.args],
+        dict(node.kwargs),
+        _stride_fix(node, keep, sources),
+    )  # type: ignore[return-value]
 
 
 def _with_kwargs(fn: Callable[..., Any], names: list[str]) -> Callable[..., Any]:
     def call(*values: Any) -> Any:
         n = len(values) - len(names)
         return fn(*values[:n], **dict(zip(names, values[n:], strict=True)))
+
     return call
 
 
-def _stride_fix(node: fx.Node, keep: bool, sources: tuple[SymSource, ...] = ()
-                ) -> Callable[[Any, dict[str, Any]], Any] | None:
+def _stride_fix(
+    node: fx.Node, keep: bool, sources: tuple[SymSource, ...] = ()
+) -> Callable[[Any, dict[str, Any]], Any] | None:
     """ATen results whose strides differ from the traced ones (which kernels index with) are
     copied into the traced layout (evaluated per call when symbolic; see runtime.kernels.SYMS)."""
     val = node.meta.get("val")
@@ -196,12 +231,14 @@ def _stride_fix(node: fx.Node, keep: bool, sources: tuple[SymSource, ...] = ()
         if not isinstance(out, torch.Tensor) or out.stride() == stride:
             return out
         return torch.empty_strided(shape, stride, dtype=out.dtype, device=out.device).copy_(out)
+
     return fix
 
 
-def _symbolic_stride_fix(shape: list[Any], stride: list[Any], sources: tuple[SymSource, ...]
-                         ) -> Callable[[Any, dict[str, Any]], Any] | None:
-    from runtime.kernels import SYMS
+def _symbolic_stride_fix(
+    shape: list[Any], stride: list[Any], sources: tuple[SymSource, ...]
+) -> Callable[[Any, dict[str, Any]], Any] | None:
+    from aotc.runtime.kernels import SYMS
 
     if not _non_overlapping(shape, stride):
         return None
@@ -213,8 +250,8 @@ def _symbolic_stride_fix(shape: list[Any], stride: list[Any], sources: tuple[Sym
         want = strides_of(env[SYMS])
         if all(st == w for st, w, n in zip(out.stride(), want, out.shape) if n > 1):
             return out
-        return torch.empty_strided(out.shape, want, dtype=out.dtype,
-                                   device=out.device).copy_(out)
+        return torch.empty_strided(out.shape, want, dtype=out.dtype, device=out.device).copy_(out)
+
     return fix
 
 
@@ -224,8 +261,7 @@ def _fetch_attr(module: Any, target: str) -> Any:
     return module
 
 
-def _plan_buffers(steps: list[Step], plan: FusionPlan, pinned: set[str]
-                  ) -> tuple[list[Step], int]:
+def _plan_buffers(steps: list[Step], plan: FusionPlan, pinned: set[str]) -> tuple[list[Step], int]:
     """Free each buffer after its last reader; share storage between kernel outputs that are
     neither graph outputs nor read by ATen calls when their lifetimes do not overlap."""
     last_use: dict[str, int] = {}
@@ -249,15 +285,17 @@ def _plan_buffers(steps: list[Step], plan: FusionPlan, pinned: set[str]
                 if slot is None:
                     slot, num_slots = num_slots, num_slots + 1
                 releases.setdefault(last_use[spec.name], []).append((key, slot))
-                specs.append(BufferSpec(spec.name, spec.size, spec.stride, spec.dtype,
-                                        spec.device, slot))
+                specs.append(
+                    BufferSpec(spec.name, spec.size, spec.stride, spec.dtype, spec.device, slot)
+                )
             step = KernelStep(step.kernel, tuple(specs), step.fallback)
-        frees = tuple(sorted(b for b, last in last_use.items()
-                             if last == i and b not in pinned))
-        step = (KernelStep(step.kernel, step.outputs, step.fallback, frees)
-                if isinstance(step, KernelStep) else AtenStep(step.name, step.run, frees))
+        frees = tuple(sorted(b for b, last in last_use.items() if last == i and b not in pinned))
+        step = (
+            KernelStep(step.kernel, step.outputs, step.fallback, frees)
+            if isinstance(step, KernelStep)
+            else AtenStep(step.name, step.run, frees)
+        )
         out.append(step)
         for key, slot in releases.get(i, []):
             free_slots[key].append(slot)
     return out, num_slots
-

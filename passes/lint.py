@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from passes.ir import StageGraph
-from runtime.errors import GraphInvariantError
+from aotc.passes.ir import StageGraph
+from aotc.runtime.errors import GraphInvariantError
 
 _CONTEXT = 10
 

@@ -170,7 +170,7 @@ def _floordiv_symbolic(e: sympy.Expr, d: sympy.Expr, ranges: Ranges) -> sympy.Ex
     if whole:
         rest = sympy.Add(*[t for t in terms if t not in whole])
         return sympy.Add(*whole.values()) + _floordiv_any(rest, d, ranges)
-    for g, big, rest in _common_factors(terms, d, ranges):  # (g*a + b) // (g*m) = a // m
+    for g, big, _rest in _common_factors(terms, d, ranges):  # (g*a + b) // (g*m) = a // m
         return _floordiv_any(sympy.Add(*[_divides(g, t) for t in big]), _divides(g, d), ranges)
     return FloorDiv(e, d)
 
@@ -182,13 +182,15 @@ def _mod_symbolic(e: sympy.Expr, d: sympy.Expr, ranges: Ranges) -> sympy.Expr:
         return e
     for g, big, rest in _common_factors(list(sympy.Add.make_args(e)), d, ranges):
         # (g*a + b) % (g*m) = g*(a % m) + b when 0 <= b < g
-        return g * _mod_any(sympy.Add(*[_divides(g, t) for t in big]), _divides(g, d),
-                            ranges) + rest
+        return (
+            g * _mod_any(sympy.Add(*[_divides(g, t) for t in big]), _divides(g, d), ranges) + rest
+        )
     return ModIdx(e, d)
 
 
-def _common_factors(terms: list[sympy.Expr], d: sympy.Expr, ranges: Ranges
-                    ) -> list[tuple[sympy.Expr, list[sympy.Expr], sympy.Expr]]:
+def _common_factors(
+    terms: list[sympy.Expr], d: sympy.Expr, ranges: Ranges
+) -> list[tuple[sympy.Expr, list[sympy.Expr], sympy.Expr]]:
     """Factors `g` of `d` (a term's gcd with `d`, not 1) splitting `terms` into multiples of `g`
     and a rest provably in [0, g): the symbolic form of the gcd rule of `floordiv`/`mod`."""
     out = []
@@ -339,8 +341,9 @@ def dense_order(size: Sequence[Size], stride: Sequence[Size]) -> list[int] | Non
     the innermost out, or None if not provably dense. Symbolic strides are matched by structural
     equality with the running product of sizes."""
     if all(is_static(v) for v in (*size, *stride)):
-        dims = sorted((int(st), d) for d, (s, st) in enumerate(zip(size, stride))
-                      if not at_most_one(s))
+        dims = sorted(
+            (int(st), d) for d, (s, st) in enumerate(zip(size, stride)) if not at_most_one(s)
+        )
         expect = 1
         for st, d in dims:
             if st != expect:
@@ -360,11 +363,8 @@ def dense_order(size: Sequence[Size], stride: Sequence[Size]) -> list[int] | Non
     return order
 
 
-def flat_index(index: Sequence[sympy.Expr], strides: Sequence[Size], offset: int = 0
-               ) -> sympy.Expr:
-    return sympy.Integer(offset) + sympy.Add(
-        *[i * s for i, s, in zip(index, strides, strict=True)]
-    )
+def flat_index(index: Sequence[sympy.Expr], strides: Sequence[Size], offset: int = 0) -> sympy.Expr:
+    return sympy.Integer(offset) + sympy.Add(*[i * s for i, s in zip(index, strides, strict=True)])
 
 
 def unflatten(flat: sympy.Expr, size: Sequence[Size], ranges: Ranges) -> list[sympy.Expr]:
@@ -381,6 +381,7 @@ def unflatten(flat: sympy.Expr, size: Sequence[Size], ranges: Ranges) -> list[sy
 
 
 # ---- scalar computations -------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Load:

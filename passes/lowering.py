@@ -30,7 +30,7 @@ import sympy
 import torch
 from torch import fx
 
-from passes.loop_ir import (
+from aotc.passes.loop_ir import (
     Const,
     Expr,
     IndexFn,
@@ -196,8 +196,9 @@ class _Lowering:
         out_node = next(n for n in reversed(module.graph.nodes) if n.op == "output")
         self.outputs = set(out_node.all_input_nodes)
         self.out_node = out_node
-        returned = out_node.args[0] if isinstance(out_node.args[0], (list, tuple)) \
-            else (out_node.args[0],)
+        returned = (
+            out_node.args[0] if isinstance(out_node.args[0], (list, tuple)) else (out_node.args[0],)
+        )
         positions = view_output_positions(module) if view_outputs is None else view_outputs
         self.view_outputs = {returned[i] for i in positions if isinstance(returned[i], fx.Node)}
 
@@ -205,8 +206,9 @@ class _Lowering:
     def buffer_value(self, name: str, val: torch.Tensor) -> _Value:
         return self.buffer_of(name, _shape(val), _strides(val), val.dtype)
 
-    def buffer_of(self, name: str, size: tuple[Size, ...], stride: tuple[Size, ...],
-                  dtype: torch.dtype) -> _Value:
+    def buffer_of(
+        self, name: str, size: tuple[Size, ...], stride: tuple[Size, ...], dtype: torch.dtype
+    ) -> _Value:
         # Kernels index from the tensor's data pointer, which includes its storage offset.
         self.buffers[name] = (size, stride, 0, dtype)
 
@@ -225,8 +227,9 @@ class _Lowering:
         stride = _strides(val) if node in self.outputs else contiguous_strides(value.size)
         if not _offset_is_zero(val) or not _non_overlapping(value.size, stride):
             stride = contiguous_strides(value.size)
-        comp = Computed(node.name, NodeKind.POINTWISE, value.size, stride, value.dtype, value.fn,
-                        None, node)
+        comp = Computed(
+            node.name, NodeKind.POINTWISE, value.size, stride, value.dtype, value.fn, None, node
+        )
         self.add_computed(comp)
         self.env[node] = self.buffer_of(node.name, value.size, stride, value.dtype)
         return node.name
@@ -268,8 +271,11 @@ class _Lowering:
             if node.op == "placeholder":
                 placeholders.append(node.name)
                 val = _val(node)
-                self.env[node] = (self.buffer_value(node.name, val)
-                                  if isinstance(val, torch.Tensor) else node.name)
+                self.env[node] = (
+                    self.buffer_value(node.name, val)
+                    if isinstance(val, torch.Tensor)
+                    else node.name
+                )
             elif node.op == "output":
                 continue
             else:
@@ -278,12 +284,14 @@ class _Lowering:
         returned = self.out_node.args[0]
         for value in returned if isinstance(returned, (list, tuple)) else (returned,):
             if isinstance(value, fx.Node):
-                outputs.append(self.realize(value) if isinstance(self.env[value], _Value)
-                               else value.name)
+                outputs.append(
+                    self.realize(value) if isinstance(self.env[value], _Value) else value.name
+                )
             else:
                 outputs.append(value)
-        return LoweredGraph(self.module, self.items, self.buffers, outputs, placeholders,
-                            self.aliases)
+        return LoweredGraph(
+            self.module, self.items, self.buffers, outputs, placeholders, self.aliases
+        )
 
     def lower_node(self, node: fx.Node) -> None:
         val = _val(node)
@@ -291,13 +299,22 @@ class _Lowering:
         is_view_out = node in self.view_outputs and _is_view(node)
         if node.op == "get_attr":
             self.items.append(Extern(node.name, node, ()))
-            self.env[node] = (self.buffer_value(node.name, val) if isinstance(val, torch.Tensor)
-                              else node.name)
+            self.env[node] = (
+                self.buffer_value(node.name, val) if isinstance(val, torch.Tensor) else node.name
+            )
             return
-        devices = {v.device for v in [val, *[_val(a) for a in node.all_input_nodes]]
-                   if isinstance(v, torch.Tensor)}
-        if (lowering is None or is_view_out or len(devices) > 1 or not isinstance(val, (torch.Tensor, tuple, list))
-                or (isinstance(val, torch.Tensor) and val.dtype not in KERNEL_TYPES)):
+        devices = {
+            v.device
+            for v in [val, *[_val(a) for a in node.all_input_nodes]]
+            if isinstance(v, torch.Tensor)
+        }
+        if (
+            lowering is None
+            or is_view_out
+            or len(devices) > 1
+            or not isinstance(val, (torch.Tensor, tuple, list))
+            or (isinstance(val, torch.Tensor) and val.dtype not in KERNEL_TYPES)
+        ):
             self.extern(node)
             return
         try:
@@ -388,8 +405,11 @@ def lower(module: fx.GraphModule, view_outputs: frozenset[int] | None = None) ->
 def view_output_positions(module: fx.GraphModule) -> frozenset[int]:
     out = next(n for n in reversed(module.graph.nodes) if n.op == "output")
     returned = out.args[0] if isinstance(out.args[0], (list, tuple)) else (out.args[0],)
-    return frozenset(i for i, v in enumerate(returned) if isinstance(v, fx.Node) and _is_view(v)
-                     and v.target != aten._unsafe_view.default)  # that one returns a fresh tensor
+    return frozenset(
+        i
+        for i, v in enumerate(returned)
+        if isinstance(v, fx.Node) and _is_view(v) and v.target != aten._unsafe_view.default
+    )  # that one returns a fresh tensor
 
 
 # ---- op lowerings ----------------------------------------------------------------------------
@@ -406,6 +426,7 @@ def register(*targets: object, view: bool = False) -> Callable[[Lowering], Lower
             if view:
                 VIEW_OPS.add(t)
         return fn
+
     return deco
 
 
@@ -423,10 +444,10 @@ def _broadcast_fn(v: Any, size: tuple[Size, ...], dtype: torch.dtype) -> Callabl
     lead = len(size) - len(v.size)
 
     def fn(idx: Sequence[sympy.Expr]) -> Expr:
-        sub = [sympy.Integer(0) if at_most_one(s) else idx[lead + d]
-               for d, s in enumerate(v.size)]
+        sub = [sympy.Integer(0) if at_most_one(s) else idx[lead + d] for d, s in enumerate(v.size)]
         e = v.fn(sub)
         return e if v.dtype == dtype else Op("cast", (e,), dtype)
+
     return fn
 
 
@@ -434,8 +455,7 @@ def _cost(*vs: Any) -> int:
     return 1 + sum(v.cost for v in vs if isinstance(v, _Value))
 
 
-def _pointwise(name: str, compute: Callable[[torch.dtype], torch.dtype] | None = None
-               ) -> Lowering:
+def _pointwise(name: str, compute: Callable[[torch.dtype], torch.dtype] | None = None) -> Lowering:
     def lowering(ctx: _Lowering, node: fx.Node, *args: Any, **kwargs: Any) -> _Value:
         out = _val(node)
         operands = [a for a in args if isinstance(a, (_Value, int, float, bool, SymScalar))]
@@ -443,9 +463,13 @@ def _pointwise(name: str, compute: Callable[[torch.dtype], torch.dtype] | None =
             operands[1] = _scale(operands[1], kwargs["alpha"])
         dt = _compute_dtype(node) if compute is None else compute(out.dtype)
         fns = [_broadcast_fn(a, _shape(out), dt) for a in operands]
-        return _Value(_shape(out), out.dtype,
-                      lambda idx: _cast(Op(name, tuple(f(idx) for f in fns), dt), out.dtype),
-                      cost=_cost(*operands))
+        return _Value(
+            _shape(out),
+            out.dtype,
+            lambda idx: _cast(Op(name, tuple(f(idx) for f in fns), dt), out.dtype),
+            cost=_cost(*operands),
+        )
+
     return lowering
 
 
@@ -454,8 +478,12 @@ def _scale(v: Any, alpha: Any) -> Any:
         raise Unsupported("alpha with a symbolic size")
     if isinstance(v, _Value):
         fn = v.fn
-        return _Value(v.size, v.dtype, lambda idx: Op("mul", (fn(idx), Const(alpha, v.dtype)),
-                                                      v.dtype), cost=v.cost + 1)
+        return _Value(
+            v.size,
+            v.dtype,
+            lambda idx: Op("mul", (fn(idx), Const(alpha, v.dtype)), v.dtype),
+            cost=v.cost + 1,
+        )
     return v * alpha
 
 
@@ -464,8 +492,11 @@ def _cast(e: Expr, dtype: torch.dtype) -> Expr:
 
 
 def _compute_dtype(node: fx.Node) -> torch.dtype:
-    vals = [_val(a) if isinstance(a, fx.Node) else a for a in node.args
-            if isinstance(a, (fx.Node, int, float, bool))]
+    vals = [
+        _val(a) if isinstance(a, fx.Node) else a
+        for a in node.args
+        if isinstance(a, (fx.Node, int, float, bool))
+    ]
     vals = [2 if isinstance(v, torch.SymInt) else v for v in vals]  # only its type matters
     try:
         return torch.result_type(*vals[:2]) if len(vals) >= 2 else vals[0].dtype
@@ -474,24 +505,41 @@ def _compute_dtype(node: fx.Node) -> torch.dtype:
 
 
 for _name, _targets in {
-    "add": (aten.add.Tensor, aten.add.Scalar), "sub": (aten.sub.Tensor, aten.sub.Scalar),
-    "mul": (aten.mul.Tensor, aten.mul.Scalar), "maximum": (aten.maximum.default,),
-    "minimum": (aten.minimum.default,), "neg": (aten.neg.default,),
-    "exp": (aten.exp.default,), "log": (aten.log.default,), "sqrt": (aten.sqrt.default,),
-    "rsqrt": (aten.rsqrt.default,), "abs": (aten.abs.default,), "sin": (aten.sin.default,),
-    "cos": (aten.cos.default,), "tanh": (aten.tanh.default,), "sigmoid": (aten.sigmoid.default,),
-    "relu": (aten.relu.default,), "erf": (aten.erf.default,), "log1p": (aten.log1p.default,),
-    "expm1": (aten.expm1.default,), "reciprocal": (aten.reciprocal.default,),
-    "silu": (aten.silu.default,), "sign": (aten.sign.default,),
-    "logical_and": (aten.logical_and.default,), "logical_or": (aten.logical_or.default,),
+    "add": (aten.add.Tensor, aten.add.Scalar),
+    "sub": (aten.sub.Tensor, aten.sub.Scalar),
+    "mul": (aten.mul.Tensor, aten.mul.Scalar),
+    "maximum": (aten.maximum.default,),
+    "minimum": (aten.minimum.default,),
+    "neg": (aten.neg.default,),
+    "exp": (aten.exp.default,),
+    "log": (aten.log.default,),
+    "sqrt": (aten.sqrt.default,),
+    "rsqrt": (aten.rsqrt.default,),
+    "abs": (aten.abs.default,),
+    "sin": (aten.sin.default,),
+    "cos": (aten.cos.default,),
+    "tanh": (aten.tanh.default,),
+    "sigmoid": (aten.sigmoid.default,),
+    "relu": (aten.relu.default,),
+    "erf": (aten.erf.default,),
+    "log1p": (aten.log1p.default,),
+    "expm1": (aten.expm1.default,),
+    "reciprocal": (aten.reciprocal.default,),
+    "silu": (aten.silu.default,),
+    "sign": (aten.sign.default,),
+    "logical_and": (aten.logical_and.default,),
+    "logical_or": (aten.logical_or.default,),
     "logical_not": (aten.logical_not.default,),
 }.items():
     register(*_targets)(_pointwise(_name))
 
 for _name, _targets in {
-    "eq": (aten.eq.Tensor, aten.eq.Scalar), "ne": (aten.ne.Tensor, aten.ne.Scalar),
-    "lt": (aten.lt.Tensor, aten.lt.Scalar), "le": (aten.le.Tensor, aten.le.Scalar),
-    "gt": (aten.gt.Tensor, aten.gt.Scalar), "ge": (aten.ge.Tensor, aten.ge.Scalar),
+    "eq": (aten.eq.Tensor, aten.eq.Scalar),
+    "ne": (aten.ne.Tensor, aten.ne.Scalar),
+    "lt": (aten.lt.Tensor, aten.lt.Scalar),
+    "le": (aten.le.Tensor, aten.le.Scalar),
+    "gt": (aten.gt.Tensor, aten.gt.Scalar),
+    "ge": (aten.ge.Tensor, aten.ge.Scalar),
 }.items():
     register(*_targets)(_pointwise(_name))
 
@@ -517,7 +565,8 @@ def _pow(ctx: _Lowering, node: fx.Node, a: _Value, exponent: Any) -> _Value:
     if not _val(node).dtype.is_floating_point:
         raise Unsupported("integer pow")
     return _pointwise(f"pow{exponent}".replace(".", "_").replace("-", "m"), lambda o: o)(
-        ctx, node, a)
+        ctx, node, a
+    )
 
 
 @register(aten.gelu.default)
@@ -531,8 +580,12 @@ def _where(ctx: _Lowering, node: fx.Node, c: Any, a: Any, b: Any) -> _Value:
     size = _shape(out)
     fc = _broadcast_fn(c, size, torch.bool)
     fa, fb = _broadcast_fn(a, size, out.dtype), _broadcast_fn(b, size, out.dtype)
-    return _Value(size, out.dtype, lambda idx: Op("where", (fc(idx), fa(idx), fb(idx)),
-                                                  out.dtype), cost=_cost(c, a, b))
+    return _Value(
+        size,
+        out.dtype,
+        lambda idx: Op("where", (fc(idx), fa(idx), fb(idx)), out.dtype),
+        cost=_cost(c, a, b),
+    )
 
 
 @register(aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default)
@@ -551,6 +604,7 @@ def _clamp(ctx: _Lowering, node: fx.Node, a: _Value, lo: Any = None, hi: Any = N
         if hi is not None:
             e = Op("clamp_max", (e, Const(hi, out.dtype)), out.dtype)
         return e
+
     return _Value(_shape(out), out.dtype, fn, cost=a.cost + 2)
 
 
@@ -560,8 +614,7 @@ def _to_copy(ctx: _Lowering, node: fx.Node, a: _Value, *args: Any, **kwargs: Any
     src = _val(node.args[0])
     if out.device != src.device or out.layout != torch.strided:
         raise Unsupported("device or layout change")
-    return _Value(_shape(out), out.dtype,
-                  _broadcast_fn(a, _shape(out), out.dtype), cost=a.cost + 1)
+    return _Value(_shape(out), out.dtype, _broadcast_fn(a, _shape(out), out.dtype), cost=a.cost + 1)
 
 
 @register(aten.full.default, aten.scalar_tensor.default)
@@ -575,16 +628,17 @@ def _full(ctx: _Lowering, node: fx.Node, *args: Any, **kwargs: Any) -> _Value:
 
 
 @register(torch.ops.prims.iota.default)
-def _iota(ctx: _Lowering, node: fx.Node, length: int, *, start: int, step: int,
-          **kwargs: Any) -> _Value:
+def _iota(
+    ctx: _Lowering, node: fx.Node, length: int, *, start: int, step: int, **kwargs: Any
+) -> _Value:
     out = _val(node)
     if isinstance(start, SymScalar) or isinstance(step, SymScalar):
         raise Unsupported("iota with a symbolic start or step")
-    return _Value(_shape(out), out.dtype,
-                  lambda idx: IndexValue(start + step * idx[0], out.dtype))
+    return _Value(_shape(out), out.dtype, lambda idx: IndexValue(start + step * idx[0], out.dtype))
 
 
 # -- views: index transforms --
+
 
 def _view_of(a: _Value, size: Sequence[Size], fn: IndexFn) -> _Value:
     return _Value(tuple(static_or_expr(s) for s in size), a.dtype, fn, cost=a.cost)
@@ -603,6 +657,7 @@ def _reshape(ctx: _Lowering, node: fx.Node, a: _Value, shape: Sequence[int]) -> 
         for s, st in zip(a.size, contiguous_strides(a.size), strict=True):
             src.append(sympy.Integer(0) if at_most_one(s) else mod(floordiv(flat, st, {}), s, {}))
         return a.fn(src)
+
     return _view_of(a, size, fn)
 
 
@@ -632,8 +687,9 @@ def _expand(ctx: _Lowering, node: fx.Node, a: _Value, shape: Sequence[int]) -> _
     return _view_of(a, size, _broadcast_fn(a, size, a.dtype))
 
 
-@register(aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
-          view=True)
+@register(
+    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, view=True
+)
 def _squeeze(ctx: _Lowering, node: fx.Node, a: _Value, *args: Any) -> _Value:
     return _reshape(ctx, node, a, _shape(_val(node)))
 
@@ -644,8 +700,15 @@ def _alias(ctx: _Lowering, node: fx.Node, a: _Value) -> _Value:
 
 
 @register(aten.slice.Tensor, view=True)
-def _slice(ctx: _Lowering, node: fx.Node, a: _Value, dim: int = 0, start: Any = None,
-           end: Any = None, step: int = 1) -> _Value:
+def _slice(
+    ctx: _Lowering,
+    node: fx.Node,
+    a: _Value,
+    dim: int = 0,
+    start: Any = None,
+    end: Any = None,
+    step: int = 1,
+) -> _Value:
     dim %= len(a.size)
     start = 0 if start is None else start
     if isinstance(start, SymScalar) or isinstance(step, SymScalar):
@@ -661,6 +724,7 @@ def _slice(ctx: _Lowering, node: fx.Node, a: _Value, dim: int = 0, start: Any = 
         src = list(idx)
         src[dim] = start + step * idx[dim]
         return a.fn(src)
+
     return _view_of(a, size, fn)
 
 
@@ -670,8 +734,9 @@ def _select(ctx: _Lowering, node: fx.Node, a: _Value, dim: int, index: int) -> _
     if isinstance(index, SymScalar) or (index < 0 and not is_static(a.size[dim])):
         raise Unsupported("select at a symbolic index")
     index = index + a.size[dim] if index < 0 else index
-    return _view_of(a, _shape(_val(node)),
-                    lambda idx: a.fn([*idx[:dim], sympy.Integer(index), *idx[dim:]]))
+    return _view_of(
+        a, _shape(_val(node)), lambda idx: a.fn([*idx[:dim], sympy.Integer(index), *idx[dim:]])
+    )
 
 
 @register(aten.split_with_sizes.default, aten.split.Tensor, view=True)
@@ -685,6 +750,7 @@ def _split(ctx: _Lowering, node: fx.Node, a: _Value, sizes: Any, dim: int = 0) -
             src = list(idx)
             src[dim] = start + idx[dim]
             return a.fn(src)
+
         out.append(_view_of(a, _shape(part), fn))
         start += n
     return tuple(out)
@@ -699,22 +765,31 @@ def _getitem(ctx: _Lowering, node: fx.Node, parts: Any, i: int) -> _Value:
 
 # -- reductions --
 
+
 @register(aten.sum.dim_IntList, aten.sum.default, aten.amax.default, aten.amin.default)
-def _reduce(ctx: _Lowering, node: fx.Node, a: _Value, dims: Any = None, keepdim: bool = False,
-            **kwargs: Any) -> Computed:
+def _reduce(
+    ctx: _Lowering, node: fx.Node, a: _Value, dims: Any = None, keepdim: bool = False, **kwargs: Any
+) -> Computed:
     out = _val(node)
     nd = len(a.size)
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
         dims = list(range(nd))
     dims = tuple(sorted({d % max(nd, 1) for d in dims})) if nd else ()
-    kind = {aten.sum.dim_IntList: "sum", aten.sum.default: "sum", aten.amax.default: "max",
-            aten.amin.default: "min"}[node.target]  # type: ignore[index]
+    kind = {
+        aten.sum.dim_IntList: "sum",
+        aten.sum.default: "sum",
+        aten.amax.default: "max",
+        aten.amin.default: "min",
+    }[node.target]  # type: ignore[index]
     if kind != "sum" and any(a.size[d] == 0 for d in dims):
         raise Unsupported("max/min over an empty dim")
     acc = out.dtype
     fn = a.fn if a.dtype == acc else (lambda idx: Op("cast", (a.fn(idx),), acc))
     red = ReductionInfo(a.size, dims, kind)
     shape, strides = _shape(out), _strides(out)
-    stride = (strides if node in ctx.outputs and _offset_is_zero(out)
-              and _non_overlapping(shape, strides) else contiguous_strides(shape))
+    stride = (
+        strides
+        if node in ctx.outputs and _offset_is_zero(out) and _non_overlapping(shape, strides)
+        else contiguous_strides(shape)
+    )
     return Computed(node.name, NodeKind.REDUCTION, shape, stride, out.dtype, fn, red, node)

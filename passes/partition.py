@@ -45,7 +45,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from passes.descriptors import (
+from aotc.passes.descriptors import (
     FwdOutput,
     GradOutput,
     PrimalInput,
@@ -53,9 +53,9 @@ from passes.descriptors import (
     SavedOutput,
     TangentInput,
 )
-from passes.ir import JointGraph, StageGraph, is_sym_node, make_module, node_nbytes
-from passes.recompute import RecomputePolicy, can_recompute, is_random, recompute_cost
-from runtime.schema import GraphArg
+from aotc.passes.ir import JointGraph, StageGraph, is_sym_node, make_module, node_nbytes
+from aotc.passes.recompute import RecomputePolicy, can_recompute, is_random, recompute_cost
+from aotc.runtime.schema import GraphArg
 
 __all__ = ["PartitionResult", "SavedValue", "is_random", "partition"]
 
@@ -101,8 +101,10 @@ class PartitionResult:
         ]
         if self.budget_bytes is not None:
             met = "met" if self.saved_bytes <= self.budget_bytes else "NOT met (best effort)"
-            lines.append(f"# memory budget: {self.budget_bytes} bytes, {met}; recomputing "
-                         f"expensive ops: {', '.join(self.unbanned) or 'none'}")
+            lines.append(
+                f"# memory budget: {self.budget_bytes} bytes, {met}; recomputing "
+                f"expensive ops: {', '.join(self.unbanned) or 'none'}"
+            )
         for s in self.saved:
             dtype = str(s.dtype).removeprefix("torch.") if s.dtype is not None else "-"
             shape = list(s.shape) if s.shape is not None else "-"
@@ -157,8 +159,15 @@ def _roles(joint: JointGraph) -> _Roles:
     tangent_dependent.discard(next(n for n in reversed(graph.nodes) if n.op == "output"))
     bwd_required = tangent_dependent | {v for v, _ in grad_pairs}
     order = {n: i for i, n in enumerate(graph.nodes)}
-    return _Roles(primals, tangents, fwd_values, grad_pairs, frozenset(fwd_required),
-                  frozenset(bwd_required), order)
+    return _Roles(
+        primals,
+        tangents,
+        fwd_values,
+        grad_pairs,
+        frozenset(fwd_required),
+        frozenset(bwd_required),
+        order,
+    )
 
 
 def _simple_saved(roles: _Roles, all_in_forward: bool) -> set[fx.Node]:
@@ -198,7 +207,9 @@ _SOURCE, _SINK = "__source__", "__sink__"
 _SYM_BYTES = 1
 
 
-def _min_cut_saved(roles: _Roles, policy: RecomputePolicy, unbanned: frozenset[fx.Node]) -> set[fx.Node]:
+def _min_cut_saved(
+    roles: _Roles, policy: RecomputePolicy, unbanned: frozenset[fx.Node]
+) -> set[fx.Node]:
     grads = [v for v, _ in roles.grad_pairs]
     relevant = _ancestors(grads)
     inf = math.inf
@@ -218,8 +229,7 @@ def _min_cut_saved(roles: _Roles, policy: RecomputePolicy, unbanned: frozenset[f
         n_in, n_out = (node, "in"), (node, "out")
         cut_edges.append((n_in, n_out, capacity))
         if node.op == "placeholder" or (
-            node in roles.fwd_required and node not in unbanned
-            and not can_recompute(node, policy)
+            node in roles.fwd_required and node not in unbanned and not can_recompute(node, policy)
         ):
             inf_edges.append((_SOURCE, n_in))
         for user in node.users:
@@ -279,9 +289,15 @@ def _budget_saved(
         return base, ()
     grads = [v for v, _ in roles.grad_pairs]
     candidates = sorted(
-        (n for n in _ancestors(grads) if n in roles.fwd_required and n.op == "call_function"
-         and not is_random(n) and not can_recompute(n, policy)
-         and not (isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable)),
+        (
+            n
+            for n in _ancestors(grads)
+            if n in roles.fwd_required
+            and n.op == "call_function"
+            and not is_random(n)
+            and not can_recompute(n, policy)
+            and not (isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable)
+        ),
         key=lambda n: (recompute_cost(n) / max(node_nbytes(n), 1), roles.order[n]),
     )
     lo, hi = 1, len(candidates)
@@ -326,7 +342,8 @@ def partition(
         saved = _min_cut_saved(roles, policy, frozenset())
         if memory_budget is not None:
             budget_bytes = (
-                int(memory_budget * _bytes(everything)) if isinstance(memory_budget, float)
+                int(memory_budget * _bytes(everything))
+                if isinstance(memory_budget, float)
                 else int(memory_budget)
             )
             saved, unbanned = _budget_saved(roles, policy, budget_bytes, saved)
@@ -366,7 +383,8 @@ def _build(
         if node in fwd_nodes:
             env[node] = fwd_graph.node_copy(node, env.__getitem__)
     mutated_nodes = {
-        n for n, d in zip(joint.placeholders(), joint.inputs)
+        n
+        for n, d in zip(joint.placeholders(), joint.inputs)
         if isinstance(d, PrimalInput) and d.arg in mutated_args
     }
     saved_out = []
@@ -396,7 +414,9 @@ def _build(
         if node in bwd_nodes and node.op != "placeholder":
             benv[node] = bwd_graph.node_copy(node, benv.__getitem__)
         elif node in bwd_nodes:
-            raise AssertionError(f"partition: backward needs primal {node.name} but it is not saved")
+            raise AssertionError(
+                f"partition: backward needs primal {node.name} but it is not saved"
+            )
     bwd_graph.output(tuple(benv[v] for v, _ in roles.grad_pairs))
     backward = StageGraph(
         module=make_module(joint.module, bwd_graph),

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from passes.ir import is_sym_node, size_hint
+from aotc.passes.ir import is_sym_node, size_hint
 
 aten = torch.ops.aten
 
@@ -45,21 +45,56 @@ def _ops(*names: str) -> frozenset[object]:
 
 
 _CHEAP_OPS = _ops(
-    "_to_copy.default", "clone.default", "expand.default", "full.default", "zeros.default",
-    "ones.default", "scalar_tensor.default", "full_like.default", "zeros_like.default",
-    "ones_like.default", "empty_like.default", "cat.default", "stack.default", "where.self",
-    "masked_fill.Scalar", "masked_fill.Tensor", "select_scatter.default",
-    "slice_scatter.default", "fill.Scalar", "lift_fresh_copy.default", "arange.start",
-    "arange.default", "arange.start_step", "constant_pad_nd.default", "repeat.default",
+    "_to_copy.default",
+    "clone.default",
+    "expand.default",
+    "full.default",
+    "zeros.default",
+    "ones.default",
+    "scalar_tensor.default",
+    "full_like.default",
+    "zeros_like.default",
+    "ones_like.default",
+    "empty_like.default",
+    "cat.default",
+    "stack.default",
+    "where.self",
+    "masked_fill.Scalar",
+    "masked_fill.Tensor",
+    "select_scatter.default",
+    "slice_scatter.default",
+    "fill.Scalar",
+    "lift_fresh_copy.default",
+    "arange.start",
+    "arange.default",
+    "arange.start_step",
+    "constant_pad_nd.default",
+    "repeat.default",
 )
 _REDUCTIONS = _ops(
-    "sum.dim_IntList", "sum.default", "mean.dim", "mean.default", "amax.default",
-    "amin.default", "max.dim", "min.dim", "var.correction", "var_mean.correction",
-    "prod.dim_int", "logsumexp.default", "_softmax.default", "_log_softmax.default",
-    "native_layer_norm.default", "linalg_vector_norm.default",
+    "sum.dim_IntList",
+    "sum.default",
+    "mean.dim",
+    "mean.default",
+    "amax.default",
+    "amin.default",
+    "max.dim",
+    "min.dim",
+    "var.correction",
+    "var_mean.correction",
+    "prod.dim_int",
+    "logsumexp.default",
+    "_softmax.default",
+    "_log_softmax.default",
+    "native_layer_norm.default",
+    "linalg_vector_norm.default",
 )
 _MATMUL_LIKE = _ops(
-    "mm.default", "bmm.default", "addmm.default", "baddbmm.default", "convolution.default",
+    "mm.default",
+    "bmm.default",
+    "addmm.default",
+    "baddbmm.default",
+    "convolution.default",
     "_scaled_dot_product_flash_attention.default",
     "_scaled_dot_product_efficient_attention.default",
     "_scaled_dot_product_flash_attention_for_cpu.default",
@@ -112,4 +147,3 @@ def recompute_cost(node: fx.Node) -> float:
         k = size_hint(val_in.shape[-1]) if isinstance(val_in, torch.Tensor) and val_in.dim() else 1
         return 2.0 * out_numel * k
     return float(max(out_numel, _input_numel(node), 1))
-

@@ -16,26 +16,30 @@ import logging
 
 from torch import fx
 
-from runtime.kernels import CompiledGraph
+from aotc.runtime.kernels import CompiledGraph
 
 log = logging.getLogger("aotc.kernels")
 
 
-def select_backend(module: fx.GraphModule, backend: str, interpret: bool,
-                   decomposed: fx.GraphModule | None = None) -> CompiledGraph | None:
+def select_backend(
+    module: fx.GraphModule, backend: str, interpret: bool, decomposed: fx.GraphModule | None = None
+) -> CompiledGraph | None:
     """`decomposed`: the decomposed graph of `module` from a disk-cache entry (skips decompose)."""
     if backend == "aten":
         return None
-    from passes.kernelize import graph_device, lower_graph
+    from aotc.passes.kernelize import graph_device, lower_graph
 
     device = graph_device(module)
     on_cuda = device is not None and device.type == "cuda"
     if backend == "auto" and not on_cuda:
         return None
     if not on_cuda and not interpret:
-        log.warning("backend='triton' on %s tensors needs Triton's interpreter, which must be "
-                    "switched on before triton is imported (TRITON_INTERPRET=1); running ATen "
-                    "calls instead", device)
+        log.warning(
+            "backend='triton' on %s tensors needs Triton's interpreter, which must be "
+            "switched on before triton is imported (TRITON_INTERPRET=1); running ATen "
+            "calls instead",
+            device,
+        )
         return None
     try:
         import triton  # noqa: F401
@@ -45,7 +49,7 @@ def select_backend(module: fx.GraphModule, backend: str, interpret: bool,
     try:
         return lower_graph(module, interpret=not on_cuda, decomposed=decomposed)
     except Exception as e:  # noqa: BLE001 - the ATen graph is always a correct fallback
-        log.warning("Triton lowering failed (%s: %s); running this graph as ATen calls",
-                    type(e).__name__, e)
+        log.warning(
+            "Triton lowering failed (%s: %s); running this graph as ATen calls", type(e).__name__, e
+        )
         return None
-

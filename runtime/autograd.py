@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from runtime.errors import UnsupportedError
-from runtime.schema import FwdOut, GraphArg
+from aotc.runtime.errors import UnsupportedError
+from aotc.runtime.schema import FwdOut, GraphArg
 
 
 @dataclass(frozen=True, slots=True)

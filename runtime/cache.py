@@ -57,7 +57,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
-from runtime.errors import CacheError
+from aotc.runtime.errors import CacheError
 
 FORMAT = "aotc-cache"
 FORMAT_VERSION = 2  # 2: node values keep their storage offset and device
@@ -140,7 +140,9 @@ def write_entry(cache_dir: str, key: str, body: dict[str, Any], max_bytes: int) 
     os.makedirs(cache_dir, exist_ok=True)
     payload = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
     header = {
-        "format": FORMAT, "version": FORMAT_VERSION, "key": key,
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "key": key,
         "sha256": hashlib.sha256(payload).hexdigest(),
     }
     data = json.dumps(header, sort_keys=True).encode() + b"\n" + payload
@@ -189,16 +191,22 @@ def evict(cache_dir: str, max_bytes: int) -> list[str]:
 
 # --------------------------------------------------------------------------- values
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
-_LAYOUTS = {str(x).removeprefix("torch."): x for x in vars(torch).values() if isinstance(x, torch.layout)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+}
+_LAYOUTS = {
+    str(x).removeprefix("torch."): x for x in vars(torch).values() if isinstance(x, torch.layout)
+}
 _FORMATS = {
-    str(x).removeprefix("torch."): x for x in vars(torch).values()
+    str(x).removeprefix("torch."): x
+    for x in vars(torch).values()
     if isinstance(x, torch.memory_format)
 }
 
 
-def encode(value: Any, graphs: list[dict[str, Any]] | None = None,
-           graph_ids: dict[int, int] | None = None) -> Any:
+def encode(
+    value: Any, graphs: list[dict[str, Any]] | None = None, graph_ids: dict[int, int] | None = None
+) -> Any:
     """A JSON value for `value`; GraphModules go to `graphs` (shared ones stored once)."""
     enc: Callable[[Any], Any] = lambda v: encode(v, graphs, graph_ids)
     if value is None or isinstance(value, (bool, int, str)):
@@ -237,8 +245,10 @@ def encode(value: Any, graphs: list[dict[str, Any]] | None = None,
         return {"G": graph_ids[id(value)]}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         name = _registered_name(type(value))
-        return {"R": name, "f": {f.name: enc(getattr(value, f.name))
-                                 for f in dataclasses.fields(value)}}
+        return {
+            "R": name,
+            "f": {f.name: enc(getattr(value, f.name)) for f in dataclasses.fields(value)},
+        }
     raise Uncachable(f"value of type {type(value).__name__} has no cache encoding")
 
 
@@ -340,8 +350,10 @@ class Deferred(Generic[_T]):
                 try:
                     self._value = self._make()
                 except (CacheError, RecursionError, ValueError, TypeError, KeyError) as e:
-                    raise CacheError(f"aotc cache: {self._where} cannot be decoded ({e}); delete "
-                                     "the entry or compile with cache=False") from e
+                    raise CacheError(
+                        f"aotc cache: {self._where} cannot be decoded ({e}); delete "
+                        "the entry or compile with cache=False"
+                    ) from e
                 self._make = None
         return self._value  # type: ignore[return-value]
 
@@ -451,8 +463,15 @@ def _decode_arg(value: Any, env: dict[str, fx.Node]) -> Any:
 
 def _encode_val(val: Any) -> Any:
     if isinstance(val, torch.Tensor):
-        return {"t": [list(val.shape), list(val.stride()), encode(val.dtype),
-                      val.storage_offset(), encode(val.device)]}
+        return {
+            "t": [
+                list(val.shape),
+                list(val.stride()),
+                encode(val.dtype),
+                val.storage_offset(),
+                encode(val.device),
+            ]
+        }
     if isinstance(val, (list, tuple)):
         return [_encode_val(v) for v in val]
     if val is None or isinstance(val, (bool, int, float)):
@@ -470,11 +489,16 @@ class ValueTensor(torch.Tensor):
 
     @staticmethod
     def __new__(  # noqa: PYI034
-        cls, size: tuple[int, ...], strides: tuple[int, ...], offset: int, dtype: torch.dtype,
+        cls,
+        size: tuple[int, ...],
+        strides: tuple[int, ...],
+        offset: int,
+        dtype: torch.dtype,
         device: torch.device,
     ) -> ValueTensor:
         return torch.Tensor._make_wrapper_subclass(
-            cls, size, strides, offset, dtype=dtype, device=device, requires_grad=False)
+            cls, size, strides, offset, dtype=dtype, device=device, requires_grad=False
+        )
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -501,8 +525,9 @@ def _decode_val(value: Any, on_device: bool) -> Any:
             return ValueTensor(size, strides, offset, dtype, where)
         if offset == 0:
             return torch.empty_strided(size, strides, dtype=dtype, device="meta")
-        extent = offset + 1 + sum((n - 1) * st for n, st in zip(size, strides)) if all(size) \
-            else offset
+        extent = (
+            offset + 1 + sum((n - 1) * st for n, st in zip(size, strides)) if all(size) else offset
+        )
         storage = torch.empty(extent, dtype=dtype, device="meta")
         return storage.as_strided(size, strides, offset)
     if isinstance(value, list):
@@ -516,7 +541,9 @@ def _encode_tensor(t: torch.Tensor) -> dict[str, Any]:
     values = t.detach().contiguous().reshape(-1).view(torch.uint8)
     raw = values.numpy().tobytes() if values.numel() else b""
     return {
-        "dtype": encode(t.dtype), "shape": list(t.shape), "stride": list(t.stride()),
+        "dtype": encode(t.dtype),
+        "shape": list(t.shape),
+        "stride": list(t.stride()),
         "bytes": raw.hex(),
     }
 
@@ -526,7 +553,9 @@ def _decode_tensor(value: dict[str, Any]) -> torch.Tensor:
         dtype = decode(value["dtype"])
         shape = tuple(int(s) for s in _list(value["shape"]))
         raw = bytearray.fromhex(value["bytes"])
-        flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        flat = (
+            torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        )
         values = flat.view(dtype).reshape(shape)
         out = torch.empty_strided(shape, tuple(int(s) for s in _list(value["stride"])), dtype=dtype)
         return out.copy_(values)

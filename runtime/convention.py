@@ -36,8 +36,8 @@ from collections.abc import Sequence
 
 import torch
 
-from runtime.errors import UnsupportedError
-from runtime.schema import CallingConvention, Geometry, GraphArg, SyntheticBase, UserArg
+from aotc.runtime.errors import UnsupportedError
+from aotc.runtime.schema import CallingConvention, Geometry, GraphArg, SyntheticBase, UserArg
 
 
 def _root(t: torch.Tensor) -> torch.Tensor:

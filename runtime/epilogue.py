@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.schema import (
+from aotc.runtime.schema import (
     CallingConvention,
     FwdOutputPlan,
     Geometry,
@@ -109,7 +109,12 @@ def plan_epilogue(
             base = info.base_out  # UserOut of the base output
         steps.append(
             OutputStep(
-                info.kind, info.requires_grad, source, base, info.geometry, info.constant,
+                info.kind,
+                info.requires_grad,
+                source,
+                base,
+                info.geometry,
+                info.constant,
                 track_grad=info.requires_grad and not info.view_without_grad,
                 lazy_conj=info.lazy_conj,
                 lazy_neg=info.lazy_neg,

@@ -33,7 +33,7 @@ class CacheError(AotcError):
     """A cache entry could not be read or written."""
 
 
-def check(cond: bool, make_message: "object") -> None:
+def check(cond: bool, make_message: object) -> None:
     """Raise UnsupportedError with a lazily built message when `cond` is false (hot paths)."""
     if not cond:
         raise UnsupportedError(make_message())  # type: ignore[operator]

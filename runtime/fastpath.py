@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from runtime.schema import OutputKind
+from aotc.runtime.schema import OutputKind
 
 _DIRECT_OUTPUTS = (OutputKind.FRESH, OutputKind.NOT_TENSOR, OutputKind.IS_INPUT)
 
@@ -96,9 +96,11 @@ def make_fast_call(
     if spec.is_leaf():
         lines.append(f"    return {exprs[0]}")
     elif spec.type is tuple and all(c.is_leaf() for c in spec.children()):
-        if apply is not None and exprs == [f"d[{p}]" for p in range(len(exprs))] and len(
-            plan.autograd.diff_outs
-        ) == len(exprs):
+        if (
+            apply is not None
+            and exprs == [f"d[{p}]" for p in range(len(exprs))]
+            and len(plan.autograd.diff_outs) == len(exprs)
+        ):
             lines.append("    return d")  # autograd's own tuple holds exactly the outputs
         else:
             lines.append(f"    return ({''.join(e + ', ' for e in exprs)})")

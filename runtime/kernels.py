@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from runtime.symsizes import SymSource, compile_sizes, read_symbols
+from aotc.runtime.symsizes import SymSource, compile_sizes, read_symbols
 
 log = logging.getLogger("aotc.kernels")
 
@@ -102,7 +102,9 @@ class CompiledGraph:
     # per placeholder: the strides kernels index it with (None: not a tensor); see run()
     input_strides: tuple[tuple[Any, ...] | None, ...] = field(default=())
     symbols: tuple[SymSource, ...] = ()  # symbolic sizes: where each symbol's value is read
-    decomposed: Any = None  # the decomposed fx graph the kernels come from (the disk cache keeps it)
+    decomposed: Any = (
+        None  # the decomposed fx graph the kernels come from (the disk cache keeps it)
+    )
 
     @cached_property
     def callable(self) -> Callable[..., tuple[Any, ...]]:
@@ -140,8 +142,9 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def candidate_configs(kernel: KernelSource, on_cuda: bool, xnumel: int | None = None,
-                      rnumel: int | None = None) -> list[tuple[int, int, int]]:
+def candidate_configs(
+    kernel: KernelSource, on_cuda: bool, xnumel: int | None = None, rnumel: int | None = None
+) -> list[tuple[int, int, int]]:
     """(XBLOCK, RBLOCK or YBLOCK, num_warps) choices; the first is used when not autotuning.
     `xnumel`/`rnumel`: the launch's sizes (default: the kernel's static ones).
 
@@ -156,8 +159,11 @@ def candidate_configs(kernel: KernelSource, on_cuda: bool, xnumel: int | None = 
     if not kernel.reduction:
         if not on_cuda:
             return [(min(_next_pow2(x), 4096), 1, 4)]
-        return [(b, 1, w) for b, w in ((1024, 4), (512, 4), (2048, 8), (256, 2))
-                if b <= max(_next_pow2(x), 256)]
+        return [
+            (b, 1, w)
+            for b, w in ((1024, 4), (512, 4), (2048, 8), (256, 2))
+            if b <= max(_next_pow2(x), 256)
+        ]
     if kernel.persistent_rblock:
         r = kernel.persistent_rblock
         if r < 0:  # chosen at launch (symbolic row length; see passes.codegen)
@@ -165,8 +171,9 @@ def candidate_configs(kernel: KernelSource, on_cuda: bool, xnumel: int | None = 
         cap = max(1, (4096 if on_cuda else 16384) // r)
         first = min(cap, _next_pow2(x))
         # Heuristic: at most three row blocks, so cold compiles stay few (each config is a compile)
-        xb = [first] + ([b for b in sorted({max(1, first // 4), 1}) if b < first]
-                        if on_cuda else [])
+        xb = [first] + (
+            [b for b in sorted({max(1, first // 4), 1}) if b < first] if on_cuda else []
+        )
         warps = 8 if r >= 2048 else 4 if r >= 256 else 2
         return [(b, r, warps) for b in xb]
     if not on_cuda:
@@ -174,8 +181,11 @@ def candidate_configs(kernel: KernelSource, on_cuda: bool, xnumel: int | None = 
     return [(1, 1024, 8), (4, 256, 4), (8, 128, 4)]
 
 
-def launch(kernel: KernelSource, args: list[torch.Tensor],
-           sizes: tuple[int, int, tuple[int, ...]] | None = None) -> None:
+def launch(
+    kernel: KernelSource,
+    args: list[torch.Tensor],
+    sizes: tuple[int, int, tuple[int, ...]] | None = None,
+) -> None:
     """`sizes`: (xnumel, rnumel, size arguments) of a kernel with symbolic sizes, evaluated for
     this call; block sizes and the grid are chosen from them here."""
     fn = _KERNELS.get((kernel.key, kernel.device)) or load_kernel(kernel)
@@ -187,14 +197,24 @@ def launch(kernel: KernelSource, args: list[torch.Tensor],
     if best is None:
         on_cuda = kernel.device.startswith("cuda")
         configs = candidate_configs(kernel, on_cuda, xnumel, rnumel)
-        best = (_autotune(fn, kernel, args, configs, (xnumel, rnumel, extra))
-                if on_cuda and len(configs) > 1 else configs[0])
+        best = (
+            _autotune(fn, kernel, args, configs, (xnumel, rnumel, extra))
+            if on_cuda and len(configs) > 1
+            else configs[0]
+        )
         _BEST[shape_key] = best
     _run(fn, kernel, args, best, xnumel, rnumel, extra)
 
 
-def _run(fn: Any, kernel: KernelSource, args: list[torch.Tensor],
-         config: tuple[int, int, int], xnumel: int, rnumel: int, extra: tuple[int, ...]) -> None:
+def _run(
+    fn: Any,
+    kernel: KernelSource,
+    args: list[torch.Tensor],
+    config: tuple[int, int, int],
+    xnumel: int,
+    rnumel: int,
+    extra: tuple[int, ...],
+) -> None:
     xblock, second, warps = config  # second: RBLOCK, or YBLOCK of a tiled kernel
     tiles = (xnumel + xblock - 1) // xblock
     if kernel.tiled:
@@ -210,9 +230,13 @@ def _run(fn: Any, kernel: KernelSource, args: list[torch.Tensor],
         fn[(tiles,)](*args, xnumel, rnumel, *extra, xblock, second, num_warps=warps)
 
 
-def _autotune(fn: Any, kernel: KernelSource, args: list[torch.Tensor],
-              configs: list[tuple[int, int, int]], sizes: tuple[int, int, tuple[int, ...]]
-              ) -> tuple[int, int, int]:
+def _autotune(
+    fn: Any,
+    kernel: KernelSource,
+    args: list[torch.Tensor],
+    configs: list[tuple[int, int, int]],
+    sizes: tuple[int, int, tuple[int, ...]],
+) -> tuple[int, int, int]:
     from triton.testing import do_bench
 
     timings = []
@@ -229,6 +253,7 @@ def _autotune(fn: Any, kernel: KernelSource, args: list[torch.Tensor],
 
 
 # ---- run a compiled graph ------------------------------------------------------------------
+
 
 def _make_runner(graph: CompiledGraph) -> Callable[..., tuple[Any, ...]]:
     if graph.symbols:
@@ -266,8 +291,9 @@ def _make_symbolic_runner(graph: CompiledGraph) -> Callable[..., tuple[Any, ...]
     names = [src.symbol for src in sources]
     strides = graph.input_strides or (None,) * len(placeholders)
     strided = [(i, len(st)) for i, st in enumerate(strides) if st is not None]
-    stride_fn = compile_sizes([e for _, st in enumerate(strides) if st is not None for e in st],
-                              names)
+    stride_fn = compile_sizes(
+        [e for _, st in enumerate(strides) if st is not None for e in st], names
+    )
     plans: list[tuple[Callable[[Sequence[int]], tuple[int, ...]], int, int] | None] = []
     for step in steps:
         if not isinstance(step, KernelStep):
@@ -285,7 +311,7 @@ def _make_symbolic_runner(graph: CompiledGraph) -> Callable[..., tuple[Any, ...]
         args_l = list(args)
         pos = 0
         for i, n in strided:
-            args_l[i] = _restride(args_l[i], flat[pos:pos + n])
+            args_l[i] = _restride(args_l[i], flat[pos : pos + n])
             pos += n
         env: dict[str, Any] = dict(zip(placeholders, args_l, strict=True))
         env[SYMS] = values
@@ -308,20 +334,25 @@ def _symbol(name: str) -> Any:
     return sympy.Symbol(name, integer=True, positive=True)
 
 
-def _run_symbolic_step(step: KernelStep, plan: tuple[Any, int, int], values: tuple[int, ...],
-                       env: dict[str, Any], slots: list[torch.Tensor | None]) -> None:
+def _run_symbolic_step(
+    step: KernelStep,
+    plan: tuple[Any, int, int],
+    values: tuple[int, ...],
+    env: dict[str, Any],
+    slots: list[torch.Tensor | None],
+) -> None:
     kernel = step.kernel
     if (kernel.key, kernel.device) in _FAILED:
         step.fallback(env)
         return
     fn, n_sym, _ = plan
     sizes = fn(values)
-    xnumel, rnumel, extra = sizes[0], sizes[1], sizes[2:2 + n_sym]
+    xnumel, rnumel, extra = sizes[0], sizes[1], sizes[2 : 2 + n_sym]
     pos = 2 + n_sym
     outs = []
     for spec in step.outputs:
         n = len(spec.size)
-        size, stride = sizes[pos:pos + n], sizes[pos + n:pos + 2 * n]
+        size, stride = sizes[pos : pos + n], sizes[pos + n : pos + 2 * n]
         pos += 2 * n
         t = slots[spec.slot] if spec.slot is not None else None
         if t is None:
@@ -334,8 +365,12 @@ def _run_symbolic_step(step: KernelStep, plan: tuple[Any, int, int], values: tup
         launch(kernel, [env[b] for b in kernel.inputs] + outs, (xnumel, rnumel, extra))
     except Exception as e:  # noqa: BLE001 - see the module docstring: fall back, never crash
         _FAILED.add((kernel.key, kernel.device))
-        log.warning("kernel %s failed (%s: %s); running its ops as ATen calls instead",
-                    kernel.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        log.warning(
+            "kernel %s failed (%s: %s); running its ops as ATen calls instead",
+            kernel.name,
+            type(e).__name__,
+            str(e).splitlines()[0] if str(e) else "",
+        )
         step.fallback(env)
 
 
@@ -347,8 +382,9 @@ def _restride(arg: Any, stride: tuple[int, ...] | None) -> Any:
     return torch.empty_strided(arg.shape, stride, dtype=arg.dtype, device=arg.device).copy_(arg)
 
 
-def _run_kernel_step(step: KernelStep, env: dict[str, Any],
-                     slots: list[torch.Tensor | None]) -> None:
+def _run_kernel_step(
+    step: KernelStep, env: dict[str, Any], slots: list[torch.Tensor | None]
+) -> None:
     kernel = step.kernel
     if (kernel.key, kernel.device) in _FAILED:
         step.fallback(env)
@@ -366,6 +402,10 @@ def _run_kernel_step(step: KernelStep, env: dict[str, Any],
         launch(kernel, [env[b] for b in kernel.inputs] + outs)
     except Exception as e:  # noqa: BLE001 - see the module docstring: fall back, never crash
         _FAILED.add((kernel.key, kernel.device))
-        log.warning("kernel %s failed (%s: %s); running its ops as ATen calls instead",
-                    kernel.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        log.warning(
+            "kernel %s failed (%s: %s); running its ops as ATen calls instead",
+            kernel.name,
+            type(e).__name__,
+            str(e).splitlines()[0] if str(e) else "",
+        )
         step.fallback(env)

@@ -52,7 +52,11 @@ def make_callable(module: fx.GraphModule) -> Callable[..., Any]:
             return names[arg]
         if isinstance(arg, (list, tuple)):
             inner = ", ".join(fmt(a) for a in arg)
-            return f"[{inner}]" if isinstance(arg, list) else f"({inner}{',' if len(arg) == 1 else ''})"
+            return (
+                f"[{inner}]"
+                if isinstance(arg, list)
+                else f"({inner}{',' if len(arg) == 1 else ''})"
+            )
         if isinstance(arg, _SIMPLE):
             return repr(arg)
         if isinstance(arg, float) and arg == arg and arg not in (float("inf"), float("-inf")):
@@ -84,7 +88,9 @@ def make_callable(module: fx.GraphModule) -> Callable[..., Any]:
             body.append(f"    return {fmt(tuple(node.args[0]))}")
             continue
         else:
-            raise NotImplementedError(f"launch: unsupported node kind {node.op} ({node.format_node()})")
+            raise NotImplementedError(
+                f"launch: unsupported node kind {node.op} ({node.format_node()})"
+            )
         for inp in node.all_input_nodes:
             if last_use.get(inp) is node:
                 frees.setdefault(node, []).append(names[inp])

@@ -108,7 +108,9 @@ class MutationAliasInfo:
     def format(self) -> str:
         lines = ["# stage: metadata"]
         for i, inp in enumerate(self.inputs):
-            extra = " (under no_grad)" if inp.mutated_under_no_grad and inp.mutation.has_data else ""
+            extra = (
+                " (under no_grad)" if inp.mutated_under_no_grad and inp.mutation.has_data else ""
+            )
             lines.append(
                 f"input  {i}: mutation={inp.mutation.value}{extra} requires_grad={inp.requires_grad}"
                 f" leaf={inp.is_leaf}"

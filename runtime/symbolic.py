@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
-from runtime.errors import GuardError
-from runtime.guards import _alias_pattern, _autocast_state
+from aotc.runtime.errors import GuardError
+from aotc.runtime.guards import _alias_pattern, _autocast_state
 
 Tensor = torch.Tensor
 GuardFn = Callable[[list[Tensor]], bool]
@@ -94,7 +94,8 @@ class SymbolicDispatcher:
                 reason = (
                     f"no entry admits input sizes {shapes}: dtype/device/rank/grad mode changed, "
                     f"or a symbolic guard failed ({self.guards[-1]})"
-                    if key in self._groups else "dtype, device, rank, requires_grad, grad mode, "
+                    if key in self._groups
+                    else "dtype, device, rank, requires_grad, grad mode, "
                     "autocast, constants or aliasing changed"
                 )
                 self.recompile_reasons.append(reason)

@@ -35,8 +35,9 @@ class SymSource:
     dim: int  # for SIZE/STRIDE
 
 
-def bind_symbols(placeholder_vals: Sequence[Any], symbols: Sequence[sympy.Symbol]
-                 ) -> tuple[SymSource, ...]:
+def bind_symbols(
+    placeholder_vals: Sequence[Any], symbols: Sequence[sympy.Symbol]
+) -> tuple[SymSource, ...]:
     found: dict[sympy.Symbol, SymSource] = {}
 
     def note(expr: sympy.Expr, kind: SymKind, arg: int, dim: int) -> None:
@@ -55,8 +56,9 @@ def bind_symbols(placeholder_vals: Sequence[Any], symbols: Sequence[sympy.Symbol
                     note(s.node.expr, SymKind.STRIDE, i, d)
     missing = [str(s) for s in symbols if s not in found]
     if missing:
-        raise ValueError(f"size symbols {missing} are not a size, stride or SymInt argument of "
-                         "the graph")
+        raise ValueError(
+            f"size symbols {missing} are not a size, stride or SymInt argument of the graph"
+        )
     return tuple(found[s] for s in symbols)
 
 
@@ -95,8 +97,9 @@ def size_code(e: Any) -> str:
     raise ValueError(f"cannot evaluate size expression {e} at run time")
 
 
-def compile_sizes(exprs: Sequence[Any], symbols: Sequence[str]
-                  ) -> Callable[[Sequence[int]], tuple[int, ...]]:
+def compile_sizes(
+    exprs: Sequence[Any], symbols: Sequence[str]
+) -> Callable[[Sequence[int]], tuple[int, ...]]:
     """One function from the symbols' values (in `symbols` order) to the values of `exprs`."""
     body = ", ".join(size_code(e) for e in exprs)
     unpack = f"({', '.join(symbols)},) = values\n    " if symbols else ""

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 
-from runtime.autograd import AutogradPlan, make_autograd_function
-from runtime.convention import apply_convention
-from runtime.epilogue import EpiloguePlan, apply_mutations, build_outputs
-from runtime.errors import GuardError, UnsupportedError
-from runtime.fastpath import make_fast_call
-from runtime.guards import explain_bad_leaves, signature_key
-from runtime.schema import CallingConvention, GraphArg
+from aotc.runtime.autograd import AutogradPlan, make_autograd_function
+from aotc.runtime.convention import apply_convention
+from aotc.runtime.epilogue import EpiloguePlan, apply_mutations, build_outputs
+from aotc.runtime.errors import GuardError, UnsupportedError
+from aotc.runtime.fastpath import make_fast_call
+from aotc.runtime.guards import explain_bad_leaves, signature_key
+from aotc.runtime.schema import CallingConvention, GraphArg
 
 log = logging.getLogger("aotc.recompiles")
 
@@ -53,7 +53,15 @@ class CompiledEntry:
     generated fast path for direct plans (runtime/fastpath.py), else `_call_general`."""
 
     __slots__ = (
-        "plan", "record", "call", "_fwd", "_fn", "_apply", "_detach", "_diff", "_unflatten",
+        "plan",
+        "record",
+        "call",
+        "_fwd",
+        "_fn",
+        "_apply",
+        "_detach",
+        "_diff",
+        "_unflatten",
         "_mutates",
     )
 
@@ -157,8 +165,10 @@ def describe_change(old: tuple[object, ...], new: tuple[object, ...]) -> str:
         if len(a) == len(_TENSOR_FIELDS) and len(b) == len(_TENSOR_FIELDS):
             for name, x, y in zip(_TENSOR_FIELDS, a, b):
                 if x != y:
-                    reasons.append(f"input {i} {name} {tuple(x) if name == 'shape' else x} -> "
-                                   f"{tuple(y) if name == 'shape' else y}")
+                    reasons.append(
+                        f"input {i} {name} {tuple(x) if name == 'shape' else x} -> "
+                        f"{tuple(y) if name == 'shape' else y}"
+                    )
         else:
             reasons.append(f"input {i} {a[-1]!r} -> {b[-1]!r}")
     if old_alias != new_alias:

@@ -66,23 +66,21 @@ def _alias_signature(outs: list[object], args: list[torch.Tensor]) -> list[tuple
             continue
         ptr = _storage_ptr(o)
         is_input = next((i for i, a in enumerate(args) if o is a), None)
-        shares_input = next(
-            (i for i, p in enumerate(arg_storage) if p == ptr and ptr != 0), None
-        )
+        shares_input = next((i for i, p in enumerate(arg_storage) if p == ptr and ptr != 0), None)
         is_output = next((k for k in range(j) if outs[k] is o), None)
         shares_output = next(
             (k for k, p in enumerate(out_storage) if p == ptr and ptr != 0 and outs[k] is not o),
             None,
         )
         base_is_input = next((i for i, a in enumerate(args) if o._base is a), None)
-        sig.append(
-            (is_input, shares_input, is_output, shares_output, o._is_view(), base_is_input)
-        )
+        sig.append((is_input, shares_input, is_output, shares_output, o._is_view(), base_is_input))
         out_storage.append(ptr)
     return sig
 
 
-def _assert_tensor_equal(got: torch.Tensor, want: torch.Tensor, what: str, rtol: float, atol: float) -> None:
+def _assert_tensor_equal(
+    got: torch.Tensor, want: torch.Tensor, what: str, rtol: float, atol: float
+) -> None:
     assert got.shape == want.shape, f"{what}: shape {got.shape} != eager {want.shape}"
     assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != eager {want.dtype}"
     assert got.requires_grad == want.requires_grad, (
@@ -93,12 +91,19 @@ def _assert_tensor_equal(got: torch.Tensor, want: torch.Tensor, what: str, rtol:
         g_strides = [st for st, n in zip(got.stride(), got.shape) if n > 1]
         w_strides = [st for st, n in zip(want.stride(), want.shape) if n > 1]
         assert g_strides == w_strides, f"{what}: stride {got.stride()} != eager {want.stride()}"
-    torch.testing.assert_close(got.detach(), want.detach(), rtol=rtol, atol=atol, equal_nan=True,
-                               msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        got.detach(),
+        want.detach(),
+        rtol=rtol,
+        atol=atol,
+        equal_nan=True,
+        msg=lambda m: f"{what}: {m}",
+    )
 
 
-def run_and_capture(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict, cotangent_seed: int,
-                    backward: bool) -> dict[str, Any]:
+def run_and_capture(
+    fn: Callable[..., Any], args: Sequence[Any], kwargs: dict, cotangent_seed: int, backward: bool
+) -> dict[str, Any]:
     arg_tensors = _tensor_leaves((args, kwargs))
     roots = _roots((args, kwargs))
     for t in arg_tensors:
@@ -116,8 +121,12 @@ def run_and_capture(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict, c
         "alias": _alias_signature(flat_out, arg_tensors),
         "args_after": [t.detach().clone() for t in arg_tensors],
         "args_meta": [
-            (t.shape, t.stride() if t.layout is torch.strided else None, t.requires_grad,
-             t.grad_fn is None)
+            (
+                t.shape,
+                t.stride() if t.layout is torch.strided else None,
+                t.requires_grad,
+                t.grad_fn is None,
+            )
             for t in arg_tensors
         ],
     }
@@ -160,7 +169,9 @@ def assert_matches_eager(
             torch.manual_seed(7 + run)
             sides.append(run_and_capture(side_fn, args, kwargs, 99 + run, backward))
         want, got = sides
-        assert got["out_spec"] == want["out_spec"], f"output structure {got['out_spec']} != {want['out_spec']}"
+        assert got["out_spec"] == want["out_spec"], (
+            f"output structure {got['out_spec']} != {want['out_spec']}"
+        )
         assert len(got["out"]) == len(want["out"])
         for j, (g, w) in enumerate(zip(got["out"], want["out"])):
             if isinstance(w, torch.Tensor):
@@ -218,8 +229,13 @@ def assert_module_matches_eager(
         for (name, pw), (_, pg) in zip(eager.named_parameters(), ref.named_parameters()):
             if pw.grad is not None or pg.grad is not None:
                 assert pg.grad is not None and pw.grad is not None, f"step {step} grad {name}"
-                torch.testing.assert_close(pg.grad, pw.grad, rtol=1e-4, atol=1e-5,
-                                           msg=lambda m: f"step {step} grad {name}: {m}")
+                torch.testing.assert_close(
+                    pg.grad,
+                    pw.grad,
+                    rtol=1e-4,
+                    atol=1e-5,
+                    msg=lambda m: f"step {step} grad {name}: {m}",
+                )
         with torch.no_grad():
             for pw, pg in zip(eager.parameters(), ref.parameters()):
                 if pw.grad is not None:
@@ -228,8 +244,9 @@ def assert_module_matches_eager(
                 pw.grad = None
                 pg.grad = None
         for (name, bw), (_, bg) in zip(eager.named_buffers(), ref.named_buffers()):
-            torch.testing.assert_close(bg, bw, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"step {step} buffer {name}: {m}")
+            torch.testing.assert_close(
+                bg, bw, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step} buffer {name}: {m}"
+            )
     return compiled
 
 

@@ -17,12 +17,18 @@ import aotc
 # CPU variants are checked on machines without CUDA, the "cuda" variants (marker gpu) on GPUs.
 needs_interpreter = pytest.mark.skipif(
     torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton's interpreter is off on CUDA machines; the cuda variant covers this")
+    reason="Triton's interpreter is off on CUDA machines; the cuda variant covers this",
+)
 
 DEVICES = [
     pytest.param("cpu", marks=needs_interpreter),
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs CUDA")]),
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
 ]
 
 
@@ -37,8 +43,11 @@ def assert_closer(fn: Callable[..., Any], args: list[torch.Tensor], **options: A
     compiled = aotc.compile(fn, backend="triton", **options)
     ref_args = [a.detach().double().requires_grad_(a.requires_grad) for a in args]
     runs = []
-    for call, call_args in ((fn, args), (compiled, [a.detach().clone().requires_grad_(
-            a.requires_grad) for a in args]), (fn, ref_args)):
+    for call, call_args in (
+        (fn, args),
+        (compiled, [a.detach().clone().requires_grad_(a.requires_grad) for a in args]),
+        (fn, ref_args),
+    ):
         out = call(*call_args)
         grads: list[torch.Tensor] = []
         if any(a.requires_grad for a in call_args):

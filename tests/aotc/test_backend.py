@@ -73,8 +73,14 @@ def test_backend_name_resolves_in_a_fresh_process_without_import(tmp_path):
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, check=False,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "'ahead': 1" in done.stdout
 

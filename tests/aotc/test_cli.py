@@ -14,7 +14,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import sys
     import torch
     import aotc
@@ -30,13 +30,19 @@ SCRIPT = textwrap.dedent('''
     with torch.no_grad():
         step(torch.randn(n, 8), w)                  # an inference graph
     print("script done", n)
-''')
+""")
 
 
 def run_cli(*args: str, cwd: pathlib.Path, env: dict | None = None) -> subprocess.CompletedProcess:
     full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
-    return subprocess.run([sys.executable, "-m", "aotc.cli", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "aotc.cli", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture
@@ -73,13 +79,16 @@ def test_dump_writes_every_graph_and_an_index(script, tmp_path):
         for code_file in ("04_forward.py", "05_backward.py"):
             if (folder / code_file).exists():
                 code = "\n".join(
-                    ln for ln in (folder / code_file).read_text().splitlines()
+                    ln
+                    for ln in (folder / code_file).read_text().splitlines()
                     if not ln.startswith("#")
                 )
                 ast.parse(code)
         partition = folder / "03_partition.txt"
         if partition.exists():
-            saved = int(partition.read_text().split("# saved: ")[1].split(" values, ")[1].split()[0])
+            saved = int(
+                partition.read_text().split("# saved: ")[1].split(" values, ")[1].split()[0]
+            )
             assert saved == graph["saved_bytes"]
     assert "index.html" in result.stdout
 
@@ -94,11 +103,13 @@ def test_script_failure_exits_1_with_traceback(tmp_path):
 
 def test_unsupported_program_exits_1_with_aotc_error(tmp_path):
     bad = tmp_path / "dd.py"
-    bad.write_text(textwrap.dedent('''
+    bad.write_text(
+        textwrap.dedent("""
         import torch, aotc
         f = aotc.compile(lambda x: x * 2 if x.sum() > 0 else x)
         f(torch.randn(3))
-    '''))
+    """)
+    )
     result = run_cli("dump", str(bad), "--out", str(tmp_path / "o"), cwd=tmp_path)
     assert result.returncode == 1
     assert "UnsupportedError" in result.stderr and "depends on tensor values" in result.stderr
@@ -118,8 +129,12 @@ def test_help_on_every_subcommand(command, tmp_path):
 
 
 def test_aotc_log_categories(script, tmp_path):
-    result = run_cli("explain", str(script), cwd=tmp_path,
-                     env={"AOTC_LOG": "graphs,partition,recompiles,kernels"})
+    result = run_cli(
+        "explain",
+        str(script),
+        cwd=tmp_path,
+        env={"AOTC_LOG": "graphs,partition,recompiles,kernels"},
+    )
     assert result.returncode == 0, result.stderr
     err = result.stderr
     assert "[aotc.graphs]" in err and "# stage: joint" in err
@@ -133,19 +148,22 @@ def test_aotc_log_categories(script, tmp_path):
 def test_dump_env_var_without_cli(script, tmp_path):
     out_dir = tmp_path / "env_dump"
     env = dict(os.environ, PYTHONPATH=str(ROOT), AOTC_DUMP_DIR=str(out_dir))
-    subprocess.run([sys.executable, str(script)], env=env, check=True, capture_output=True,
-                   timeout=300)
+    subprocess.run(
+        [sys.executable, str(script)], env=env, check=True, capture_output=True, timeout=300
+    )
     assert len([p for p in out_dir.iterdir() if p.is_dir()]) == 3
 
 
 def test_dump_captures_torch_compile_backend(tmp_path):
     script = tmp_path / "dyn.py"
-    script.write_text(textwrap.dedent('''
+    script.write_text(
+        textwrap.dedent("""
         import torch
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
         compiled = torch.compile(model, backend="aotc")
         compiled(torch.randn(2, 4)).sum().backward()
-    '''))
+    """)
+    )
     out_dir = tmp_path / "out"
     result = run_cli("dump", str(script), "--out", str(out_dir), cwd=tmp_path)
     assert result.returncode == 0, result.stderr

@@ -42,7 +42,9 @@ def test_index_names_every_graph_and_links_its_files(dump):
     for external in ('src="http', "src='http", 'href="http', "<link", "<script src", "@import"):
         assert external not in html
     training = next(r for r in records if r.training)
-    assert f"{training.partition.saved_bytes:,}" in html or str(training.partition.saved_bytes) in html
+    assert (
+        f"{training.partition.saved_bytes:,}" in html or str(training.partition.saved_bytes) in html
+    )
 
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz `dot` is not installed")
@@ -70,8 +72,13 @@ def _chromium() -> str | None:
     if found or os.geteuid() != 0 or shutil.which("apt-get") is None:
         return found
     try:  # the test set-up installs Debian's chromium when absent
-        subprocess.run("apt-get update -qq && apt-get install -y -qq chromium", shell=True,
-                       check=True, timeout=900, capture_output=True)
+        subprocess.run(
+            "apt-get update -qq && apt-get install -y -qq chromium",
+            shell=True,
+            check=True,
+            timeout=900,
+            capture_output=True,
+        )
     except (subprocess.SubprocessError, OSError):
         return None
     return shutil.which("chromium")
@@ -85,13 +92,22 @@ def test_page_renders_in_headless_chromium(dump, tmp_path):
     result = report.write_report(str(out))
     url = pathlib.Path(result.html_path).resolve().as_uri()
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
-    dom = subprocess.run([browser, *flags, "--dump-dom", url], capture_output=True, text=True,
-                         timeout=120, check=True).stdout
+    dom = subprocess.run(
+        [browser, *flags, "--dump-dom", url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     for folder in result.graphs:
         assert folder in dom
     if result.dot_available:
         assert dom.count("<svg") >= len(result.graphs)
     shot = tmp_path / "shot.png"
-    subprocess.run([browser, *flags, f"--screenshot={shot}", "--window-size=1400,1600", url],
-                   capture_output=True, timeout=120, check=True)
+    subprocess.run(
+        [browser, *flags, f"--screenshot={shot}", "--window-size=1400,1600", url],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
     assert shot.exists() and shot.stat().st_size > 20_000

@@ -43,8 +43,9 @@ class GPTBlock(nn.Module):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.attn = CausalSelfAttention(dim, heads, dropout)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim),
-                                 nn.Dropout(dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(dropout)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -130,8 +131,9 @@ class LlamaBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         h = self.norm1(x)
-        q, k, v = (w(h).view(b, t, self.heads, -1).transpose(1, 2)
-                   for w in (self.wq, self.wk, self.wv))
+        q, k, v = (
+            w(h).view(b, t, self.heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
+        )
         cos, sin = self.cos[:t], self.sin[:t]
         q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -189,7 +191,7 @@ def gpt_batch(b: int = 3, t: int = SEQ) -> tuple[torch.Tensor, ...]:
 
 def bert_batch(b: int = 3) -> tuple[torch.Tensor, ...]:
     mask = torch.ones(b, SEQ, dtype=torch.bool)
-    mask[0, SEQ // 2:] = False
+    mask[0, SEQ // 2 :] = False
     return torch.randint(0, VOCAB, (b, SEQ)), mask, torch.randint(0, 3, (b,))
 
 
@@ -235,20 +237,31 @@ def train_against_eager(
         want = eager(*batch)
         torch.manual_seed(200 + step)
         got = compiled(*batch)
-        torch.testing.assert_close(got, want, rtol=rtol, atol=atol,
-                                   msg=lambda m, step=step: f"step {step} loss: {m}")
+        torch.testing.assert_close(
+            got, want, rtol=rtol, atol=atol, msg=lambda m, step=step: f"step {step} loss: {m}"
+        )
         want.backward()
         got.backward()
         for (name, pe), (_, pc) in zip(eager.named_parameters(), twin.named_parameters()):
             assert (pe.grad is None) == (pc.grad is None), f"step {step} grad {name}"
             if pe.grad is not None:
-                torch.testing.assert_close(pc.grad, pe.grad, rtol=rtol, atol=atol,
-                                           msg=lambda m, step=step, name=name: f"step {step} grad {name}: {m}")
+                torch.testing.assert_close(
+                    pc.grad,
+                    pe.grad,
+                    rtol=rtol,
+                    atol=atol,
+                    msg=lambda m, step=step, name=name: f"step {step} grad {name}: {m}",
+                )
         opt_e.step()
         opt_c.step()
         opt_e.zero_grad()
         opt_c.zero_grad()
         for (name, be), (_, bc) in zip(eager.state_dict().items(), twin.state_dict().items()):
-            torch.testing.assert_close(bc, be, rtol=rtol, atol=atol,
-                                       msg=lambda m, step=step, name=name: f"step {step} state {name}: {m}")
+            torch.testing.assert_close(
+                bc,
+                be,
+                rtol=rtol,
+                atol=atol,
+                msg=lambda m, step=step, name=name: f"step {step} state {name}: {m}",
+            )
     return compiled

@@ -68,8 +68,10 @@ def test_backward_sizes_saved_as_symints():
 @pytest.mark.slow
 def test_dynamic_sequence_length_gpt():
     compiled = train_against_eager(
-        lambda: GPT(layers=1, dropout=0.0), lambda b: gpt_batch(2, b),
-        lambda m: aotc.compile(m, dynamic=True), batch_sizes=[5, 9, 12],
+        lambda: GPT(layers=1, dropout=0.0),
+        lambda b: gpt_batch(2, b),
+        lambda m: aotc.compile(m, dynamic=True),
+        batch_sizes=[5, 9, 12],
     )
     assert len(compiled.records) == 1
 

@@ -16,30 +16,53 @@ import aotc
 from tests.conftest import assert_matches_eager
 
 settings.register_profile(
-    "ci", max_examples=30, derandomize=True, deadline=None,
+    "ci",
+    max_examples=30,
+    derandomize=True,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile(
-    "nightly", max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+    "nightly",
+    max_examples=400,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 
 UNARY = {
-    "sin": torch.sin, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": torch.relu,
-    "neg": torch.neg, "abs": torch.abs, "mul3": lambda t: t * 3.0, "add1": lambda t: t + 1.0,
+    "sin": torch.sin,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "relu": torch.relu,
+    "neg": torch.neg,
+    "abs": torch.abs,
+    "mul3": lambda t: t * 3.0,
+    "add1": lambda t: t + 1.0,
 }
 BINARY = {"add": torch.add, "mul": torch.mul, "sub": torch.sub, "maximum": torch.maximum}
 REDUCE = {
-    "sum0": lambda t: t.sum(0), "sum_last_keep": lambda t: t.sum(-1, keepdim=True),
-    "mean0": lambda t: t.mean(0), "amax_last": lambda t: t.amax(-1), "sum_all": torch.sum,
+    "sum0": lambda t: t.sum(0),
+    "sum_last_keep": lambda t: t.sum(-1, keepdim=True),
+    "mean0": lambda t: t.mean(0),
+    "amax_last": lambda t: t.amax(-1),
+    "sum_all": torch.sum,
 }
 VIEW = {
-    "t": lambda t: t.t(), "unsqueeze": lambda t: t.unsqueeze(0), "flatten": lambda t: t.reshape(-1),
-    "slice": lambda t: t[1:], "stride2": lambda t: t[..., ::2], "select": lambda t: t[0],
-    "view24": lambda t: t.view(2, -1), "expand": lambda t: t.unsqueeze(0).expand(2, *t.shape),
+    "t": lambda t: t.t(),
+    "unsqueeze": lambda t: t.unsqueeze(0),
+    "flatten": lambda t: t.reshape(-1),
+    "slice": lambda t: t[1:],
+    "stride2": lambda t: t[..., ::2],
+    "select": lambda t: t[0],
+    "view24": lambda t: t.view(2, -1),
+    "expand": lambda t: t.unsqueeze(0).expand(2, *t.shape),
 }
 INPLACE = {
-    "add_": lambda t, o: t.add_(o), "mul_": lambda t, o: t.mul_(2.0), "relu_": lambda t, o: t.relu_(),
-    "copy_": lambda t, o: t.copy_(o), "clamp_": lambda t, o: t.clamp_(min=-0.5),
+    "add_": lambda t, o: t.add_(o),
+    "mul_": lambda t, o: t.mul_(2.0),
+    "relu_": lambda t, o: t.relu_(),
+    "copy_": lambda t, o: t.copy_(o),
+    "clamp_": lambda t, o: t.clamp_(min=-0.5),
 }
 KINDS = {"unary": UNARY, "binary": BINARY, "reduce": REDUCE, "view": VIEW, "inplace": INPLACE}
 
@@ -60,7 +83,8 @@ steps_strategy = st.lists(
         a=st.integers(0, 20),
         b=st.integers(0, 20),
     ),
-    min_size=1, max_size=6,
+    min_size=1,
+    max_size=6,
 )
 
 

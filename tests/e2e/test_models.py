@@ -58,8 +58,14 @@ def test_lstm_loop_torch_compile():
 @pytest.mark.parametrize("compile_model", [_dynamo, _aotc], ids=["dynamo", "aotc"])
 @pytest.mark.parametrize(
     "make_model,make_batch",
-    [(GPT, gpt_batch), (BERT, bert_batch), (LlamaBlock, llama_batch), (ConvNet, conv_batch),
-     (LSTMLoop, lstm_batch), (DropoutMLP, mlp_batch)],
+    [
+        (GPT, gpt_batch),
+        (BERT, bert_batch),
+        (LlamaBlock, llama_batch),
+        (ConvNet, conv_batch),
+        (LSTMLoop, lstm_batch),
+        (DropoutMLP, mlp_batch),
+    ],
     ids=["gpt", "bert", "llama", "conv", "lstm", "dropout"],
 )
 def test_model_matches_eager(make_model, make_batch, compile_model):

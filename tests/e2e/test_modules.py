@@ -249,8 +249,12 @@ def test_new_shape_recompiles_and_matches():
 
     compiled = aotc.compile(f)
     for n in (3, 5, 3):
-        assert_matches_eager(f, lambda n=n: (torch.randn(n, 4), torch.randn(4, 2, requires_grad=True)),
-                             compiled=compiled, runs=1)
+        assert_matches_eager(
+            f,
+            lambda n=n: (torch.randn(n, 4), torch.randn(4, 2, requires_grad=True)),
+            compiled=compiled,
+            runs=1,
+        )
     assert len(compiled.records) == 2
     assert compiled.recompile_reasons
 
@@ -352,7 +356,9 @@ def test_torch_optim_sgd_step_is_lifted_and_matches_eager():
     torch.testing.assert_close(torch.stack(got), torch.stack(want))
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q)
-        torch.testing.assert_close(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"])
+        torch.testing.assert_close(
+            opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"]
+        )
     assert len(compiled_step.records) == 1  # one signature: steps 2..5 reuse it
     assert compiled_step.records[0].meta.inputs  # params, grads, buffers are graph inputs
 

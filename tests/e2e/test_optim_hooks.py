@@ -39,12 +39,18 @@ def _train_with_adamw(compile_step, steps=4, **opt_kwargs):
         opt_e.zero_grad()
         opt_c.zero_grad()
         for (name, pe), (_, pc) in zip(eager.named_parameters(), twin.named_parameters()):
-            torch.testing.assert_close(pc, pe, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, step=step, name=name: f"step {step} {name}: {m}")
+            torch.testing.assert_close(
+                pc,
+                pe,
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m, step=step, name=name: f"step {step} {name}: {m}",
+            )
         for pe, pc in zip(eager.parameters(), twin.parameters()):
             for key in ("exp_avg", "exp_avg_sq", "step"):
-                torch.testing.assert_close(opt_c.state[pc][key], opt_e.state[pe][key],
-                                           rtol=1e-5, atol=1e-7)
+                torch.testing.assert_close(
+                    opt_c.state[pc][key], opt_e.state[pe][key], rtol=1e-5, atol=1e-7
+                )
     return step_c
 
 
@@ -83,8 +89,11 @@ def block(x, w1, w2):
 
 def _block_args():
     torch.manual_seed(0)
-    return (torch.randn(6, 8), torch.randn(8, 8, requires_grad=True),
-            torch.randn(8, 3, requires_grad=True))
+    return (
+        torch.randn(6, 8),
+        torch.randn(8, 8, requires_grad=True),
+        torch.randn(8, 3, requires_grad=True),
+    )
 
 
 def test_saved_tensor_hooks_see_what_the_compiled_forward_saves():
@@ -129,6 +138,7 @@ def test_save_on_cpu_around_compiled_call(how):
 
 def test_hooks_that_change_values_change_the_gradient_as_in_eager():
     """A pack hook that scales what is saved must act on the compiled backward's inputs."""
+
     def f(x, w):
         return (x * w).sum()  # the backward of w reads the saved x
 

@@ -32,7 +32,8 @@ def test_dropout_masks_equal_eager_for_the_same_seed():
     assert_matches_eager(
         dropout_chain,
         lambda: (torch.randn(17, 9), torch.randn(9, 13, requires_grad=True)),
-        rtol=0, atol=0,
+        rtol=0,
+        atol=0,
     )
 
 
@@ -45,9 +46,12 @@ def test_random_ops_never_recomputed_even_under_a_tiny_budget():
     (want,) = torch.autograd.grad(dropout_chain(x, w).sum(), w)
     torch.testing.assert_close(g, want, rtol=0, atol=0)  # backward used the forward's mask
     rec = compiled.records[0]
-    random_ops = {n.name for n in rec.joint.graph.nodes
-                  if isinstance(n.target, torch._ops.OpOverload)
-                  and torch.Tag.nondeterministic_seeded in n.target.tags}
+    random_ops = {
+        n.name
+        for n in rec.joint.graph.nodes
+        if isinstance(n.target, torch._ops.OpOverload)
+        and torch.Tag.nondeterministic_seeded in n.target.tags
+    }
     assert random_ops and not random_ops & set(rec.partition.recomputed)
     assert not any(
         isinstance(n.target, torch._ops.OpOverload)
@@ -92,8 +96,9 @@ def test_random_distribution_matches_eager():
 
 
 def test_gpt_with_dropout_through_torch_compile_matches_eager_masks():
-    train_against_eager(lambda: GPT(layers=1, dropout=0.2), gpt_batch, _dynamo, steps=2,
-                        rtol=1e-5, atol=1e-6)
+    train_against_eager(
+        lambda: GPT(layers=1, dropout=0.2), gpt_batch, _dynamo, steps=2, rtol=1e-5, atol=1e-6
+    )
 
 
 # ---------------------------------------------------------------- mixed precision
@@ -107,8 +112,11 @@ def mixed(x, w1, w2):
 
 
 def _mixed_args():
-    return (torch.randn(8, 16), torch.randn(16, 16, requires_grad=True),
-            torch.randn(16, 4, requires_grad=True))
+    return (
+        torch.randn(8, 16),
+        torch.randn(16, 16, requires_grad=True),
+        torch.randn(16, 4, requires_grad=True),
+    )
 
 
 @pytest.mark.parametrize("how", ["aotc", "dynamo"])
@@ -138,8 +146,9 @@ def test_autocast_inside_the_function():
             y = x @ w
         return y.float().sum(), y
 
-    assert_matches_eager(f, lambda: (torch.randn(5, 7), torch.randn(7, 3, requires_grad=True)),
-                         rtol=0, atol=0)
+    assert_matches_eager(
+        f, lambda: (torch.randn(5, 7), torch.randn(7, 3, requires_grad=True)), rtol=0, atol=0
+    )
 
 
 def test_grad_scaler_loop_matches_eager():

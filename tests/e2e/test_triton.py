@@ -18,7 +18,10 @@ from tests.triton_helpers import DEVICES, needs_interpreter
 def test_mlp_training_step(device: str) -> None:
     compiled = assert_module_matches_eager(
         lambda: MLP(37, 16, 5).to(device),
-        lambda: (torch.randn(6, 37, device=device),), steps=2, backend="triton")
+        lambda: (torch.randn(6, 37, device=device),),
+        steps=2,
+        backend="triton",
+    )
     recs = aotc.inspect(compiled)
     assert recs and all(rec.kernels for rec in recs)
 
@@ -28,7 +31,10 @@ def test_mlp_training_step(device: str) -> None:
 def test_gpt_block_training_step(device: str, sdpa: bool) -> None:
     compiled = assert_module_matches_eager(
         lambda: Block(16, 2, use_sdpa=sdpa).to(device),
-        lambda: (torch.randn(2, 5, 16, device=device),), steps=2, backend="triton")
+        lambda: (torch.randn(2, 5, 16, device=device),),
+        steps=2,
+        backend="triton",
+    )
     assert all(len(rec.kernels) >= 4 for rec in aotc.inspect(compiled))
 
 
@@ -46,8 +52,9 @@ def test_backend_auto_uses_aten_on_cpu() -> None:
 
 @needs_interpreter
 def test_dump_lists_kernels(tmp_path: object) -> None:
-    compiled = aotc.compile(lambda x: torch.softmax(x, -1), backend="triton",
-                            dump_dir=str(tmp_path))
+    compiled = aotc.compile(
+        lambda x: torch.softmax(x, -1), backend="triton", dump_dir=str(tmp_path)
+    )
     compiled(torch.randn(3, 4))
     import pathlib
 
@@ -59,8 +66,12 @@ def test_dump_lists_kernels(tmp_path: object) -> None:
 @needs_interpreter
 def test_gpt_block_with_dropout_training_step() -> None:
     # native_dropout stays an ATen call (same RNG stream as eager); its mask math fuses
-    assert_module_matches_eager(lambda: Block(16, 2, dropout=0.1, use_sdpa=False),
-                                lambda: (torch.randn(2, 5, 16),), steps=2, backend="triton")
+    assert_module_matches_eager(
+        lambda: Block(16, 2, dropout=0.1, use_sdpa=False),
+        lambda: (torch.randn(2, 5, 16),),
+        steps=2,
+        backend="triton",
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -76,10 +87,15 @@ def test_looped_reductions_over_long_rows(device: str, caplog: pytest.LogCapture
     with caplog.at_level("WARNING", logger="aotc.kernels"):
         compiled = assert_matches_eager(
             ln_softmax,
-            lambda: (torch.randn(3, n, device=device, requires_grad=True),
-                     torch.randn(n, device=device, requires_grad=True),
-                     torch.randn(n, device=device, requires_grad=True)),
-            rtol=1e-5, atol=1e-5, backend="triton")
+            lambda: (
+                torch.randn(3, n, device=device, requires_grad=True),
+                torch.randn(n, device=device, requires_grad=True),
+                torch.randn(n, device=device, requires_grad=True),
+            ),
+            rtol=1e-5,
+            atol=1e-5,
+            backend="triton",
+        )
     assert "ATen calls instead" not in caplog.text
     sources = [k.source for rec in aotc.inspect(compiled) for k in rec.kernels]
     assert any("for roffset in range(" in s for s in sources)

@@ -1,6 +1,6 @@
 """Prints one summary line for the OpInfo sweep at the end of a run that executed it:
 
-    opinfo sweep: N passed, M xfailed, K skipped, F failed of T ops
+opinfo sweep: N passed, M xfailed, K skipped, F failed of T ops
 """
 
 from __future__ import annotations

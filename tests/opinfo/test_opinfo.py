@@ -71,7 +71,7 @@ UNSUPPORTED: dict[str, str] = {
     "linalg.lstsq.grad_oriented": f"{_DATA_DEPENDENT} (residuals' shape depends on the rank)",
     # A documented refusal with an actionable message, not a crash.
     "view_as_complex": "unsupported by design: outputs that are dtype-changing views of inputs "
-                       "cannot be regenerated (aotc asks for .clone())",
+    "cannot be regenerated (aotc asks for .clone())",
 }
 
 # test id -> reason to skip. Empty today: ops with random outputs (dropout variants, bernoulli,
@@ -82,9 +82,11 @@ SKIPS: dict[str, str] = {}
 
 # test id -> reason for xfail(strict=True). Category first: "aotc bug", "unsupported by design"
 # or "test harness limitation".
-_UNSAFE_VIEW = ("aotc limitation: unsafe_split/unsafe_chunk outputs share the input's storage "
-                "without being views; aotc regenerates aliases of inputs as real views "
-                "(_is_view() True), so view metadata differs from eager (values and gradients match)")
+_UNSAFE_VIEW = (
+    "aotc limitation: unsafe_split/unsafe_chunk outputs share the input's storage "
+    "without being views; aotc regenerates aliases of inputs as real views "
+    "(_is_view() True), so view metadata differs from eager (values and gradients match)"
+)
 XFAILS: dict[str, str] = {
     "unsafe_split": _UNSAFE_VIEW,
     "unsafe_chunk": _UNSAFE_VIEW,
@@ -130,8 +132,11 @@ def _params(ops: list[Any]) -> list[Any]:
         if name in SKIPS:
             marks.append(pytest.mark.skip(reason=SKIPS[name]))
         elif DTYPE not in op.supported_dtypes(DEVICE):
-            marks.append(pytest.mark.skip(reason="not applicable: the OpInfo declares no "
-                                                 "float32 CPU support"))
+            marks.append(
+                pytest.mark.skip(
+                    reason="not applicable: the OpInfo declares no float32 CPU support"
+                )
+            )
         elif name in XFAILS:
             marks.append(pytest.mark.xfail(strict=True, reason=XFAILS[name]))
         params.append(pytest.param(op, id=name, marks=marks))
@@ -190,9 +195,7 @@ def make_fn(op: Any, sample: Any):
 
 def samples(op: Any) -> list[Any]:
     torch.manual_seed(0)
-    return list(itertools.islice(
-        op.sample_inputs(DEVICE, DTYPE, requires_grad=True), MAX_SAMPLES
-    ))
+    return list(itertools.islice(op.sample_inputs(DEVICE, DTYPE, requires_grad=True), MAX_SAMPLES))
 
 
 def _loosened(rtol: float, atol: float):
@@ -233,12 +236,16 @@ def test_opinfo(op: Any, monkeypatch: pytest.MonkeyPatch) -> None:
             assert_matches_eager(fn, make, rtol=rtol, atol=atol)
         except aotc.UnsupportedError as e:
             if name not in UNSUPPORTED:
-                raise AssertionError(f"{name} sample {i} ({sample.summary()}): aotc refused it: "
-                                     f"{e}") from e
+                raise AssertionError(
+                    f"{name} sample {i} ({sample.summary()}): aotc refused it: {e}"
+                ) from e
             refused += 1
         except Exception as e:
-            raise AssertionError(f"{name} sample {i} ({sample.summary()}): "
-                                 f"{type(e).__name__}: {e}") from e
+            raise AssertionError(
+                f"{name} sample {i} ({sample.summary()}): {type(e).__name__}: {e}"
+            ) from e
     if name in UNSUPPORTED:
-        assert refused, (f"{name}: listed in UNSUPPORTED ({UNSUPPORTED[name]}) but aotc compiled "
-                         f"all {len(todo)} samples: remove it from the table")
+        assert refused, (
+            f"{name}: listed in UNSUPPORTED ({UNSUPPORTED[name]}) but aotc compiled "
+            f"all {len(todo)} samples: remove it from the table"
+        )

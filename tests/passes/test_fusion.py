@@ -27,15 +27,19 @@ def chain10(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("device", DEVICES)
 def test_pointwise_chain_is_one_kernel(device: str) -> None:
     compiled = assert_matches_eager(
-        chain10, lambda: torch.randn(37, 11, device=device), backward=False, backend="triton")
+        chain10, lambda: torch.randn(37, 11, device=device), backward=False, backend="triton"
+    )
     assert num_kernels(compiled) == [1]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_softmax_forward_is_one_kernel(device: str) -> None:
     compiled = assert_matches_eager(
-        lambda x: torch.softmax(x, -1), lambda: torch.randn(6, 37, device=device),
-        backward=False, backend="triton")
+        lambda x: torch.softmax(x, -1),
+        lambda: torch.randn(6, 37, device=device),
+        backward=False,
+        backend="triton",
+    )
     assert num_kernels(compiled) == [1]
 
 
@@ -44,24 +48,34 @@ def test_softmax_forward_is_one_kernel(device: str) -> None:
 def test_softmax_fwd_bwd(device: str, shape: tuple[int, ...]) -> None:
     assert_matches_eager(
         lambda x: torch.softmax(x, -1),
-        lambda: torch.randn(*shape, device=device, requires_grad=True), backend="triton")
+        lambda: torch.randn(*shape, device=device, requires_grad=True),
+        backend="triton",
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_log_softmax_and_cross_entropy(device: str) -> None:
     assert_matches_eager(
         lambda x, t: F.cross_entropy(x, t),
-        lambda: (torch.randn(9, 13, device=device, requires_grad=True),
-                 torch.randint(0, 13, (9,), device=device)), backend="triton")
+        lambda: (
+            torch.randn(9, 13, device=device, requires_grad=True),
+            torch.randint(0, 13, (9,), device=device),
+        ),
+        backend="triton",
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_layer_norm_fwd_bwd(device: str) -> None:
     compiled = assert_matches_eager(
         lambda x, w, b: F.layer_norm(x, (24,), w, b),
-        lambda: (torch.randn(3, 5, 24, device=device, requires_grad=True),
-                 torch.randn(24, device=device, requires_grad=True),
-                 torch.randn(24, device=device, requires_grad=True)), backend="triton")
+        lambda: (
+            torch.randn(3, 5, 24, device=device, requires_grad=True),
+            torch.randn(24, device=device, requires_grad=True),
+            torch.randn(24, device=device, requires_grad=True),
+        ),
+        backend="triton",
+    )
     assert num_kernels(compiled)[0] >= 1
 
 
@@ -71,27 +85,39 @@ def test_rms_norm_fwd_bwd(device: str) -> None:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
 
     assert_matches_eager(
-        rms_norm, lambda: (torch.randn(7, 19, device=device, requires_grad=True),
-                           torch.randn(19, device=device, requires_grad=True)), backend="triton")
+        rms_norm,
+        lambda: (
+            torch.randn(7, 19, device=device, requires_grad=True),
+            torch.randn(19, device=device, requires_grad=True),
+        ),
+        backend="triton",
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op", ["sum0", "sum1", "mean", "amax", "var", "sum_all"])
 def test_reductions_fwd_bwd(device: str, op: str) -> None:
     fns = {
-        "sum0": lambda x: (x * x).sum(0), "sum1": lambda x: x.exp().sum(1, keepdim=True),
-        "mean": lambda x: x.mean(-1), "amax": lambda x: x.amax(-1) * 2,
-        "var": lambda x: x.var(-1), "sum_all": lambda x: x.sin().sum(),
+        "sum0": lambda x: (x * x).sum(0),
+        "sum1": lambda x: x.exp().sum(1, keepdim=True),
+        "mean": lambda x: x.mean(-1),
+        "amax": lambda x: x.amax(-1) * 2,
+        "var": lambda x: x.var(-1),
+        "sum_all": lambda x: x.sin().sum(),
     }
     assert_matches_eager(
-        fns[op], lambda: torch.randn(13, 29, device=device, requires_grad=True), backend="triton")
+        fns[op], lambda: torch.randn(13, 29, device=device, requires_grad=True), backend="triton"
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_looped_reduction(device: str) -> None:
     compiled = assert_matches_eager(
-        lambda x: torch.softmax(x, -1), lambda: torch.randn(3, 2100, device=device),
-        backward=False, backend="triton")
+        lambda x: torch.softmax(x, -1),
+        lambda: torch.randn(3, 2100, device=device),
+        backward=False,
+        backend="triton",
+    )
     src = "\n".join(k.source for rec in __import__("aotc").inspect(compiled) for k in rec.kernels)
     assert "(looped)" in src
 
@@ -102,10 +128,14 @@ def test_noncontiguous_and_broadcast_inputs(device: str) -> None:
         return (x.t() * y + z).sigmoid().sum(-1)
 
     assert_matches_eager(
-        fn, lambda: (torch.randn(11, 6, device=device, requires_grad=True),
-                     torch.randn(6, 1, device=device, requires_grad=True),
-                     torch.randn(11, device=device)[::2].clone()[:1].expand(11) * 0 + 1),
-        backend="triton")
+        fn,
+        lambda: (
+            torch.randn(11, 6, device=device, requires_grad=True),
+            torch.randn(6, 1, device=device, requires_grad=True),
+            torch.randn(11, device=device)[::2].clone()[:1].expand(11) * 0 + 1,
+        ),
+        backend="triton",
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -115,8 +145,9 @@ def test_views_slices_reshapes(device: str) -> None:
         y = (a * b).reshape(3, 5).t()
         return y.unsqueeze(0).expand(2, 5, 3).sum(-1) + x[1:4, 2:3].sum()
 
-    assert_matches_eager(fn, lambda: torch.randn(10, 6, device=device)[::2].requires_grad_(),
-                         backend="triton")
+    assert_matches_eager(
+        fn, lambda: torch.randn(10, 6, device=device)[::2].requires_grad_(), backend="triton"
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -133,16 +164,21 @@ def test_low_precision_softmax_and_layer_norm(device: str, dtype: torch.dtype) -
 def test_horizontal_fusion_of_independent_loops() -> None:
     compiled = assert_matches_eager(
         lambda x, y: (x.sin() + 1, y.cos() * 2),
-        lambda: (torch.randn(8, 9), torch.randn(72)), backward=False, backend="triton")
+        lambda: (torch.randn(8, 9), torch.randn(72)),
+        backward=False,
+        backend="triton",
+    )
     assert num_kernels(compiled) == [1]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_transposed_read_tiles_2d(device: str) -> None:
     compiled = assert_matches_eager(
-        lambda x, y: x.t().sin() + y, lambda: (torch.randn(37, 19, device=device),
-                                               torch.randn(19, 37, device=device)),
-        backward=False, backend="triton")
+        lambda x, y: x.t().sin() + y,
+        lambda: (torch.randn(37, 19, device=device), torch.randn(19, 37, device=device)),
+        backward=False,
+        backend="triton",
+    )
     [kernel] = __import__("aotc").inspect(compiled)[0].kernels
     assert kernel.tiled and "2-D tiles" in kernel.source
 
@@ -155,13 +191,17 @@ def test_amax_propagates_nan(device: str, cols: int) -> None:
         x[1, cols // 2] = float("nan")
         return x
 
-    assert_matches_eager(lambda x: (x.amax(-1), x.amin(0)), make, backward=False,
-                         backend="triton")
+    assert_matches_eager(lambda x: (x.amax(-1), x.amin(0)), make, backward=False, backend="triton")
 
 
 @needs_interpreter
 def test_sum_over_empty_dim() -> None:
-    assert_matches_eager(lambda x, w, b: F.linear(x, w, b),
-                         lambda: (torch.randn(0, 3, requires_grad=True),
-                                  torch.randn(4, 3, requires_grad=True),
-                                  torch.randn(4, requires_grad=True)), backend="triton")
+    assert_matches_eager(
+        lambda x, w, b: F.linear(x, w, b),
+        lambda: (
+            torch.randn(0, 3, requires_grad=True),
+            torch.randn(4, 3, requires_grad=True),
+            torch.randn(4, requires_grad=True),
+        ),
+        backend="triton",
+    )

@@ -10,21 +10,28 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from passes.decompose import decompose
-from passes.fusion import plan_fusion
-from passes.kernelize import lower_graph
-from passes.lowering import lower
+from aotc.passes.decompose import decompose
+from aotc.passes.fusion import plan_fusion
+from aotc.passes.kernelize import lower_graph
+from aotc.passes.lowering import lower
 from tests.triton_helpers import needs_interpreter
 
 pytestmark = needs_interpreter
 
 UNARY: list[Callable[[torch.Tensor], torch.Tensor]] = [
-    torch.sin, torch.tanh, torch.sigmoid, torch.relu, lambda t: t * 0.5 + 1, torch.neg,
+    torch.sin,
+    torch.tanh,
+    torch.sigmoid,
+    torch.relu,
+    lambda t: t * 0.5 + 1,
+    torch.neg,
     lambda t: torch.exp(-t.abs()),
 ]
 REDUCE: list[Callable[[torch.Tensor], torch.Tensor]] = [
-    lambda t: t.sum(-1, keepdim=True), lambda t: t.amax(-1, keepdim=True),
-    lambda t: t.mean(0, keepdim=True), lambda t: t.sum(0, keepdim=True) * 0.1,
+    lambda t: t.sum(-1, keepdim=True),
+    lambda t: t.amax(-1, keepdim=True),
+    lambda t: t.mean(0, keepdim=True),
+    lambda t: t.sum(0, keepdim=True) * 0.1,
 ]
 
 
@@ -34,8 +41,9 @@ def programs(draw: st.DrawFn) -> tuple[list[tuple[str, int, int, int]], tuple[in
     steps = []
     for i in range(draw(st.integers(1, 8))):
         kind = draw(st.sampled_from(["unary", "binary", "reduce", "transpose"]))
-        steps.append((kind, draw(st.integers(0, 6)), draw(st.integers(0, i)),
-                      draw(st.integers(0, i))))
+        steps.append(
+            (kind, draw(st.integers(0, 6)), draw(st.integers(0, i)), draw(st.integers(0, i)))
+        )
     return steps, shape
 
 
@@ -47,18 +55,27 @@ def _build(steps: list[tuple[str, int, int, int]]) -> Callable[..., tuple[torch.
             if kind == "unary":
                 values.append(UNARY[op % len(UNARY)](u))
             elif kind == "binary":
-                values.append(u * v + v if u.shape == v.shape or u.numel() == 1 or v.numel() == 1
-                              or u.shape[0] == v.shape[0] or u.shape[1] == v.shape[1] else u)
+                values.append(
+                    u * v + v
+                    if u.shape == v.shape
+                    or u.numel() == 1
+                    or v.numel() == 1
+                    or u.shape[0] == v.shape[0]
+                    or u.shape[1] == v.shape[1]
+                    else u
+                )
             elif kind == "reduce":
                 values.append(REDUCE[op % len(REDUCE)](u))
             else:
                 values.append(u.t() if u.shape[0] == u.shape[1] else u.contiguous())
         return tuple(values[-3:])
+
     return fn
 
 
-@settings(max_examples=15, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(programs())
 def test_random_programs_match_eager(program: tuple[list, tuple[int, int]]) -> None:
     steps, shape = program

@@ -7,7 +7,7 @@ import itertools
 
 import sympy
 
-from passes.loop_ir import (
+from aotc.passes.loop_ir import (
     FloorDiv,
     ModIdx,
     contiguous_strides,
@@ -44,7 +44,10 @@ def test_row_kernel_indices_of_a_3d_value_simplify_to_the_row() -> None:
     ranges = {X: b * t, R: c}
     i0, i1, i2 = unflatten(X * c + R, (b, t, c), ranges)
     assert (simplify(i0, ranges), simplify(i1, ranges), simplify(i2, ranges)) == (
-        FloorDiv(X, t), ModIdx(X, t), R)
+        FloorDiv(X, t),
+        ModIdx(X, t),
+        R,
+    )
     row = simplify(flat_index([i0, i1, 0], contiguous_strides((b, t, 1))), ranges)
     assert row == X
 
@@ -66,9 +69,9 @@ def test_symbolic_sizes_simplify_without_guards():
     """Sizes as sympy expressions over positive size symbols (see Note [Symbolic sizes]): the
     gcd rule and the row recombination hold for every value of the symbol, checked by brute
     force on small values."""
-    from passes.fusion import RINDEX, XINDEX
-    from passes.loop_ir import flat_index, floordiv, mod, simplify, unflatten
-    from runtime.symsizes import size_code
+    from aotc.passes.fusion import RINDEX, XINDEX
+    from aotc.passes.loop_ir import flat_index, floordiv, mod, simplify, unflatten
+    from aotc.runtime.symsizes import size_code
 
     s0 = sympy.Symbol("s0", integer=True, positive=True)
     ranges = {XINDEX: 2 * s0, RINDEX: 16}
@@ -76,12 +79,15 @@ def test_symbolic_sizes_simplify_without_guards():
     idx = unflatten(16 * XINDEX + RINDEX, [2, s0, 16], ranges)
     row = simplify(flat_index(idx[:2], [s0, 1]), ranges)  # a (2, s0, 1) reduction result
     assert row == simplify(flat_index(unflatten(XINDEX, [2, s0], ranges), [s0, 1]), ranges)
-    exprs = [floordiv(16 * XINDEX + RINDEX, 16 * s0, ranges),
-             mod(16 * XINDEX + RINDEX, 16 * s0, ranges), *idx, row]
+    exprs = [
+        floordiv(16 * XINDEX + RINDEX, 16 * s0, ranges),
+        mod(16 * XINDEX + RINDEX, 16 * s0, ranges),
+        *idx,
+        row,
+    ]
     fns = [eval(f"lambda s0, xindex, rindex: {size_code(e)}") for e in exprs]
     for n in (2, 3, 5):
         for x, r in itertools.product(range(2 * n), range(16)):
             flat = 16 * x + r
-            want = [flat // (16 * n), flat % (16 * n), flat // (16 * n) % 2, flat // 16 % n, r,
-                    x]
+            want = [flat // (16 * n), flat % (16 * n), flat // (16 * n) % 2, flat // 16 % n, r, x]
             assert [f(n, x, r) for f in fns] == want

@@ -9,10 +9,14 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 import aotc
-from passes.cleanup import eliminate_common_subexpressions, eliminate_dead_code, remove_noop_views
-from passes.descriptors import FwdOutput, PrimalInput
-from passes.ir import StageGraph
-from passes.recompute import RecomputePolicy, can_recompute
+from aotc.passes.cleanup import (
+    eliminate_common_subexpressions,
+    eliminate_dead_code,
+    remove_noop_views,
+)
+from aotc.passes.descriptors import FwdOutput, PrimalInput
+from aotc.passes.ir import StageGraph
+from aotc.passes.recompute import RecomputePolicy, can_recompute
 from tests.conftest import assert_matches_eager
 
 
@@ -34,9 +38,13 @@ def ln_gelu(x, w, b, w1, w2):
 
 
 def _ln_args():
-    return (torch.randn(16, 32, requires_grad=True), torch.randn(32, requires_grad=True),
-            torch.randn(32, requires_grad=True), torch.randn(32, 64, requires_grad=True),
-            torch.randn(64, 32, requires_grad=True))
+    return (
+        torch.randn(16, 32, requires_grad=True),
+        torch.randn(32, requires_grad=True),
+        torch.randn(32, requires_grad=True),
+        torch.randn(32, 64, requires_grad=True),
+        torch.randn(64, 32, requires_grad=True),
+    )
 
 
 def test_pointwise_chain_saves_only_the_input():
@@ -96,7 +104,9 @@ def test_saved_views_are_saved_as_their_base():
     def f(x, w):
         return (x @ w.t()).sum()
 
-    part = _record(f, torch.randn(5, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)).partition
+    part = _record(
+        f, torch.randn(5, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+    ).partition
     assert all(s.producer in ("input",) or "t.default" not in s.producer for s in part.saved)
 
 
@@ -106,7 +116,7 @@ def test_random_ops_are_never_recomputed():
 
     assert_matches_eager(f, lambda: (torch.randn(20, 7, requires_grad=True),))
     record = _record(f, torch.randn(20, 7, requires_grad=True))
-    from passes.recompute import is_random
+    from aotc.passes.recompute import is_random
 
     assert not any(is_random(n) for n in record.partition.backward.module.graph.nodes)
 
@@ -131,8 +141,11 @@ def _stage(fn, *args) -> StageGraph:
     module = make_fx(fn)(*args)
     n_in = len([n for n in module.graph.nodes if n.op == "placeholder"])
     n_out = len(next(n for n in reversed(module.graph.nodes) if n.op == "output").args[0])
-    return StageGraph(module, tuple(PrimalInput(i) for i in range(n_in)),
-                      tuple(FwdOutput(i) for i in range(n_out)))
+    return StageGraph(
+        module,
+        tuple(PrimalInput(i) for i in range(n_in)),
+        tuple(FwdOutput(i) for i in range(n_out)),
+    )
 
 
 def _targets(graph: StageGraph) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import aotc
-from passes.descriptors import SavedInput, TangentInput
+from aotc.passes.descriptors import SavedInput, TangentInput
 
 
 def _compile(fn, *args):
@@ -50,7 +50,7 @@ def test_random_ops_run_once_in_forward():
         return torch.nn.functional.dropout(x, 0.3, training=True).sum()
 
     record, _ = _compile(f, torch.randn(10, requires_grad=True))
-    from passes.partition import is_random
+    from aotc.passes.partition import is_random
 
     fwd_nodes = record.partition.forward.module.graph.nodes
     assert any(is_random(n) for n in fwd_nodes)

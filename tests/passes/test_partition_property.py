@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import aotc
-from passes.descriptors import SavedInput, TangentInput
+from aotc.passes.descriptors import SavedInput, TangentInput
 from tests.conftest import assert_matches_eager
 
 OPS = ["sin", "exp_neg", "mul_prev", "add_prev", "matmul_w", "sum_keep", "t_t", "relu", "softmax"]
@@ -44,8 +44,9 @@ def build(program: list[str]):
     return f
 
 
-@settings(max_examples=20, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(program=st.lists(st.sampled_from(OPS), min_size=1, max_size=8))
 def test_random_programs_partition_soundly(program):
     f = build(program)

@@ -16,7 +16,7 @@ import torch
 import aotc
 from aotc import persist
 from aotc.options import CompileOptions
-from runtime import cache as store
+from aotc.runtime import cache as store
 from tests.conftest import assert_matches_eager, assert_module_matches_eager
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,8 +35,11 @@ def mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
 
 
 def mlp_args() -> tuple[torch.Tensor, ...]:
-    return (torch.randn(7, 11), torch.randn(11, 5, requires_grad=True),
-            torch.randn(5, 3, requires_grad=True))
+    return (
+        torch.randn(7, 11),
+        torch.randn(11, 5, requires_grad=True),
+        torch.randn(5, 3, requires_grad=True),
+    )
 
 
 def test_second_compile_hits_and_matches_eager(tmp_path):
@@ -66,6 +69,7 @@ def test_hit_with_mutation_alias_and_module(tmp_path):
 
     for _ in range(2):
         assert_matches_eager(f, make, cache_dir=d)
+
     def model():
         return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8), torch.nn.Tanh())
 
@@ -117,8 +121,9 @@ def test_key_changes_with_body_closure_and_hyperparameters():
         params = list(module.parameters())
 
         def call(x, *ps):
-            return torch.func.functional_call(module, dict(zip(
-                [n for n, _ in module.named_parameters()], ps)), (x,))
+            return torch.func.functional_call(
+                module, dict(zip([n for n, _ in module.named_parameters()], ps)), (x,)
+            )
 
         return keys(call, x, *params)
 
@@ -202,7 +207,10 @@ CORRUPTIONS = {
     "foreign_key": lambda p: _edit_header(p, key="0" * 64),
     "disallowed_op": lambda p: _rewrite_body(p, _evil_target),
     "unknown_record": lambda p: _rewrite_body(
-        p, lambda b: json.loads(json.dumps(b).replace("runtime.wrappers.RuntimePlan", "os.system"))
+        p,
+        lambda b: json.loads(
+            json.dumps(b).replace("aotc.runtime.wrappers.RuntimePlan", "os.system")
+        ),
     ),
 }
 
@@ -263,10 +271,12 @@ def test_entry_is_plain_json_without_code(tmp_path):
         head, _, body = f.read().partition(b"\n")
     header, value = json.loads(head), json.loads(body)
     assert header["format"] == "aotc-cache" and header["version"] == store.FORMAT_VERSION
-    targets = {n.get("target") for g in value["graphs"] for n in g["nodes"]
-               if n["op"] == "call_function"}
-    assert targets and all(t.startswith(("aten::", "prims::")) or t == "operator.getitem"
-                           for t in targets)
+    targets = {
+        n.get("target") for g in value["graphs"] for n in g["nodes"] if n["op"] == "call_function"
+    }
+    assert targets and all(
+        t.startswith(("aten::", "prims::")) or t == "operator.getitem" for t in targets
+    )
     assert b"pickle" not in body and value["kernels"] == []
 
 
@@ -291,8 +301,9 @@ def test_size_cap_evicts_least_recently_used(tmp_path):
     assert len(entries(d)) == 2 and len(removed) == 1
     assert os.path.basename(removed[0]) != max(
         entries(d) + [os.path.basename(removed[0])],
-        key=lambda n: os.path.getmtime(os.path.join(d, n)) if os.path.exists(os.path.join(d, n))
-        else 0,
+        key=lambda n: (
+            os.path.getmtime(os.path.join(d, n)) if os.path.exists(os.path.join(d, n)) else 0
+        ),
     )
 
 
@@ -342,8 +353,13 @@ def test_concurrent_writers_share_one_valid_entry(tmp_path, writers):
     script.write_text(WRITER.format(root=ROOT, d=d))
     env = dict(os.environ, PYTHONPATH=ROOT)
     procs = [
-        subprocess.Popen([sys.executable, str(script), str(i)], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, str(script), str(i)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for i in range(writers)
     ]
     results = [p.communicate(timeout=300) for p in procs]

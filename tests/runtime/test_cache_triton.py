@@ -28,8 +28,11 @@ def block(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def block_args() -> tuple[torch.Tensor, ...]:
-    return (torch.randn(6, 8), torch.randn(8, 16, requires_grad=True),
-            torch.randn(16, requires_grad=True))
+    return (
+        torch.randn(6, 8),
+        torch.randn(8, 16, requires_grad=True),
+        torch.randn(16, requires_grad=True),
+    )
 
 
 def _kernel_texts(compiled: object) -> list[tuple[str, str]]:
@@ -47,8 +50,9 @@ def test_triton_hit_regenerates_the_cold_kernels(tmp_path):
     assert _kernel_texts(cold) and _kernel_texts(warm) == _kernel_texts(cold)
     assert aotc.inspect(warm)[0].kernels == aotc.inspect(cold)[0].kernels
     # Every stage prints as on the cold compile (fusion plans and kernels included).
-    for (name_a, text_a), (name_b, text_b) in zip(aotc.inspect(cold)[0].stages[:-1],
-                                                  aotc.inspect(warm)[0].stages[:-1]):
+    for (name_a, text_a), (name_b, text_b) in zip(
+        aotc.inspect(cold)[0].stages[:-1], aotc.inspect(warm)[0].stages[:-1]
+    ):
         assert (name_a, text_a) == (name_b, text_b), name_a
     # The entry keeps the sources for inspection, as plain JSON.
     with open(os.path.join(d, entries(d)[0]), "rb") as f:
@@ -138,8 +142,14 @@ def test_new_process_hits_a_triton_entry(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(root=ROOT, d=d))
     env = dict(os.environ, PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                         timeout=300, check=False)
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["hit"]

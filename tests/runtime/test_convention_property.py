@@ -11,16 +11,20 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.convention import apply_convention, expand_graph_args, plan_convention
+from aotc.runtime.convention import apply_convention, expand_graph_args, plan_convention
 from tests.conftest import assert_matches_eager
 
 slot = st.sampled_from(["fresh", "dup", "row"])
 
 
-@settings(max_examples=25, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(kinds=st.lists(slot, min_size=4, max_size=4), mutated=st.sets(st.integers(0, 3), max_size=2),
-       base_requires_grad=st.booleans())
+@settings(
+    max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(
+    kinds=st.lists(slot, min_size=4, max_size=4),
+    mutated=st.sets(st.integers(0, 3), max_size=2),
+    base_requires_grad=st.booleans(),
+)
 def test_random_alias_and_mutation_patterns(kinds, mutated, base_requires_grad):
     def make():
         base = torch.randn(4, 5, requires_grad=base_requires_grad) * 1.0

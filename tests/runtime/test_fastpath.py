@@ -16,7 +16,12 @@ def one_out(x, w):
 
 def tuple_out(x, w):
     y = x @ w
-    return y.sin(), y.argmax(), 3, x  # differentiable, integer (not differentiable), constant, input
+    return (
+        y.sin(),
+        y.argmax(),
+        3,
+        x,
+    )  # differentiable, integer (not differentiable), constant, input
 
 
 def tree_out(x, w):

@@ -54,8 +54,13 @@ def variations() -> dict[str, object]:
         return x, w * 1
 
     return {
-        "transposed": transposed, "strided": strided, "offset": offset, "shape": bigger,
-        "dtype": double, "x_requires_grad": x_requires_grad, "w_no_grad": w_no_grad,
+        "transposed": transposed,
+        "strided": strided,
+        "offset": offset,
+        "shape": bigger,
+        "dtype": double,
+        "x_requires_grad": x_requires_grad,
+        "w_no_grad": w_no_grad,
         "w_non_leaf": w_non_leaf,
     }
 
@@ -83,7 +88,11 @@ def test_device_meta():
     got, want = compiled(x, w), f(x, w)
     for g, e in zip(got, want):
         assert (g.device, g.shape, g.dtype, g.requires_grad) == (
-            e.device, e.shape, e.dtype, e.requires_grad)
+            e.device,
+            e.shape,
+            e.dtype,
+            e.requires_grad,
+        )
     assert len(aotc.inspect(compiled)) == 2
 
 
@@ -91,9 +100,12 @@ def test_device_meta():
 def test_device_cuda():
     compiled = aotc.compile(f)
     assert_matches_eager(f, base_args, compiled=compiled, runs=1)
-    assert_matches_eager(f, lambda: tuple(
-        t.detach().cuda().requires_grad_(t.requires_grad) for t in base_args()),
-        compiled=compiled, runs=1)
+    assert_matches_eager(
+        f,
+        lambda: tuple(t.detach().cuda().requires_grad_(t.requires_grad) for t in base_args()),
+        compiled=compiled,
+        runs=1,
+    )
     assert len(aotc.inspect(compiled)) == 2
 
 
@@ -180,8 +192,9 @@ def test_python_int_argument():
 
     compiled = aotc.compile(g)
     for n, expected in ((0, 1), (1, 2), (0, 2), (1, 2)):
-        assert_matches_eager(g, lambda n=n: (torch.randn(3, 4, requires_grad=True), n),
-                             compiled=compiled, runs=1)
+        assert_matches_eager(
+            g, lambda n=n: (torch.randn(3, 4, requires_grad=True), n), compiled=compiled, runs=1
+        )
         assert len(aotc.inspect(compiled)) == expected
 
 
@@ -194,5 +207,7 @@ def test_conj_and_neg_bits():
     for arg in (z, z.conj(), z, torch._neg_view(z)):
         got, want = compiled(arg), h(arg)
         for g, e in zip(got, want):
-            torch.testing.assert_close(g.resolve_conj().resolve_neg(), e.resolve_conj().resolve_neg())
+            torch.testing.assert_close(
+                g.resolve_conj().resolve_neg(), e.resolve_conj().resolve_neg()
+            )
             assert g.is_conj() == e.is_conj() and g.is_neg() == e.is_neg()

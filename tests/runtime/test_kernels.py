@@ -9,9 +9,9 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import aotc
-import runtime.kernels as rk
-from passes import codegen
-from passes.kernelize import lower_graph
+import aotc.runtime.kernels as rk
+from aotc.passes import codegen
+from aotc.passes.kernelize import lower_graph
 from tests.conftest import assert_matches_eager
 from tests.triton_helpers import needs_interpreter
 
@@ -31,28 +31,35 @@ def test_kernel_cache_reused_across_signatures() -> None:
     assert len(rk._KERNELS) == n
 
 
-def test_codegen_failure_falls_back_to_aten(monkeypatch: pytest.MonkeyPatch,
-                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_codegen_failure_falls_back_to_aten(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     def broken(*args: object, **kwargs: object) -> None:
         raise codegen.CodegenError("no template")
 
-    monkeypatch.setattr("passes.kernelize.generate_kernel", broken)
+    monkeypatch.setattr("aotc.passes.kernelize.generate_kernel", broken)
     with caplog.at_level(logging.WARNING, logger="aotc.kernels"):
-        compiled = assert_matches_eager(lambda x: x.exp() + 1, lambda: torch.randn(4, 3),
-                                        backward=False, backend="triton")
+        compiled = assert_matches_eager(
+            lambda x: x.exp() + 1, lambda: torch.randn(4, 3), backward=False, backend="triton"
+        )
     assert "could not generate a kernel" in caplog.text
     assert [len(r.kernels) for r in aotc.inspect(compiled)] == [0]
 
 
-def test_launch_failure_falls_back_to_aten(monkeypatch: pytest.MonkeyPatch,
-                                           caplog: pytest.LogCaptureFixture) -> None:
+def test_launch_failure_falls_back_to_aten(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     def broken(kernel: object, args: object) -> None:
         raise RuntimeError("launch failed")
 
     monkeypatch.setattr(rk, "launch", broken)
     with caplog.at_level(logging.WARNING, logger="aotc.kernels"):
-        assert_matches_eager(lambda x: (x * 1.5).cos().sum(-1), lambda: torch.randn(4, 9),
-                             backward=False, backend="triton")
+        assert_matches_eager(
+            lambda x: (x * 1.5).cos().sum(-1),
+            lambda: torch.randn(4, 9),
+            backward=False,
+            backend="triton",
+        )
     assert "running its ops as ATen calls" in caplog.text
     rk._FAILED.clear()
 
@@ -69,8 +76,13 @@ def test_intermediate_buffers_share_storage() -> None:
     assert_matches_eager(fn, lambda: torch.randn(6, 6), backward=False, backend="triton")
     graph = make_fx(fn)(torch.randn(6, 6))
     compiled = lower_graph(graph, interpret=True)
-    pooled = [s for step in compiled.steps if isinstance(step, rk.KernelStep)
-              for s in step.outputs if s.slot is not None]
+    pooled = [
+        s
+        for step in compiled.steps
+        if isinstance(step, rk.KernelStep)
+        for s in step.outputs
+        if s.slot is not None
+    ]
     assert len(pooled) >= 3 and compiled.num_slots < len(pooled)
     x = torch.randn(6, 6)
     torch.testing.assert_close(compiled.callable(x)[0], fn(x))

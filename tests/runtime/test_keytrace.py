@@ -49,8 +49,13 @@ def _inplace(x, y):
 
 
 def _factories(x):
-    return x + torch.ones(x.shape, device=x.device) + torch.tensor([1.0, 2.0, 3.0]) \
-        + torch.arange(3) + torch.zeros_like(x).fill_(2)
+    return (
+        x
+        + torch.ones(x.shape, device=x.device)
+        + torch.tensor([1.0, 2.0, 3.0])
+        + torch.arange(3)
+        + torch.zeros_like(x).fill_(2)
+    )
 
 
 def _scalar_tensor(x):
@@ -69,10 +74,14 @@ PROGRAMS = {
     "factories": (_factories, lambda: (torch.randn(2, 3),)),
     "scalar_tensor": (_scalar_tensor, lambda: (torch.randn(4, 3),)),
     "queries": (_queries, lambda: (torch.randn(4, 3, requires_grad=True),)),
-    "reductions": (lambda x: (x.softmax(-1), x.var(0), x.amax(1, keepdim=True).expand(4, 3)),
-                   lambda: (torch.randn(4, 3, requires_grad=True),)),
-    "int_and_bool": (lambda x, i: ((x > 0) & (i % 2 == 0)[:, None], i.cumsum(0), x[i.clamp(0, 3)]),
-                     lambda: (torch.randn(4, 3), torch.arange(4))),
+    "reductions": (
+        lambda x: (x.softmax(-1), x.var(0), x.amax(1, keepdim=True).expand(4, 3)),
+        lambda: (torch.randn(4, 3, requires_grad=True),),
+    ),
+    "int_and_bool": (
+        lambda x, i: ((x > 0) & (i % 2 == 0)[:, None], i.cumsum(0), x[i.clamp(0, 3)]),
+        lambda: (torch.randn(4, 3), torch.arange(4)),
+    ),
 }
 
 
@@ -123,11 +132,15 @@ def test_storage_reads_are_unkeyable_by_meta_and_fake():
     assert key.tracer in ("fake", "")
 
 
-@pytest.mark.parametrize("args", [
-    lambda: (torch.randn(4, 3)[1:].t(),),  # a view
-    lambda: (torch.randn(4, 3, requires_grad=True) * 1,),  # a non-leaf requiring grad
-    lambda: (torch.randn(3, dtype=torch.complex64).conj(),),
-], ids=["view", "non_leaf", "conj"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        lambda: (torch.randn(4, 3)[1:].t(),),  # a view
+        lambda: (torch.randn(4, 3, requires_grad=True) * 1,),  # a non-leaf requiring grad
+        lambda: (torch.randn(3, dtype=torch.complex64).conj(),),
+    ],
+    ids=["view", "non_leaf", "conj"],
+)
 def test_inputs_the_wrapper_does_not_model_use_the_fake_tracer(args, tmp_path):
     leaves = list(args())
     assert not keytrace.meta_eligible(leaves)
@@ -172,8 +185,11 @@ def test_disagreeing_meta_trace_redirects_to_the_fake_key(tmp_path, monkeypatch,
     with caplog.at_level("INFO", logger="aotc.cache"):
         first = assert_matches_eager(fn, args, cache_dir=d)
     assert "meta and fake key traces differ" in caplog.text
-    bodies = [persist.store.read_entry(d, n.removesuffix(".json"))
-              for n in sorted(os.listdir(d)) if n.endswith(".json")]
+    bodies = [
+        persist.store.read_entry(d, n.removesuffix(".json"))
+        for n in sorted(os.listdir(d))
+        if n.endswith(".json")
+    ]
     assert len(bodies) == 2
     assert {"redirect": "fake"} in bodies
     assert any("graphs" in b for b in bodies)

@@ -16,7 +16,11 @@ def step(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
 
 
 def make() -> tuple[torch.Tensor, ...]:
-    return torch.randn(16, 8), torch.randn(8, 6, requires_grad=True), torch.randn(6, 4, requires_grad=True)
+    return (
+        torch.randn(16, 8),
+        torch.randn(8, 6, requires_grad=True),
+        torch.randn(6, 4, requires_grad=True),
+    )
 
 
 def test_saved_tensors_freed_after_backward():

@@ -39,8 +39,11 @@ def run_threads(target, n: int = THREADS) -> list[object]:
 
 def inputs(i: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(i)
-    return (torch.randn(9, 7, generator=g), torch.randn(7, 5, generator=g).requires_grad_(),
-            torch.randn(5, 3, generator=g).requires_grad_())
+    return (
+        torch.randn(9, 7, generator=g),
+        torch.randn(7, 5, generator=g).requires_grad_(),
+        torch.randn(5, 3, generator=g).requires_grad_(),
+    )
 
 
 def check(compiled, i: int) -> None:
