@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 from dataclasses import dataclass, replace
@@ -9,8 +10,17 @@ from dataclasses import dataclass, replace
 from aotc.passes.recompute import RecomputePolicy
 
 
+class Capture(enum.Enum):
+    """How `aotc.compile` captures the user's program (see docs/guide.md, "Capture modes")."""
+
+    DYNAMO = "dynamo"  # through torch.compile's Dynamo: guards on Python state, graph breaks
+    TRACE = "trace"  # strict: aotc's whole-program tracer; refuses what it cannot guard
+
+
 @dataclass(frozen=True, slots=True)
 class CompileOptions:
+    # TODO(lead): the default becomes Capture.DYNAMO with the Dynamo capture work (#12).
+    capture: Capture = Capture.TRACE
     # How graphs run: "aten" runs the fx graphs as ATen ops; "triton" runs generated Triton
     # kernels (on CPU through Triton's interpreter); "auto" uses Triton for CUDA graphs only.
     backend: str = "auto"
@@ -49,6 +59,8 @@ class CompileOptions:
                 f"{sorted(CompileOptions.__dataclass_fields__)}"
             )
         given = {k: v for k, v in overrides.items() if v is not None}
+        if "capture" in given:
+            given["capture"] = _capture(given["capture"])
         opts = replace(opts, **given)  # type: ignore[arg-type]
         _check_partition_options(opts)
         if opts.backend not in ("aten", "auto", "triton"):
@@ -58,6 +70,14 @@ class CompileOptions:
         if opts.backend == "triton":
             opts = replace(opts, triton_interpret=_prepare_triton_interpreter())
         return opts
+
+
+def _capture(value: object) -> Capture:
+    try:
+        return Capture(value.value if isinstance(value, Capture) else value)
+    except ValueError:
+        choices = ", ".join(repr(c.value) for c in Capture)
+        raise ValueError(f"aotc.compile(capture={value!r}): expected one of {choices}.") from None
 
 
 def default_cache_dir() -> str:

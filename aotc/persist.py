@@ -108,6 +108,7 @@ store.register_records(
 # Options that change only diagnostics, never the compiled graphs: left out of the key.
 _NOT_IN_KEY = frozenset(
     {
+        "capture",  # how the program was captured does not change its graphs
         "dump_dir",
         "check_invariants",
         "recompile_warn_limit",
