@@ -36,7 +36,7 @@ from aotc.metadata import MetadataResult, collect_metadata
 from aotc.options import CompileOptions
 from aotc.passes.cleanup import cleanup
 from aotc.passes.descriptors import GradOutput
-from aotc.passes.ir import JointGraph
+from aotc.passes.ir import JointGraph, primal_names
 from aotc.passes.lint import lint_graph
 from aotc.passes.partition import PartitionResult, partition
 from aotc.passes.select import select_backend
@@ -74,10 +74,24 @@ class CompiledRecord:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     kernels: tuple[KernelSource, ...] = ()  # generated Triton kernels, forward then backward
     fusion_text: str = ""  # the fusion plans of the forward and backward graphs
+    # Readable name of each user leaf (UserArg space): argument paths, lifted parameter paths.
+    input_names: tuple[str, ...] = ()
+    # A cache hit: the stage times of the compile that stored the entry (stage_seconds then
+    # holds the hit's own key and load times). Empty for a cold compile.
+    cold_stage_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def compile_seconds(self) -> float:
         return sum(self.stage_seconds.values())
+
+    @property
+    def is_cache_hit(self) -> bool:
+        return bool(self.cold_stage_seconds)
+
+    @property
+    def graph_arg_names(self) -> tuple[str, ...]:
+        """Readable name of each graph arg (GraphArg space); see `CallingConvention`."""
+        return graph_arg_names(self.convention, self.input_names)
 
     @property
     def saved_bytes(self) -> int:
@@ -93,13 +107,15 @@ class CompiledRecord:
                 f"{self.signature}\n# guards\n{self.guards}\n",
             ),
             ("01_metadata.txt", self.meta.format() + "\n" + self.convention.format() + "\n"),
-            ("02_joint.py", self.joint_graph.format("joint")),
+            ("02_joint.py", self.joint_graph.format("joint", self.graph_arg_names)),
         ]
         if self.partition is not None:
+            names = self.graph_arg_names
+            saved = primal_names(self.partition.forward, names)
             out += [
-                ("03_partition.txt", self.partition.format() + "\n"),
-                ("04_forward.py", self.partition.forward.format("forward")),
-                ("05_backward.py", self.partition.backward.format("backward")),
+                ("03_partition.txt", self.partition.format(names) + "\n"),
+                ("04_forward.py", self.partition.forward.format("forward", names, saved)),
+                ("05_backward.py", self.partition.backward.format("backward", names, saved)),
             ]
         out.append(("06_epilogue.txt", self.epilogue.format() + "\n"))
         if self.kernels:
@@ -107,12 +123,42 @@ class CompiledRecord:
             out += [
                 (f"09_kernels/{i:02d}_{k.name}.py", k.source) for i, k in enumerate(self.kernels)
             ]
-        times = "\n".join(f"{k}: {v * 1e3:.2f} ms" for k, v in self.stage_seconds.items())
-        out.append(("07_compile_time.txt", f"# stage: compile time\n{times}\n"))
+        out.append(("07_compile_time.txt", compile_time_text(self)))
         return out
 
     def format(self) -> str:
         return "\n".join(text for _, text in self.stages)
+
+
+def graph_arg_names(convention: CallingConvention, names: Sequence[str]) -> tuple[str, ...]:
+    """A readable name per graph arg: its user leaf's name, or the members of a synthetic base."""
+    bases = iter(convention.synthetic_bases)
+    out = []
+    for g, src in enumerate(convention.graph_sources):
+        if src is not None:
+            out.append(names[src] if src < len(names) else f"graph_arg{g}")
+        else:
+            members = next(bases).members
+            out.append("base of " + ", ".join(names[m] if m < len(names) else "?" for m in members))
+    return tuple(out)
+
+
+def compile_time_text(record: CompiledRecord) -> str:
+    """07_compile_time.txt: stage times; for a cache hit, the hit's and the original compile's."""
+
+    def table(times: dict[str, float]) -> str:
+        return "\n".join(f"{k}: {v * 1e3:.2f} ms" for k, v in times.items())
+
+    text = "# stage: compile time\n"
+    if record.is_cache_hit:
+        cold = sum(record.cold_stage_seconds.values())
+        return (
+            f"{text}# cache hit: loaded in {record.compile_seconds * 1e3:.2f} ms\n"
+            f"{table(record.stage_seconds)}\n"
+            f"# the compile that stored the entry took {cold * 1e3:.2f} ms\n"
+            f"{table(record.cold_stage_seconds)}\n"
+        )
+    return f"{text}{table(record.stage_seconds)}\n"
 
 
 def describe_signature(leaves: Sequence[object], names: Sequence[str]) -> str:
@@ -273,6 +319,7 @@ def _compile_signature(
         source=source,
         guards=_GUARDS,
         stage_seconds=times,
+        input_names=tuple(names),
         **_kernel_fields(fwd_compiled, bwd_compiled),
     )
     if key is not None:
@@ -327,6 +374,9 @@ def _entry_from_cache(
         source=source,
         signature=describe_signature(leaves, names),
         stage_seconds=times,
+        input_names=tuple(names),
+        # See CompiledRecord.cold_stage_seconds: the stored record's times are the cold compile's.
+        cold_stage_seconds=dict(fields.get("cold_stage_seconds") or fields["stage_seconds"]),
         **_kernel_fields(fwd, bwd),
     )
     record = CompiledRecord(**fields)
@@ -345,9 +395,13 @@ def _log_record(record: CompiledRecord, fwd: fx.GraphModule, bwd: fx.GraphModule
     graphs, partition_log = logging.getLogger("aotc.graphs"), logging.getLogger("aotc.partition")
     kernels = logging.getLogger("aotc.kernels")
     if graphs.isEnabledFor(logging.INFO):
-        graphs.info("%s: joint graph\n%s", record.name, record.joint_graph.format("joint"))
+        graphs.info(
+            "%s: joint graph\n%s",
+            record.name,
+            record.joint_graph.format("joint", record.graph_arg_names),
+        )
     if partition_log.isEnabledFor(logging.INFO) and record.partition is not None:
-        partition_log.info("%s:\n%s", record.name, record.partition.format())
+        partition_log.info("%s:\n%s", record.name, record.partition.format(record.graph_arg_names))
     if kernels.isEnabledFor(logging.INFO) and record.kernels:
         kernels.info(
             "%s: %d generated kernels\n%s",

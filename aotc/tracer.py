@@ -39,9 +39,9 @@ from aotc.functional import (
     user_errors,
 )
 from aotc.metadata import MetadataResult
-from aotc.provenance import Recorder, recording
 from aotc.passes.descriptors import FwdOutput, GradOutput, PrimalInput, TangentInput
 from aotc.passes.ir import JointGraph
+from aotc.provenance import Recorder, recording
 from aotc.runtime.convention import apply_convention, expand_graph_args
 from aotc.runtime.schema import CallingConvention, FwdOut, GraphArg, OutputKind
 

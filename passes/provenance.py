@@ -19,21 +19,25 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 import torch
 import torch.fx as fx
 
-import aotc
-import aotc.runtime
-from aotc.runtime.schema import NodeSource
+from aotc.runtime.schema import NODE_SOURCE_KEY, NodeSource
 
-SOURCE_KEY = "aotc_source"  # node.meta[SOURCE_KEY]: NodeSource
+SOURCE_KEY = NODE_SOURCE_KEY  # node.meta[SOURCE_KEY]: NodeSource
 _UNKNOWN = NodeSource("", "", "", False)
 
 _OWN_DIRS = tuple(
     os.path.dirname(os.path.abspath(path)) + os.sep
-    for path in (torch.__file__, __file__, aotc.runtime.__file__, aotc.__file__)
-)  # torch, aotc.passes, aotc.runtime, aotc (installed as separate folders in development)
+    for path in (
+        torch.__file__,
+        __file__,
+        sys.modules["aotc.runtime"].__file__ or "",
+        sys.modules["aotc"].__file__ or "",  # a parent package is imported before its children
+    )
+)  # torch, aotc.passes, aotc.runtime, aotc (separate folders in a development checkout)
 _SKIP_SUFFIXES = (os.sep + "contextlib.py", os.sep + "functools.py", os.sep + "runpy.py")
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (.+)$')
 
@@ -103,3 +107,13 @@ def readable_path(source: str) -> str:
         text = text[root.end() :]
     text = _ITEM.sub(lambda m: "." + (m.group(1) if m.group(1) is not None else m.group(2)), text)
     return (head + text).strip(".") if head else text.strip(".")
+
+
+def describe_source(source: NodeSource) -> str:
+    """One line for a comment: `h.0.attn (GPT2Attention): model.py:40  q = self.c_attn(x)`,
+    prefixed `backward of` for a backward node; '' when nothing is known."""
+    module = f"{source.module} ({source.module_type})" if source.module else source.module_type
+    text = ": ".join(part for part in (module, source.line) if part)
+    if text and source.backward:
+        return f"backward of {text}"
+    return text

@@ -194,6 +194,9 @@ class FwdOutputPlan:
         return len(self.user_outs) + len(self.mutated_args) + self.num_intermediate_bases
 
 
+NODE_SOURCE_KEY = "aotc_source"  # node.meta[NODE_SOURCE_KEY]: NodeSource
+
+
 @dataclass(frozen=True, slots=True)
 class NodeSource:
     """Where one graph node comes from in the user's program: `node.meta["aotc_source"]`.
