@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from aotc import persist
 from aotc.functional import FlatProgram, compiling
 from aotc.metadata import MetadataResult, collect_metadata
-from aotc.options import CompileOptions
+from aotc.options import CompileOptions, full_tracebacks
 from aotc.passes.cleanup import cleanup
 from aotc.passes.descriptors import GradOutput
 from aotc.passes.ir import JointGraph, primal_names
@@ -44,6 +44,7 @@ from aotc.runtime.autograd import AutogradPlan
 from aotc.runtime.cache import DeferredField
 from aotc.runtime.convention import alias_groups, plan_convention
 from aotc.runtime.epilogue import EpiloguePlan, plan_epilogue
+from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.kernels import CompiledGraph, KernelSource
 from aotc.runtime.launch import make_callable
 from aotc.runtime.schema import CallingConvention, FwdOut, GraphArg, MutationAliasInfo, UserArg
@@ -186,10 +187,63 @@ def compile_signature(
     fake_mode: FakeTensorMode | None = None,
 ) -> CompiledEntry:
     """`fake_mode`: a symbolic compilation; `leaves` are its fakes (see Note [Symbolic
-    compilations] in aotc/symbolic.py)."""
-    # Tracing saves fake tensors for autograd; the user's saved-tensor hooks must not see them.
-    with torch.autograd.graph.saved_tensors_hooks(_identity, _identity), compiling():
-        return _compile_signature(program, leaves, names, options, name, source, fake_mode)
+    compilations] in aotc/symbolic.py). A failure is reported (see `FailedCompile`) and
+    re-raised; see Note [User-facing tracebacks]."""
+    start = time.perf_counter()
+    try:
+        # Tracing saves fake tensors for autograd; the user's saved-tensor hooks must not see them.
+        with torch.autograd.graph.saved_tensors_hooks(_identity, _identity), compiling():
+            return _compile_signature(program, leaves, names, options, name, source, fake_mode)
+    except Exception as e:
+        if type(e).__module__.startswith("torch._dynamo"):
+            raise  # Dynamo's own control flow (restart analysis), not a failure
+        failure = FailedCompile(
+            name=name,
+            source=source,
+            signature=describe_signature(leaves, names),
+            error_type=type(e).__name__,
+            error=str(e),
+            stage_seconds={"until the failure": time.perf_counter() - start},
+        )
+        report_failure(failure, options)
+        if isinstance(e, UnsupportedError) and not full_tracebacks():
+            # See Note [User-facing tracebacks]
+            e.add_note(_TRACEBACK_NOTE)
+            raise e.with_traceback(None) from None
+        raise
+
+
+# Note [User-facing tracebacks]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# An UnsupportedError from tracing is about the user's program: its message names the user's line
+# and what to do. Python would print it below the exception it was raised from (a FakeTensor or
+# functionalization error, 20+ frames deep in torch) and with every aotc frame between the
+# user's call and the trace. So it leaves compile_signature with neither: the traceback starts
+# here and the cause is dropped. AOTC_FULL_TRACEBACK=1 keeps both (to debug aotc itself).
+_TRACEBACK_NOTE = "(aotc and torch frames hidden; AOTC_FULL_TRACEBACK=1 shows them)"
+
+
+@dataclass(frozen=True)
+class FailedCompile:
+    """A compilation that raised: shown by `aotc dump`/`aotc explain` and in the report."""
+
+    name: str
+    source: str  # where the user function is defined, "file:line"
+    signature: str  # readable input signature
+    error_type: str  # the exception's class name
+    error: str  # its message
+    stage_seconds: dict[str, float]  # time spent before the failure
+
+
+# Called with every FailedCompile (the `aotc` command's recording), before the error propagates.
+COMPILE_FAILURE_LISTENERS: list[Callable[[FailedCompile], None]] = []
+
+
+def report_failure(failure: FailedCompile, options: CompileOptions) -> None:
+    for listener in COMPILE_FAILURE_LISTENERS:
+        listener(failure)
+    if options.dump_dir:
+        dump_failure(failure, options.dump_dir)
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -467,20 +521,46 @@ _dump_counter: dict[str, int] = {}
 _dump_lock = threading.Lock()
 
 
-def dump_record(record: CompiledRecord, root: str) -> str:
-    """Write every stage of one compiled signature under `root/<name>_<n>/`."""
-    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in record.name)
+def _dump_folder(name: str, root: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
     with _dump_lock:
         n = _dump_counter.get(safe, 0)
         _dump_counter[safe] = n + 1
     folder = os.path.join(root, f"{safe}_{n}")
     os.makedirs(folder, exist_ok=True)
-    for file_name, text in record.stages:
+    return folder
+
+
+def _write_files(folder: str, files: Sequence[tuple[str, str]], data: dict[str, object]) -> None:
+    for file_name, text in files:
         os.makedirs(os.path.dirname(os.path.join(folder, file_name)), exist_ok=True)
         with open(os.path.join(folder, file_name), "w") as f:
             f.write(text)
-    from aotc.debug import graph_json
-
     with open(os.path.join(folder, "08_graph.json"), "w") as f:
-        json.dump(graph_json(record), f, indent=1, sort_keys=True)
+        json.dump(data, f, indent=1, sort_keys=True)
+
+
+def dump_record(record: CompiledRecord, root: str) -> str:
+    """Write every stage of one compiled signature under `root/<name>_<n>/`."""
+    from aotc.debug import current_dynamo_compile_id, graph_json
+
+    folder = _dump_folder(record.name, root)
+    _write_files(folder, record.stages, graph_json(record, current_dynamo_compile_id()))
+    return folder
+
+
+def dump_failure(failure: FailedCompile, root: str) -> str:
+    """Write a failed compilation's signature and error under `root/<name>_<n>/`."""
+    from aotc.debug import current_dynamo_compile_id, failure_json
+
+    folder = _dump_folder(failure.name, root)
+    files = [
+        (
+            "00_signature.txt",
+            f"# stage: signature\n{failure.name} (defined at {failure.source})\n"
+            f"{failure.signature}\n",
+        ),
+        ("error.txt", f"# compile failed\n{failure.error_type}: {failure.error}\n"),
+    ]
+    _write_files(folder, files, failure_json(failure, current_dynamo_compile_id()))
     return folder
