@@ -147,4 +147,6 @@ def current_dynamo_compile_id() -> str | None:
     """The Dynamo compile id ("frame/compile", e.g. "1/0") of the compile running now, or None
     outside Dynamo (what `aotc explain` and the report join Dynamo's records on)."""
     compile_id = torch._guards.CompileContext.current_compile_id()
-    return str(compile_id) if compile_id is not None else None
+    if compile_id is None or compile_id.frame_id is None:
+        return None
+    return f"{compile_id.frame_id}/{compile_id.frame_compile_id}"
