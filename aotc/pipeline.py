@@ -49,6 +49,7 @@ from aotc.runtime.kernels import CompiledGraph, KernelSource
 from aotc.runtime.launch import make_callable
 from aotc.runtime.schema import CallingConvention, FwdOut, GraphArg, MutationAliasInfo, UserArg
 from aotc.runtime.wrappers import CompiledEntry, RuntimePlan
+from aotc.structured import trace_failure, trace_record
 from aotc.tracer import trace_joint
 
 
@@ -242,6 +243,7 @@ COMPILE_FAILURE_LISTENERS: list[Callable[[FailedCompile], None]] = []
 def report_failure(failure: FailedCompile, options: CompileOptions) -> None:
     for listener in COMPILE_FAILURE_LISTENERS:
         listener(failure)
+    trace_failure(failure)  # TORCH_TRACE: see aotc/structured.py
     if options.dump_dir:
         dump_failure(failure, options.dump_dir)
 
@@ -446,6 +448,7 @@ def _entry_from_cache(
 
 
 def _log_record(record: CompiledRecord, fwd: fx.GraphModule, bwd: fx.GraphModule | None) -> None:
+    trace_record(record)  # TORCH_TRACE: see aotc/structured.py
     graphs, partition_log = logging.getLogger("aotc.graphs"), logging.getLogger("aotc.partition")
     kernels = logging.getLogger("aotc.kernels")
     if graphs.isEnabledFor(logging.INFO):

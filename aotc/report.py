@@ -66,6 +66,7 @@ NODE_BUDGET = 150
 LAYOUT_SECONDS = 40.0  # for every picture of one report together
 _STUB_LIMIT = 24  # outside inputs drawn per picture; the rest are one "+N more" stub
 _BATCH = 12  # pictures per dot process
+_LISTED = 24  # recomputed ops named in a graph's facts
 MISSING_DOT_NOTE = (
     "Graphviz `dot` was not found on PATH, so the graphs are not drawn; each folder still has "
     "its graph.dot and the page lists every node by module. Install it with "
@@ -581,7 +582,7 @@ table.facts td:first-child { color: #555; padding-right: 16px; vertical-align: t
 table.facts td { padding: 2px 0; }
 .note { background: #fff4d6; border: 1px solid #e0b84c; padding: 8px 12px; border-radius: 4px; }
 pre.error { background: #fdecea; border: 1px solid #e5a19b; padding: 8px; white-space: pre-wrap; }
-.viewport { position: relative; overflow: hidden; height: 70vh; min-height: 240px;
+.viewport { position: relative; overflow: hidden; height: 70vh; min-height: 160px;
   border: 1px solid #ddd; border-radius: 4px; background: #fcfcfc; cursor: grab; margin: 6px 0; }
 .viewport svg { transform-origin: 0 0; position: absolute; left: 0; top: 0; }
 .zoom { position: absolute; right: 6px; top: 6px; z-index: 2; }
@@ -618,8 +619,10 @@ _SCRIPT = """
     var s = 1, x = 0, y = 0, drag = null;
     function apply() { svg.style.transform = 'translate(' + x + 'px,' + y + 'px) scale(' + s + ')'; }
     function fit() {
-      var W = vp.clientWidth || 800, H = vp.clientHeight || 500;
-      s = Math.min(W / w, H / h, 1.5); x = (W - w * s) / 2; y = 0; apply();
+      var W = vp.clientWidth || 800, H = Math.max(240, 0.7 * window.innerHeight);
+      s = Math.min(W / w, H / h, 1.5);
+      vp.style.height = Math.max(160, Math.ceil(h * s) + 12) + 'px';
+      x = (W - w * s) / 2; y = 6; apply();
     }
     function zoom(k, px, py) { x = px - (px - x) * k; y = py - (py - y) * k; s *= k; apply(); }
     vp.addEventListener('wheel', function (e) {
@@ -779,7 +782,10 @@ def _facts_rows(graph: Mapping[str, Any]) -> list[tuple[str, str]]:
         saved_text = f"{_bytes(saved)} of {_bytes(everything)} if everything were saved{share}"
     else:
         saved_text = f"{_bytes(saved)} (inference: no backward, nothing saved)"
-    recomputed = ", ".join(f"<code>{_esc(r)}</code>" for r in graph["recomputed"]) or "none"
+    names = list(graph["recomputed"])
+    recomputed = ", ".join(f"<code>{_esc(r)}</code>" for r in names[:_LISTED]) or "none"
+    if len(names) > _LISTED:
+        recomputed = f"{len(names)} ops: {recomputed} ... ({len(names) - _LISTED} more)"
     return [
         ("name", f"<code>{_esc(graph['name'])}</code>"),
         ("source", f"<code>{_esc(graph.get('source', '<unknown>'))}</code>"),
@@ -947,10 +953,10 @@ def _module_html(
             body.append(
                 f'<details class="module" id="{_esc(_anchor(folder, k))}"><summary>part '
                 f"{index + 1} of {label}</summary>{_viewport(svgs.get(pictures[k].key), folder)}"
-                f"{_nodes_html(folder, chunk)}</details>"
+                f"{_nodes_html(folder, chunk, path)}</details>"
             )
     elif own:
-        body.append(_nodes_html(folder, own))
+        body.append(_nodes_html(folder, own, path))
     for child in tree.children.get(path, []):
         body.append(_module_html(folder, tree, child, svgs, pictures, graph))
     opened = " open" if path == "" else ""
@@ -960,7 +966,7 @@ def _module_html(
     )
 
 
-def _nodes_html(folder: str, nodes: Sequence[Mapping[str, Any]]) -> str:
+def _nodes_html(folder: str, nodes: Sequence[Mapping[str, Any]], module: str) -> str:
     items = []
     for n in nodes:
         code = n.get("code") or f"{n['name']} = {n['op']} {n.get('role', '')}".strip()
@@ -988,7 +994,7 @@ def _nodes_html(folder: str, nodes: Sequence[Mapping[str, Any]]) -> str:
         ).lower()
         items.append(
             f'<li id="{_esc(folder)}--n--{_esc(n["name"])}" class="side-{_esc(n["side"])}" '
-            f'data-g="{_esc(folder)}" data-n="{_esc(n["name"])}" data-m="{_esc(n.get("module", ""))}" '
+            f'data-g="{_esc(folder)}" data-n="{_esc(n["name"])}" data-m="{_esc(module)}" '
             f'data-k="{_esc(key)}">{_esc(code)}  <b>{_esc(", ".join(extra))}</b>'
             f'<span class="where">{_esc(where)}</span></li>'
         )
