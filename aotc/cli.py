@@ -42,7 +42,9 @@ def _parser() -> argparse.ArgumentParser:
         usage="aotc dump SCRIPT [--out DIR] [-- SCRIPT_ARGS ...]",
         description="Run SCRIPT unchanged and write, per compiled graph, a folder with its source "
         "location, signature and guards, metadata, joint/forward/backward graphs, partition "
-        "report and compile time, plus DIR/index.html with pictures of the graphs.",
+        "report and compile time (or its error), plus DIR/index.html (pictures per module, "
+        "search, graph code), DIR/explain.txt (what `aotc explain` prints) and DIR/dynamo.json "
+        "(Dynamo's frames, graph breaks, guards and times).",
     )
     dump.add_argument("script", help="the Python script to run")
     dump.add_argument(
@@ -165,10 +167,12 @@ def _dump(script: str, script_args: list[str], out: str) -> int:
         code, run = _run_script(script, script_args)
     finally:
         del os.environ["AOTC_DUMP_DIR"]
-    from aotc.report import DYNAMO_FILE, write_report
+    from aotc.report import DYNAMO_FILE, EXPLAIN_FILE, write_report
 
     with open(os.path.join(out, DYNAMO_FILE), "w") as f:
         json.dump(run.dynamo, f, indent=1, sort_keys=True)
+    with open(os.path.join(out, EXPLAIN_FILE), "w") as f:
+        f.write(explain_text(run.compiled, run.failed, run.dynamo) + "\n")
     start = time.perf_counter()
     report = write_report(out)
     failed = f", {len(run.failed)} failed compile(s)" if run.failed else ""

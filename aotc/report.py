@@ -59,6 +59,7 @@ GRAPH_JSON = "08_graph.json"
 DOT_FILE = "graph.dot"
 INDEX_FILE = "index.html"
 DYNAMO_FILE = "dynamo.json"
+EXPLAIN_FILE = "explain.txt"  # what `aotc explain` prints, written by `aotc dump`
 CODE_FILES = ("02_joint.py", "04_forward.py", "05_backward.py", "03_partition.txt", "error.txt")
 # Heuristic: dot lays out a 150-node picture in well under a second; pictures of ~1000 nodes
 # took minutes (a 6-layer GPT-2 joint graph of 1,078 nodes ran 20 minutes without finishing).
@@ -132,7 +133,8 @@ def write_report(
     html_path = os.path.join(dump_dir, INDEX_FILE)
     title = os.path.basename(os.path.abspath(dump_dir))
     with open(html_path, "w") as f:
-        f.write(_page_html(title, folders, graphs, notes, sections, dynamo, can_draw))
+        has_explain = os.path.isfile(os.path.join(dump_dir, EXPLAIN_FILE))
+        f.write(_page_html(title, folders, graphs, notes, sections, dynamo, can_draw, has_explain))
     return ReportResult(
         html_path, tuple(folders), can_draw, tuple(notes), len(svgs), skipped, round(spent, 3)
     )
@@ -717,6 +719,7 @@ def _page_html(
     sections: list[str],
     dynamo: Mapping[str, Any],
     can_draw: bool,
+    has_explain: bool = False,
 ) -> str:
     toc = "".join(
         f'<li><a href="#{_esc(f)}">{_esc(f)}</a>'
@@ -746,13 +749,18 @@ def _page_html(
     summary = f"{len(folders) - failed} compiled graph(s)" + (
         f", {failed} failed" if failed else ""
     )
+    explain = (
+        f'<p>The summary `aotc explain` prints: <a href="{EXPLAIN_FILE}">{EXPLAIN_FILE}</a></p>\n'
+        if has_explain
+        else ""
+    )
     return (
         '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         f"<title>aotc report: {_esc(title)}</title>\n<style>{_STYLE}</style>\n</head>\n<body>\n"
         f"<header><h1>aotc report: {_esc(title)}</h1>\n"
         '<input id="search" type="search" placeholder="search nodes: name, op, module, '
         'parameter, source line" autocomplete="off">\n<div id="search-results"></div></header>\n'
-        f"{note_html}\n<p>{summary}:</p><ul>{toc}</ul>{empty}\n"
+        f"{note_html}\n<p>{summary}:</p><ul>{toc}</ul>{empty}\n{explain}"
         f"{_dynamo_summary_html(dynamo)}\n{legend}\n"
         + "\n".join(sections)
         + f"\n<script>{_SCRIPT}</script>\n</body>\n</html>\n"
