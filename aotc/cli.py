@@ -243,6 +243,13 @@ def explain_text(
         where = f" (Dynamo frame {compile_id})" if compile_id else ""
         lines.append(f"  {failure.error_type}{where}: {failure.error}")
     lines += _break_lines(breaks)
+    for compile_id, frame in sorted(frames.items()):
+        if frame.get("fail_type"):
+            lines.append(
+                f"== Dynamo frame {compile_id} ({frame.get('function', '?')} at "
+                f"{frame.get('where', '?')}) failed: {frame['fail_type']}: "
+                f"{_cut(str(frame.get('fail_reason', '')), 300)}"
+            )
     return "\n".join(lines)
 
 

@@ -277,7 +277,8 @@ def gpt2_dump(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, f
     compiled(idx).backward()
     compile_s = time.perf_counter() - start
     start = time.perf_counter()
-    write_report(str(out))
+    result = write_report(str(out))
+    assert result.pictures_skipped == 0 and (result.pictures > 100 or not result.dot_available)
     return out, compile_s, time.perf_counter() - start
 
 
@@ -286,9 +287,9 @@ def test_gpt2_small_dump_finishes_and_is_drawn_per_module(gpt2_dump):
     (folder,) = [p for p in out.iterdir() if p.is_dir()]
     graph = json.loads((folder / "08_graph.json").read_text())
     assert len(graph["nodes"]) > 1500  # the whole 12-layer training step is one graph
-    # Timing bounds are loose (the machine is shared); the figures are in docs/figures.md.
-    assert compile_s + report_s < 120, (compile_s, report_s)
-    assert report_s < 30, report_s
+    # The report, which never finished before (dot on the whole graph), stays far inside its
+    # layout deadline; the compile bound is loose (a shared machine). Figures: bench/inspect_dump.py.
+    assert report_s < 30 and compile_s < 240, (compile_s, report_s)
     page = (out / "index.html").read_text()
     pictures = aotc.report._pictures(folder.name, graph, aotc.report.NODE_BUDGET)
     assert len(pictures) > 100  # one per module: h.0 ... h.11 and their submodules
