@@ -47,13 +47,31 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
+
+from aotc.report_assets import SCRIPT as _SCRIPT
+from aotc.report_assets import STYLE as _STYLE
+from aotc.report_graph import (
+    BOX_FILL,
+    INPUT_FILL,
+    LAYOUT_SECONDS,
+    NODE_BUDGET,
+    RECOMPUTED_FILL,
+    SAVED_BORDER,
+    SAVED_FILL,
+    TANGENT_FILL,
+    ModuleTree,
+    Picture,
+    anchor,
+    cluster_of,
+    graph_dot,
+    pictures_of,
+    render_all,
+)
 
 GRAPH_JSON = "08_graph.json"
 DOT_FILE = "graph.dot"
@@ -61,12 +79,6 @@ INDEX_FILE = "index.html"
 DYNAMO_FILE = "dynamo.json"
 EXPLAIN_FILE = "explain.txt"  # what `aotc explain` prints, written by `aotc dump`
 CODE_FILES = ("02_joint.py", "04_forward.py", "05_backward.py", "03_partition.txt", "error.txt")
-# Heuristic: dot lays out a 150-node picture in well under a second; pictures of ~1000 nodes
-# took minutes (a 6-layer GPT-2 joint graph of 1,078 nodes ran 20 minutes without finishing).
-NODE_BUDGET = 150
-LAYOUT_SECONDS = 40.0  # for every picture of one report together
-_STUB_LIMIT = 24  # outside inputs drawn per picture; the rest are one "+N more" stub
-_BATCH = 12  # pictures per dot process
 _LISTED = 24  # recomputed ops named in a graph's facts
 MISSING_DOT_NOTE = (
     "Graphviz `dot` was not found on PATH, so the graphs are not drawn; each folder still has "
@@ -74,14 +86,6 @@ MISSING_DOT_NOTE = (
     "`apt-get install graphviz` (Debian/Ubuntu) or `brew install graphviz` (macOS), then run "
     "`aotc report DIR` to draw them."
 )
-
-# Colors of the picture, shared by the DOT attributes and the page's legend.
-_SAVED_BORDER = "#c0392b"
-_SAVED_FILL = "#fde3c8"
-_RECOMPUTED_FILL = "#dff3e4"
-_TANGENT_FILL = "#e9e3f5"
-_INPUT_FILL = "#e3eef9"
-_BOX_FILL = "#fff7d6"
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +110,7 @@ def write_report(
     if not can_draw:
         notes.append(MISSING_DOT_NOTE)
     graphs = {}
-    pictures: list[_Picture] = []
+    pictures: list[Picture] = []
     for folder in folders:
         path = os.path.join(dump_dir, folder)
         graph = _read_json(os.path.join(path, GRAPH_JSON)) or {}
@@ -115,9 +119,9 @@ def write_report(
             continue
         with open(os.path.join(path, DOT_FILE), "w") as f:
             f.write(graph_dot(graph))
-        pictures += _pictures(folder, graph, node_budget)
+        pictures += pictures_of(folder, graph, node_budget)
     start = time.perf_counter()
-    svgs = _render_all(pictures, layout_seconds) if can_draw else {}
+    svgs = render_all(pictures, layout_seconds) if can_draw else {}
     spent = time.perf_counter() - start
     skipped = sum(1 for p in pictures if p.key not in svgs) if can_draw else 0
     if can_draw and skipped:
@@ -161,554 +165,7 @@ def _graph_folders(dump_dir: str) -> list[str]:
     return sorted(names, key=key)
 
 
-# --- modules ----------------------------------------------------------------------------------
-
-
-def _module_of(node: Mapping[str, Any], modules: set[str]) -> str:
-    """See Note [Pictures per module]: inputs go to the module they are a parameter of."""
-    name = node.get("input_name")
-    if name and "." in name:
-        owner = name.rsplit(".", 1)[0]
-        if owner in modules:
-            return str(owner)
-    return str(node.get("module", ""))
-
-
-def _parent(path: str) -> str:
-    return path.rsplit(".", 1)[0] if "." in path else ""
-
-
-def _child_under(path: str, scope: str) -> str:
-    """The child of `scope` on the way to `path` (path is inside scope, not scope itself)."""
-    rest = path[len(scope) + 1 :] if scope else path
-    head = rest.split(".", 1)[0]
-    return f"{scope}.{head}" if scope else head
-
-
-def _inside(path: str, scope: str) -> bool:
-    return scope == "" or path == scope or path.startswith(scope + ".")
-
-
-@dataclass
-class _Tree:
-    """Module paths of one graph: own nodes per path, and the paths under each path."""
-
-    own: dict[str, list[Mapping[str, Any]]] = field(default_factory=dict)
-    children: dict[str, list[str]] = field(default_factory=dict)
-    types: dict[str, str] = field(default_factory=dict)
-    module: dict[str, str] = field(default_factory=dict)  # node name -> module path
-
-    @staticmethod
-    def build(nodes: Sequence[Mapping[str, Any]]) -> _Tree:
-        tree = _Tree()
-        known = {str(n["module"]) for n in nodes if n.get("module")}
-        for node in nodes:
-            path = _module_of(node, known)
-            tree.module[node["name"]] = path
-            tree.own.setdefault(path, []).append(node)
-            if node.get("module") == path and node.get("module_type"):
-                tree.types.setdefault(path, str(node["module_type"]))
-        paths = set(tree.own)
-        for path in list(paths):
-            while path:
-                paths.add(path)
-                path = _parent(path)
-        paths.add("")
-        for path in sorted(paths, key=_path_key):
-            tree.own.setdefault(path, [])
-            tree.children.setdefault(path, [])
-            if path:
-                tree.children.setdefault(_parent(path), []).append(path)
-        return tree
-
-    def subtree_nodes(self, path: str) -> list[Mapping[str, Any]]:
-        out = list(self.own.get(path, []))
-        for child in self.children.get(path, []):
-            out += self.subtree_nodes(child)
-        return out
-
-
-def _path_key(path: str) -> list[tuple[int, int | str]]:
-    """h.2 < h.10: numeric parts compare as numbers."""
-    return [(0, int(p)) if p.isdigit() else (1, p) for p in path.split(".")] if path else []
-
-
-def _cluster(node: Mapping[str, Any]) -> str:
-    return "forward" if node["side"] == "forward" else "backward"
-
-
-# --- DOT ------------------------------------------------------------------------------------
-
-_DOT_DEFAULTS = """\
-  graph [newrank=true, rankdir=TB, fontname="Helvetica", fontsize=12, nodesep=0.25, ranksep=0.35];
-  node [shape=box, style="rounded,filled", fillcolor=white, fontname="Helvetica", fontsize=9];
-  edge [color="#8a8a8a", arrowsize=0.6];"""
-# Heuristic: bounds on dot's network-simplex and mincross iterations; on the 150-node pictures
-# of a 12-layer GPT-2 they change little in the drawing and keep the worst picture's layout
-# under a second.
-_DOT_LIMITS = "  graph [nslimit=4, nslimit1=4, mclimit=0.5, searchsize=20];"
-
-
-def graph_dot(graph: Mapping[str, Any], node_id: str = "") -> str:
-    """The joint graph of one 08_graph.json as DOT text: forward and backward clusters, with
-    one nested cluster per module path inside each. `node_id`: a prefix for SVG element ids."""
-    nodes = graph["nodes"]
-    tree = _Tree.build(nodes)
-    side = {n["name"]: n["side"] for n in nodes}
-    lines = [f"digraph {_quote(graph['name'])} {{", _DOT_DEFAULTS]
-    for cluster in ("forward", "backward"):
-        fill = "#f4f8fc" if cluster == "forward" else "#fcf6f2"
-        style = f'style="filled,rounded", fillcolor="{fill}", color="#b0b0b0"'
-        lines += [f"  subgraph cluster_{cluster} {{", f"    graph [label={cluster}, {style}];"]
-        lines += _module_clusters(tree, "", cluster, node_id, depth=2)
-        lines.append("  }")
-    for node in nodes:
-        for src in node["inputs"]:
-            style = _edge_style(side.get(src, ""), node)
-            lines.append(f"  {_quote(src)} -> {_quote(node['name'])}{style};")
-    lines += _layout_edges(nodes)
-    lines.append("}")
-    return "\n".join(lines) + "\n"
-
-
-def _module_clusters(tree: _Tree, path: str, cluster: str, node_id: str, depth: int) -> list[str]:
-    pad = "  " * depth
-    out = [
-        f"{pad}{_quote(n['name'])} [{_attrs(_node_style(n, node_id))}];"
-        for n in tree.own.get(path, [])
-        if _cluster(n) == cluster
-    ]
-    for child in tree.children.get(path, []):
-        body = _module_clusters(tree, child, cluster, node_id, depth + 1)
-        if not body:
-            continue
-        label = child.rsplit(".", 1)[-1] + (
-            f" ({tree.types[child]})" if child in tree.types else ""
-        )
-        ident = _quote(f"cluster_{cluster}_{child}")
-        out += [
-            f"{pad}subgraph {ident} {{",
-            f'{pad}  graph [label={_quote(label)}, style="rounded,dashed", color="#9a9a9a", '
-            "fontsize=10];",
-            *body,
-            f"{pad}}}",
-        ]
-    return out
-
-
-def _layout_edges(nodes: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Invisible edges through one invisible node, from the forward's last nodes to the
-    backward's first ones: the backward cluster is drawn below the forward one, not beside it."""
-    fwd = {n["name"] for n in nodes if n["side"] == "forward"}
-    feeds_fwd = {i for n in nodes if n["side"] == "forward" for i in n["inputs"]}
-    last = [n["name"] for n in nodes if n["name"] in fwd and n["name"] not in feeds_fwd]
-    first = [n["name"] for n in nodes if n["name"] not in fwd and set(n["inputs"]) <= fwd]
-    if not last or not first:
-        return []
-    return [
-        '  "__cut__" [shape=point, style=invis, width=0, label=""];',
-        *(f'  {_quote(name)} -> "__cut__" [style=invis];' for name in last),
-        *(f'  "__cut__" -> {_quote(name)} [style=invis];' for name in first),
-    ]
-
-
-def _edge_style(src_side: str, dst: Mapping[str, Any]) -> str:
-    if src_side == "forward" and dst["side"] in ("backward", "both"):
-        return f' [color="{_SAVED_BORDER}", penwidth=2]'  # crosses the cut: the value is saved
-    if dst["side"] == "forward" and src_side not in ("forward", ""):
-        # A recomputed node also feeds the forward. Drawing it only in the backward cluster
-        # would pull the forward below the backward, so this edge does not rank the layout.
-        return " [style=dashed, constraint=false]"
-    return ""
-
-
-def _node_label(node: Mapping[str, Any]) -> str:
-    """name / op target (or role) / input or gradient name / shape dtype / saved, recomputed."""
-    what = node.get("target") or node.get("role") or ""
-    lines = [node["name"], f"{node['op']} {what}".strip()]
-    if node.get("input_name"):
-        lines.append(str(node["input_name"]))
-    if node.get("grad_of"):
-        lines.append(f"grad of {node['grad_of']}")
-    if "shape" in node:
-        lines.append(f"{node['shape']} {node.get('dtype', '')}".strip())
-    marks = []
-    if node["saved"]:
-        marks.append("saved")
-    if node["side"] == "both":
-        marks.append("recomputed")
-    if marks:
-        lines.append(", ".join(marks))
-    return "\n".join(lines)
-
-
-def _node_style(node: Mapping[str, Any], node_id: str = "") -> dict[str, str]:
-    attrs = {"label": _node_label(node)}
-    if node_id:
-        attrs["id"] = f"{node_id}{node['name']}"
-    if node.get("line"):
-        attrs["tooltip"] = str(node["line"])
-    if node["side"] == "tangent":
-        attrs["fillcolor"] = _TANGENT_FILL
-    elif node["op"] == "placeholder":
-        attrs["fillcolor"] = _INPUT_FILL
-    if node["side"] == "both":
-        attrs.update(style="rounded,filled,dashed", fillcolor=_RECOMPUTED_FILL, color="#2e7d32")
-    if node["saved"]:
-        attrs.update(color=_SAVED_BORDER, penwidth="2.5", fillcolor=_SAVED_FILL)
-        attrs["style"] = "rounded,filled,bold"
-    return attrs
-
-
-def _attrs(attrs: Mapping[str, str]) -> str:
-    return ", ".join(f"{k}={_quote(v)}" for k, v in attrs.items())
-
-
-def _quote(text: str) -> str:
-    """A DOT double-quoted string; backslashes are literal, newlines become centered breaks."""
-    escaped = str(text).replace("\\", "\\\\").replace('"', '\\"')
-    return '"' + escaped.replace("\r", "").replace("\n", "\\n") + '"'
-
-
-# --- pictures -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Picture:
-    key: str  # unique in the page: "<folder>/<scope>"
-    folder: str
-    scope: str  # module path, "" for the root, "<path>#k" for a part of its own nodes, "*" whole
-    dot: str
-    members: tuple[str, ...] = ()  # names of the nodes drawn one by one
-
-
-def _pictures(folder: str, graph: Mapping[str, Any], budget: int) -> list[_Picture]:
-    nodes = graph["nodes"]
-    if len(nodes) <= budget:
-        prefix = f"{folder}::*::"
-        return [_Picture(f"{folder}/*", folder, "*", graph_dot(graph, node_id=prefix))]
-    tree = _Tree.build(nodes)
-    side = {n["name"]: n["side"] for n in nodes}
-    out = []
-    for path in tree.own:
-        own = tree.own[path]
-        parts = [own[i : i + budget] for i in range(0, len(own), budget)] if own else [[]]
-        scope_nodes = tree.subtree_nodes(path)
-        if len(parts) > 1:  # too many own nodes: one box per part, one picture per part
-            part_of = {n["name"]: k for k, part in enumerate(parts) for n in part}
-            boxes = _child_boxes(tree, path, scope_nodes, part_of)
-            out.append(_picture(folder, path, [], boxes, scope_nodes, side, tree))
-            for k, part in enumerate(parts):
-                scope = f"{path}#{k}"
-                out.append(_picture(folder, scope, part, {}, part, side, tree))
-        elif own or tree.children.get(path):
-            boxes = _child_boxes(tree, path, scope_nodes, {})
-            out.append(_picture(folder, path, own, boxes, scope_nodes, side, tree))
-    return out
-
-
-def _child_boxes(
-    tree: _Tree, path: str, scope_nodes: Sequence[Mapping[str, Any]], part_of: Mapping[str, int]
-) -> dict[str, tuple[str, str]]:
-    """Node name -> (box target scope, cluster) for the nodes drawn inside a box."""
-    boxes = {}
-    for node in scope_nodes:
-        module = tree.module[node["name"]]
-        if module == path:
-            if node["name"] in part_of:
-                boxes[node["name"]] = (f"{path}#{part_of[node['name']]}", _cluster(node))
-            continue
-        boxes[node["name"]] = (_child_under(module, path), _cluster(node))
-    return boxes
-
-
-def _picture(
-    folder: str,
-    scope: str,
-    own: Sequence[Mapping[str, Any]],
-    boxes: Mapping[str, tuple[str, str]],
-    scope_nodes: Sequence[Mapping[str, Any]],
-    side: Mapping[str, str],
-    tree: _Tree,
-) -> _Picture:
-    prefix = f"{folder}::{scope}::"
-    own_names = {n["name"] for n in own}
-    box_count: dict[tuple[str, str], int] = {}
-    for target, cluster in boxes.values():
-        box_count[(target, cluster)] = box_count.get((target, cluster), 0) + 1
-    clusters: dict[str, list[str]] = {"forward": [], "backward": []}
-    for node in own:
-        clusters[_cluster(node)].append(
-            f"    {_quote(node['name'])} [{_attrs(_node_style(node, prefix))}];"
-        )
-    for (target, cluster), count in sorted(box_count.items()):
-        if "#" in target:
-            base, k = target.rsplit("#", 1)
-            label = f"{base or 'top level'}, part {int(k) + 1}\n{cluster}: {count} nodes"
-        else:
-            kind = f" ({tree.types[target]})" if target in tree.types else ""
-            label = f"{target.rsplit('.', 1)[-1]}{kind}\n{cluster}: {count} nodes"
-        attrs = {
-            "label": label,
-            "shape": "box3d",
-            "style": "filled",
-            "fillcolor": _BOX_FILL,
-            "href": f"#{_anchor(folder, target)}",
-            "tooltip": f"open {target or 'top level'}",
-            "id": f"{prefix}box:{target}:{cluster}",
-        }
-        clusters[cluster].append(f"    {_quote(_box_name(target, cluster))} [{_attrs(attrs)}];")
-
-    def rep(name: str) -> str | None:
-        if name in own_names:
-            return name
-        if name in boxes:
-            return _box_name(*boxes[name])
-        return None
-
-    lines = [f"digraph {_quote(scope)} {{", _DOT_DEFAULTS, _DOT_LIMITS]
-    for cluster, body in clusters.items():
-        if body:
-            fill = "#f4f8fc" if cluster == "forward" else "#fcf6f2"
-            lines += [
-                f"  subgraph cluster_{cluster} {{",
-                f'    graph [label={cluster}, style="filled,rounded", fillcolor="{fill}", '
-                'color="#b0b0b0"];',
-                *body,
-                "  }",
-            ]
-    edges: dict[tuple[str, str], str] = {}
-    stubs: dict[str, str] = {}
-    extra = 0
-    for node in scope_nodes:
-        dst = rep(node["name"])
-        if dst is None:
-            continue
-        for src_name in node["inputs"]:
-            src = rep(src_name)
-            if src is None:
-                if src_name not in stubs and len(stubs) >= _STUB_LIMIT:
-                    extra += 1
-                    continue
-                src = stubs.setdefault(src_name, f"in:{src_name}")
-            if src != dst and (src, dst) not in edges:
-                style = _edge_style(side.get(src_name, ""), node) if src_name in own_names else ""
-                edges[(src, dst)] = style
-    for name, stub in stubs.items():
-        module = tree.module.get(name, "")
-        label = f"{name}\n{module}" if module else name
-        attrs = {"label": label, "shape": "note", "fontsize": "8", "color": "#9a9a9a"}
-        lines.append(f"  {_quote(stub)} [{_attrs(attrs)}];")
-    if extra:
-        lines.append(f'  "in:more" [label="+{extra} more inputs", shape=note, fontsize=8];')
-    lines += [f"  {_quote(a)} -> {_quote(b)}{style};" for (a, b), style in edges.items()]
-    lines.append("}")
-    dot = "\n".join(lines) + "\n"
-    return _Picture(f"{folder}/{scope}", folder, scope, dot, tuple(n["name"] for n in own))
-
-
-def _box_name(target: str, cluster: str) -> str:
-    return f"box:{target}:{cluster}"
-
-
-def _anchor(folder: str, scope: str) -> str:
-    return f"{folder}--m--{scope}" if scope else f"{folder}--m--"
-
-
-# --- layout ---------------------------------------------------------------------------------
-
-
-def _render_all(pictures: Sequence[_Picture], budget_s: float) -> dict[str, str]:
-    """SVG text per picture key, for those laid out before the deadline."""
-    deadline = time.monotonic() + budget_s
-    batches = [list(pictures[i : i + _BATCH]) for i in range(0, len(pictures), _BATCH)]
-    out: dict[str, str] = {}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        for result in pool.map(lambda b: _render_batch(b, deadline), batches):
-            out.update(result)
-    return out
-
-
-def _render_batch(batch: Sequence[_Picture], deadline: float) -> dict[str, str]:
-    """One dot process for several pictures; when it misses the deadline, each picture alone
-    (so one slow picture does not cost the others), each with what time is left."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        return {}
-    svgs = _run_dot("".join(p.dot for p in batch), left)
-    if svgs is not None and len(svgs) == len(batch):
-        return {p.key: _inline_svg(s, p.key) for p, s in zip(batch, svgs)}
-    out = {}
-    for picture in batch if len(batch) > 1 else ():
-        left = deadline - time.monotonic()
-        one = _run_dot(picture.dot, left) if left > 0 else None
-        if one:
-            out[picture.key] = _inline_svg(one[0], picture.key)
-    return out
-
-
-def _run_dot(dot: str, timeout: float) -> list[str] | None:
-    try:
-        done = subprocess.run(
-            ["dot", "-Tsvg"],
-            input=dot,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-    except (subprocess.TimeoutExpired, OSError):
-        return None
-    if done.returncode != 0:
-        return None
-    return [part for part in re.split(r"(?=<\?xml)", done.stdout) if "<svg" in part]
-
-
-def _inline_svg(svg: str, key: str) -> str:
-    """SVG markup to inline into HTML: XML prolog and doctype dropped, ids unique per picture."""
-    svg = svg[svg.index("<svg") :]
-    return re.sub(r' id="(graph|clust|edge|a_)', lambda m: f' id="{_esc(key)}-{m.group(1)}', svg)
-
-
 # --- HTML -----------------------------------------------------------------------------------
-
-_STYLE = """
-body { font: 14px/1.45 system-ui, sans-serif; margin: 0 24px 24px; color: #222; }
-header { position: sticky; top: 0; background: #fff; padding: 10px 0; z-index: 5;
-  border-bottom: 1px solid #ddd; }
-h1 { font-size: 22px; margin: 0 0 6px; } h2 { font-size: 18px; margin: 0 0 8px; }
-section { border: 1px solid #ccc; border-radius: 6px; padding: 14px 18px; margin: 18px 0; }
-section.failed { border-color: #c0392b; background: #fff6f5; }
-table.facts td:first-child { color: #555; padding-right: 16px; vertical-align: top;
-  white-space: nowrap; }
-table.facts td { padding: 2px 0; }
-.note { background: #fff4d6; border: 1px solid #e0b84c; padding: 8px 12px; border-radius: 4px; }
-pre.error { background: #fdecea; border: 1px solid #e5a19b; padding: 8px; white-space: pre-wrap; }
-.viewport { position: relative; overflow: hidden; height: 70vh; min-height: 160px;
-  border: 1px solid #ddd; border-radius: 4px; background: #fcfcfc; cursor: grab; margin: 6px 0; }
-.viewport svg { transform-origin: 0 0; position: absolute; left: 0; top: 0; }
-.zoom { position: absolute; right: 6px; top: 6px; z-index: 2; }
-.zoom button { width: 30px; height: 26px; margin-left: 2px; }
-.legend span { display: inline-block; padding: 1px 8px; margin-right: 8px; border-radius: 4px;
-  border: 1px solid #999; font-size: 12px; }
-details.module { margin: 2px 0 2px 14px; }
-details.module > summary { cursor: pointer; }
-details.module > summary .count { color: #777; font-size: 12px; }
-ul.nodes { list-style: none; padding-left: 14px; margin: 4px 0; font: 12px/1.4 monospace; }
-ul.nodes li { white-space: pre; overflow-x: auto; }
-ul.nodes li .where { color: #777; }
-ul.nodes li.hit, g.node.hit > * { background: #ffe25c; outline: 2px solid #e0a800; }
-g.node.hit polygon, g.node.hit path, g.node.hit ellipse { stroke: #e0a800; stroke-width: 4px; }
-.side-backward, .side-both, .side-tangent { color: #8a4b08; }
-ul.files { columns: 3; padding-left: 18px; margin: 4px 0; }
-pre.code { max-height: 60vh; overflow: auto; background: #f7f7f7; padding: 8px; font-size: 12px; }
-#search { width: 420px; font-size: 14px; padding: 3px 6px; }
-#search-results { max-height: 30vh; overflow: auto; font-size: 13px; }
-code { font-size: 12px; }
-"""
-
-_SCRIPT = """
-(function () {
-  function reveal(el) {
-    for (var p = el; p; p = p.parentElement) if (p.tagName === 'DETAILS') p.open = true;
-  }
-  function setup(vp) {
-    var svg = vp.querySelector('svg');
-    if (!svg || vp.dataset.ready) return;
-    vp.dataset.ready = '1';
-    var w = parseFloat(svg.getAttribute('width')) * 4 / 3, h = parseFloat(svg.getAttribute('height')) * 4 / 3;
-    svg.style.width = w + 'px'; svg.style.height = h + 'px';
-    var s = 1, x = 0, y = 0, drag = null;
-    function apply() { svg.style.transform = 'translate(' + x + 'px,' + y + 'px) scale(' + s + ')'; }
-    function fit() {
-      var W = vp.clientWidth || 800, H = Math.max(240, 0.7 * window.innerHeight);
-      s = Math.min(W / w, H / h, 1.5);
-      vp.style.height = Math.max(160, Math.ceil(h * s) + 12) + 'px';
-      x = (W - w * s) / 2; y = 6; apply();
-    }
-    function zoom(k, px, py) { x = px - (px - x) * k; y = py - (py - y) * k; s *= k; apply(); }
-    vp.addEventListener('wheel', function (e) {
-      e.preventDefault(); var r = vp.getBoundingClientRect();
-      zoom(Math.exp(-e.deltaY * 0.0015), e.clientX - r.left, e.clientY - r.top);
-    }, { passive: false });
-    vp.addEventListener('mousedown', function (e) {
-      if (e.target.closest('a') || e.target.closest('button')) return;
-      drag = [e.clientX - x, e.clientY - y];
-    });
-    window.addEventListener('mousemove', function (e) {
-      if (drag) { x = e.clientX - drag[0]; y = e.clientY - drag[1]; apply(); }
-    });
-    window.addEventListener('mouseup', function () { drag = null; });
-    vp.querySelector('.zin').onclick = function () { zoom(1.25, vp.clientWidth / 2, vp.clientHeight / 2); };
-    vp.querySelector('.zout').onclick = function () { zoom(0.8, vp.clientWidth / 2, vp.clientHeight / 2); };
-    vp.querySelector('.zfit').onclick = fit;
-    vp.centerOn = function (g) {
-      var b = g.getBBox(), ctm = g.getCTM(), root = svg.getCTM();
-      var cx = (b.x + b.width / 2), cy = (b.y + b.height / 2);
-      if (ctm && root) { var m = root.inverse().multiply(ctm); cx = m.a * cx + m.c * cy + m.e; cy = m.b * cx + m.d * cy + m.f; }
-      var vb = svg.viewBox.baseVal, kx = w / (vb.width || w), ky = h / (vb.height || h);
-      s = Math.max(s, 1); x = vp.clientWidth / 2 - (cx - vb.x) * kx * s; y = vp.clientHeight / 2 - (cy - vb.y) * ky * s; apply();
-    };
-    fit();
-  }
-  function setupVisible(root) {
-    (root || document).querySelectorAll('.viewport').forEach(function (vp) {
-      if (vp.offsetParent !== null) setup(vp);
-    });
-  }
-  document.querySelectorAll('details').forEach(function (d) {
-    d.addEventListener('toggle', function () { if (d.open) setupVisible(d); });
-  });
-  function openHash() {
-    var id = decodeURIComponent(location.hash.slice(1)); var el = id && document.getElementById(id);
-    if (el) { reveal(el); setupVisible(el); el.scrollIntoView(); }
-  }
-  window.addEventListener('hashchange', openHash);
-  var box = document.getElementById('search'), out = document.getElementById('search-results');
-  var items = Array.prototype.slice.call(document.querySelectorAll('ul.nodes li[data-k]'));
-  var svgNodes = Array.prototype.slice.call(document.querySelectorAll('g.node[id]'));
-  function search() {
-    var q = box.value.trim().toLowerCase();
-    document.querySelectorAll('.hit').forEach(function (e) { e.classList.remove('hit'); });
-    out.innerHTML = '';
-    out.dataset.count = '0';
-    if (!q) return;
-    var hits = items.filter(function (li) { return li.dataset.k.indexOf(q) >= 0; });
-    var keys = {};
-    hits.forEach(function (li) { li.classList.add('hit'); keys[li.dataset.g + '::' + li.dataset.n] = 1; });
-    svgNodes.forEach(function (g) {
-      var parts = g.id.split('::');
-      if (parts.length >= 3 && keys[parts[0] + '::' + parts.slice(2).join('::')]) g.classList.add('hit');
-    });
-    out.dataset.count = String(hits.length);
-    var head = document.createElement('p');
-    head.textContent = hits.length + ' node(s) match "' + q + '"' + (hits.length > 200 ? ' (first 200 listed)' : '');
-    out.appendChild(head);
-    var ol = document.createElement('ol');
-    hits.slice(0, 200).forEach(function (li) {
-      var a = document.createElement('a'); a.href = '#' + li.id;
-      a.textContent = li.dataset.g + ' / ' + (li.dataset.m || 'top level') + ' / ' + li.dataset.n;
-      a.onclick = function (e) {
-        e.preventDefault(); reveal(li); setupVisible(li.closest('section'));
-        li.scrollIntoView({ block: 'center' });
-        var det = li.closest('details.module') || li.closest('section');
-        var g = det && det.querySelector('g.node.hit');
-        var vp = g && g.closest('.viewport'); if (vp && vp.centerOn) vp.centerOn(g);
-      };
-      var item = document.createElement('li'); item.appendChild(a); ol.appendChild(item);
-    });
-    out.appendChild(ol);
-    hits.slice(0, 50).forEach(function (li) { reveal(li); });
-    setupVisible();
-  }
-  var timer = null;
-  box.addEventListener('input', function () { clearTimeout(timer); timer = setTimeout(search, 200); });
-  var q = new URLSearchParams(location.search).get('q');
-  if (q) { box.value = q; search(); }
-  setupVisible();
-  openHash();
-})();
-"""
 
 
 def _page_html(
@@ -731,14 +188,14 @@ def _page_html(
     note_html = "".join(f'<p class="note missing-dot">{_esc(n)}</p>' for n in notes)
     legend = (
         '<p class="legend">'
-        f'<span style="background:{_INPUT_FILL}">input</span>'
-        f'<span style="background:{_TANGENT_FILL}">tangent</span>'
-        f'<span style="background:{_SAVED_FILL};border:2px solid {_SAVED_BORDER}">'
+        f'<span style="background:{INPUT_FILL}">input</span>'
+        f'<span style="background:{TANGENT_FILL}">tangent</span>'
+        f'<span style="background:{SAVED_FILL};border:2px solid {SAVED_BORDER}">'
         "saved for backward</span>"
-        f'<span style="background:{_RECOMPUTED_FILL};border:1px dashed #2e7d32">'
+        f'<span style="background:{RECOMPUTED_FILL};border:1px dashed #2e7d32">'
         "recomputed in backward</span>"
-        f'<span style="background:{_BOX_FILL}">module (click to open)</span>'
-        f'<span style="border-color:{_SAVED_BORDER};color:{_SAVED_BORDER}">'
+        f'<span style="background:{BOX_FILL}">module (click to open)</span>'
+        f'<span style="border-color:{SAVED_BORDER};color:{SAVED_BORDER}">'
         "red edge: crosses the cut</span>"
         '<span style="border-style:dashed">dashed edge: a recomputed value the forward also '
         "uses</span> Wheel: zoom; drag: pan.</p>"
@@ -866,7 +323,7 @@ def _section_html(
     folder: str,
     graph: Mapping[str, Any],
     svgs: Mapping[str, str],
-    pictures: Sequence[_Picture],
+    pictures: Sequence[Picture],
     dynamo: Mapping[str, Any],
     dump_dir: str,
 ) -> str:
@@ -897,7 +354,7 @@ def _section_html(
         picture = _viewport(svgs.get(whole.key), folder)
     else:
         picture = ""
-    tree = _Tree.build(graph["nodes"])
+    tree = ModuleTree.build(graph["nodes"])
     modules = _module_html(folder, tree, "", svgs, mine, graph)
     code = "".join(_code_html(folder, path, name) for name in CODE_FILES)
     return (
@@ -930,10 +387,10 @@ def _viewport(svg: str | None, folder: str) -> str:
 
 def _module_html(
     folder: str,
-    tree: _Tree,
+    tree: ModuleTree,
     path: str,
     svgs: Mapping[str, str],
-    pictures: Mapping[str, _Picture],
+    pictures: Mapping[str, Picture],
     graph: Mapping[str, Any],
 ) -> str:
     nodes = tree.subtree_nodes(path)
@@ -941,7 +398,7 @@ def _module_html(
         return ""
     sides = {"forward": 0, "backward": 0}
     for n in nodes:
-        sides[_cluster(n)] += 1
+        sides[cluster_of(n)] += 1
     label = path.rsplit(".", 1)[-1] if path else "top level"
     kind = f" ({_esc(tree.types[path])})" if path in tree.types else ""
     count = (
@@ -959,7 +416,7 @@ def _module_html(
             members = set(pictures[k].members)
             chunk = [n for n in own if n["name"] in members]
             body.append(
-                f'<details class="module" id="{_esc(_anchor(folder, k))}"><summary>part '
+                f'<details class="module" id="{_esc(anchor(folder, k))}"><summary>part '
                 f"{index + 1} of {label}</summary>{_viewport(svgs.get(pictures[k].key), folder)}"
                 f"{_nodes_html(folder, chunk, path)}</details>"
             )
@@ -969,7 +426,7 @@ def _module_html(
         body.append(_module_html(folder, tree, child, svgs, pictures, graph))
     opened = " open" if path == "" else ""
     return (
-        f'<details class="module" id="{_esc(_anchor(folder, path))}"{opened}>'
+        f'<details class="module" id="{_esc(anchor(folder, path))}"{opened}>'
         f"<summary><b>{_esc(label)}</b>{kind} {count}</summary>\n" + "\n".join(body) + "</details>"
     )
 

@@ -22,6 +22,7 @@ from torch import nn
 
 import aotc
 import aotc.report
+import aotc.report_graph
 from aotc.report import write_report
 from tests.aotc.test_cli import run_cli
 from tests.aotc.test_report_browser import chromium  # noqa: F401  (fixture)
@@ -291,7 +292,7 @@ def test_gpt2_small_dump_finishes_and_is_drawn_per_module(gpt2_dump):
     # layout deadline; the compile bound is loose (a shared machine). Figures: bench/inspect_dump.py.
     assert report_s < 30 and compile_s < 240, (compile_s, report_s)
     page = (out / "index.html").read_text()
-    pictures = aotc.report._pictures(folder.name, graph, aotc.report.NODE_BUDGET)
+    pictures = aotc.report_graph.pictures_of(folder.name, graph, aotc.report.NODE_BUDGET)
     assert len(pictures) > 100  # one per module: h.0 ... h.11 and their submodules
     for picture in pictures:
         assert len(picture.members) <= aotc.report.NODE_BUDGET
