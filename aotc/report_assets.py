@@ -55,7 +55,7 @@ SCRIPT = """
     function apply() { svg.style.transform = 'translate(' + x + 'px,' + y + 'px) scale(' + s + ')'; }
     function fit() {
       var W = vp.clientWidth || 800, H = Math.max(240, 0.7 * window.innerHeight);
-      s = Math.min(W / w, H / h, 1.5);
+      s = Math.min(W / w, H / h, 1);
       vp.style.height = Math.max(160, Math.ceil(h * s) + 12) + 'px';
       x = (W - w * s) / 2; y = 6; apply();
     }
