@@ -39,6 +39,7 @@ from aotc.api import COMPILE_LISTENERS, CompiledFunction, _flatten_output, compi
 from aotc.lifting import find_free_tensors, swapped
 from aotc.options import CompileOptions
 from aotc.pipeline import compile_signature
+from aotc.provenance import graph_input_names, run_with_node_meta
 from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.wrappers import CompiledEntry
 from aotc.symbolic import check_static_geometry, symbolic_leaves
@@ -163,7 +164,7 @@ def _compile_ahead(
     leaves = symbolic_leaves(
         mode, [*fakes, *(a.get() for a in accesses)], [False] * (num_inputs + len(accesses))
     )
-    forward = gm.forward
+    forward = run_with_node_meta(gm)  # See Note [Node provenance] in aotc/provenance.py
 
     def program(user_leaves: list[object]) -> tuple[list[object], object]:
         args = list(user_leaves[:num_inputs])
@@ -173,8 +174,7 @@ def _compile_ahead(
             out = forward(*args)
         return _flatten_output(out)
 
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    names += [a.name for a in accesses]
+    names = graph_input_names(gm) + [a.name for a in accesses]
     entry: CompiledEntry = compile_signature(
         program, leaves, names, opts, "dynamo_graph", _graph_source(gm), mode
     )

@@ -127,6 +127,12 @@ def _check_partition_options(opts: CompileOptions) -> None:
         raise ValueError(f"aotc.compile(memory_budget={budget!r}): a byte count must be >= 0.")
 
 
+def full_tracebacks() -> bool:
+    """AOTC_FULL_TRACEBACK=1: errors from tracing keep torch's and aotc's internal frames and the
+    exception they were raised from (see Note [User-facing tracebacks] in aotc/pipeline.py)."""
+    return os.environ.get("AOTC_FULL_TRACEBACK", "0").strip().lower() in ("1", "true", "on")
+
+
 LOG_CATEGORIES = ("graphs", "partition", "kernels", "recompiles", "progress")
 
 

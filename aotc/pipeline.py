@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,10 +33,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from aotc import persist
 from aotc.functional import FlatProgram, compiling
 from aotc.metadata import MetadataResult, collect_metadata
-from aotc.options import CompileOptions
+from aotc.options import CompileOptions, full_tracebacks
 from aotc.passes.cleanup import cleanup
 from aotc.passes.descriptors import GradOutput
-from aotc.passes.ir import JointGraph
+from aotc.passes.ir import JointGraph, primal_names
 from aotc.passes.lint import lint_graph
 from aotc.passes.partition import PartitionResult, partition
 from aotc.passes.select import select_backend
@@ -44,10 +44,12 @@ from aotc.runtime.autograd import AutogradPlan
 from aotc.runtime.cache import DeferredField
 from aotc.runtime.convention import alias_groups, plan_convention
 from aotc.runtime.epilogue import EpiloguePlan, plan_epilogue
+from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.kernels import CompiledGraph, KernelSource
 from aotc.runtime.launch import make_callable
 from aotc.runtime.schema import CallingConvention, FwdOut, GraphArg, MutationAliasInfo, UserArg
 from aotc.runtime.wrappers import CompiledEntry, RuntimePlan
+from aotc.structured import trace_failure, trace_record
 from aotc.tracer import trace_joint
 
 
@@ -74,10 +76,24 @@ class CompiledRecord:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     kernels: tuple[KernelSource, ...] = ()  # generated Triton kernels, forward then backward
     fusion_text: str = ""  # the fusion plans of the forward and backward graphs
+    # Readable name of each user leaf (UserArg space): argument paths, lifted parameter paths.
+    input_names: tuple[str, ...] = ()
+    # A cache hit: the stage times of the compile that stored the entry (stage_seconds then
+    # holds the hit's own key and load times). Empty for a cold compile.
+    cold_stage_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def compile_seconds(self) -> float:
         return sum(self.stage_seconds.values())
+
+    @property
+    def is_cache_hit(self) -> bool:
+        return bool(self.cold_stage_seconds)
+
+    @property
+    def graph_arg_names(self) -> tuple[str, ...]:
+        """Readable name of each graph arg (GraphArg space); see `CallingConvention`."""
+        return graph_arg_names(self.convention, self.input_names)
 
     @property
     def saved_bytes(self) -> int:
@@ -93,13 +109,15 @@ class CompiledRecord:
                 f"{self.signature}\n# guards\n{self.guards}\n",
             ),
             ("01_metadata.txt", self.meta.format() + "\n" + self.convention.format() + "\n"),
-            ("02_joint.py", self.joint_graph.format("joint")),
+            ("02_joint.py", self.joint_graph.format("joint", self.graph_arg_names)),
         ]
         if self.partition is not None:
+            names = self.graph_arg_names
+            saved = primal_names(self.partition.forward, names)
             out += [
-                ("03_partition.txt", self.partition.format() + "\n"),
-                ("04_forward.py", self.partition.forward.format("forward")),
-                ("05_backward.py", self.partition.backward.format("backward")),
+                ("03_partition.txt", self.partition.format(names) + "\n"),
+                ("04_forward.py", self.partition.forward.format("forward", names, saved)),
+                ("05_backward.py", self.partition.backward.format("backward", names, saved)),
             ]
         out.append(("06_epilogue.txt", self.epilogue.format() + "\n"))
         if self.kernels:
@@ -107,12 +125,42 @@ class CompiledRecord:
             out += [
                 (f"09_kernels/{i:02d}_{k.name}.py", k.source) for i, k in enumerate(self.kernels)
             ]
-        times = "\n".join(f"{k}: {v * 1e3:.2f} ms" for k, v in self.stage_seconds.items())
-        out.append(("07_compile_time.txt", f"# stage: compile time\n{times}\n"))
+        out.append(("07_compile_time.txt", compile_time_text(self)))
         return out
 
     def format(self) -> str:
         return "\n".join(text for _, text in self.stages)
+
+
+def graph_arg_names(convention: CallingConvention, names: Sequence[str]) -> tuple[str, ...]:
+    """A readable name per graph arg: its user leaf's name, or the members of a synthetic base."""
+    bases = iter(convention.synthetic_bases)
+    out = []
+    for g, src in enumerate(convention.graph_sources):
+        if src is not None:
+            out.append(names[src] if src < len(names) else f"graph_arg{g}")
+        else:
+            members = next(bases).members
+            out.append("base of " + ", ".join(names[m] if m < len(names) else "?" for m in members))
+    return tuple(out)
+
+
+def compile_time_text(record: CompiledRecord) -> str:
+    """07_compile_time.txt: stage times; for a cache hit, the hit's and the original compile's."""
+
+    def table(times: dict[str, float]) -> str:
+        return "\n".join(f"{k}: {v * 1e3:.2f} ms" for k, v in times.items())
+
+    text = "# stage: compile time\n"
+    if record.is_cache_hit:
+        cold = sum(record.cold_stage_seconds.values())
+        return (
+            f"{text}# cache hit: loaded in {record.compile_seconds * 1e3:.2f} ms\n"
+            f"{table(record.stage_seconds)}\n"
+            f"# the compile that stored the entry took {cold * 1e3:.2f} ms\n"
+            f"{table(record.cold_stage_seconds)}\n"
+        )
+    return f"{text}{table(record.stage_seconds)}\n"
 
 
 def describe_signature(leaves: Sequence[object], names: Sequence[str]) -> str:
@@ -140,10 +188,64 @@ def compile_signature(
     fake_mode: FakeTensorMode | None = None,
 ) -> CompiledEntry:
     """`fake_mode`: a symbolic compilation; `leaves` are its fakes (see Note [Symbolic
-    compilations] in aotc/symbolic.py)."""
-    # Tracing saves fake tensors for autograd; the user's saved-tensor hooks must not see them.
-    with torch.autograd.graph.saved_tensors_hooks(_identity, _identity), compiling():
-        return _compile_signature(program, leaves, names, options, name, source, fake_mode)
+    compilations] in aotc/symbolic.py). A failure is reported (see `FailedCompile`) and
+    re-raised; see Note [User-facing tracebacks]."""
+    start = time.perf_counter()
+    try:
+        # Tracing saves fake tensors for autograd; the user's saved-tensor hooks must not see them.
+        with torch.autograd.graph.saved_tensors_hooks(_identity, _identity), compiling():
+            return _compile_signature(program, leaves, names, options, name, source, fake_mode)
+    except Exception as e:
+        if type(e).__module__.startswith("torch._dynamo"):
+            raise  # Dynamo's own control flow (restart analysis), not a failure
+        failure = FailedCompile(
+            name=name,
+            source=source,
+            signature=describe_signature(leaves, names),
+            error_type=type(e).__name__,
+            error=str(e),
+            stage_seconds={"until the failure": time.perf_counter() - start},
+        )
+        report_failure(failure, options)
+        if isinstance(e, UnsupportedError) and not full_tracebacks():
+            # See Note [User-facing tracebacks]
+            e.add_note(_TRACEBACK_NOTE)
+            raise e.with_traceback(None) from None
+        raise
+
+
+# Note [User-facing tracebacks]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# An UnsupportedError from tracing is about the user's program: its message names the user's line
+# and what to do. Python would print it below the exception it was raised from (a FakeTensor or
+# functionalization error, 20+ frames deep in torch) and with every aotc frame between the
+# user's call and the trace. So it leaves compile_signature with neither: the traceback starts
+# here and the cause is dropped. AOTC_FULL_TRACEBACK=1 keeps both (to debug aotc itself).
+_TRACEBACK_NOTE = "(aotc and torch frames hidden; AOTC_FULL_TRACEBACK=1 shows them)"
+
+
+@dataclass(frozen=True)
+class FailedCompile:
+    """A compilation that raised: shown by `aotc dump`/`aotc explain` and in the report."""
+
+    name: str
+    source: str  # where the user function is defined, "file:line"
+    signature: str  # readable input signature
+    error_type: str  # the exception's class name
+    error: str  # its message
+    stage_seconds: dict[str, float]  # time spent before the failure
+
+
+# Called with every FailedCompile (the `aotc` command's recording), before the error propagates.
+COMPILE_FAILURE_LISTENERS: list[Callable[[FailedCompile], None]] = []
+
+
+def report_failure(failure: FailedCompile, options: CompileOptions) -> None:
+    for listener in COMPILE_FAILURE_LISTENERS:
+        listener(failure)
+    trace_failure(failure)  # TORCH_TRACE: see aotc/structured.py
+    if options.dump_dir:
+        dump_failure(failure, options.dump_dir)
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -273,6 +375,7 @@ def _compile_signature(
         source=source,
         guards=_GUARDS,
         stage_seconds=times,
+        input_names=tuple(names),
         **_kernel_fields(fwd_compiled, bwd_compiled),
     )
     if key is not None:
@@ -327,6 +430,9 @@ def _entry_from_cache(
         source=source,
         signature=describe_signature(leaves, names),
         stage_seconds=times,
+        input_names=tuple(names),
+        # See CompiledRecord.cold_stage_seconds: the stored record's times are the cold compile's.
+        cold_stage_seconds=dict(fields.get("cold_stage_seconds") or fields["stage_seconds"]),
         **_kernel_fields(fwd, bwd),
     )
     record = CompiledRecord(**fields)
@@ -342,12 +448,17 @@ def _entry_from_cache(
 
 
 def _log_record(record: CompiledRecord, fwd: fx.GraphModule, bwd: fx.GraphModule | None) -> None:
+    trace_record(record)  # TORCH_TRACE: see aotc/structured.py
     graphs, partition_log = logging.getLogger("aotc.graphs"), logging.getLogger("aotc.partition")
     kernels = logging.getLogger("aotc.kernels")
     if graphs.isEnabledFor(logging.INFO):
-        graphs.info("%s: joint graph\n%s", record.name, record.joint_graph.format("joint"))
+        graphs.info(
+            "%s: joint graph\n%s",
+            record.name,
+            record.joint_graph.format("joint", record.graph_arg_names),
+        )
     if partition_log.isEnabledFor(logging.INFO) and record.partition is not None:
-        partition_log.info("%s:\n%s", record.name, record.partition.format())
+        partition_log.info("%s:\n%s", record.name, record.partition.format(record.graph_arg_names))
     if kernels.isEnabledFor(logging.INFO) and record.kernels:
         kernels.info(
             "%s: %d generated kernels\n%s",
@@ -413,20 +524,46 @@ _dump_counter: dict[str, int] = {}
 _dump_lock = threading.Lock()
 
 
-def dump_record(record: CompiledRecord, root: str) -> str:
-    """Write every stage of one compiled signature under `root/<name>_<n>/`."""
-    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in record.name)
+def _dump_folder(name: str, root: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
     with _dump_lock:
         n = _dump_counter.get(safe, 0)
         _dump_counter[safe] = n + 1
     folder = os.path.join(root, f"{safe}_{n}")
     os.makedirs(folder, exist_ok=True)
-    for file_name, text in record.stages:
+    return folder
+
+
+def _write_files(folder: str, files: Sequence[tuple[str, str]], data: dict[str, object]) -> None:
+    for file_name, text in files:
         os.makedirs(os.path.dirname(os.path.join(folder, file_name)), exist_ok=True)
         with open(os.path.join(folder, file_name), "w") as f:
             f.write(text)
-    from aotc.debug import graph_json
-
     with open(os.path.join(folder, "08_graph.json"), "w") as f:
-        json.dump(graph_json(record), f, indent=1, sort_keys=True)
+        json.dump(data, f, indent=1, sort_keys=True)
+
+
+def dump_record(record: CompiledRecord, root: str) -> str:
+    """Write every stage of one compiled signature under `root/<name>_<n>/`."""
+    from aotc.debug import current_dynamo_compile_id, graph_json
+
+    folder = _dump_folder(record.name, root)
+    _write_files(folder, record.stages, graph_json(record, current_dynamo_compile_id()))
+    return folder
+
+
+def dump_failure(failure: FailedCompile, root: str) -> str:
+    """Write a failed compilation's signature and error under `root/<name>_<n>/`."""
+    from aotc.debug import current_dynamo_compile_id, failure_json
+
+    folder = _dump_folder(failure.name, root)
+    files = [
+        (
+            "00_signature.txt",
+            f"# stage: signature\n{failure.name} (defined at {failure.source})\n"
+            f"{failure.signature}\n",
+        ),
+        ("error.txt", f"# compile failed\n{failure.error_type}: {failure.error}\n"),
+    ]
+    _write_files(folder, files, failure_json(failure, current_dynamo_compile_id()))
     return folder

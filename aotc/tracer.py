@@ -41,6 +41,7 @@ from aotc.functional import (
 from aotc.metadata import MetadataResult
 from aotc.passes.descriptors import FwdOutput, GradOutput, PrimalInput, TangentInput
 from aotc.passes.ir import JointGraph
+from aotc.provenance import Recorder, recording
 from aotc.runtime.convention import apply_convention, expand_graph_args
 from aotc.runtime.schema import CallingConvention, FwdOut, GraphArg, OutputKind
 
@@ -65,6 +66,7 @@ def trace_joint(
         if info.mutation is not info.mutation.NONE and training and graph_args[g].requires_grad
     }
     tangent_outs = [FwdOut(k) for k, needs in enumerate(plan.needs_tangent) if needs]
+    recorder = Recorder()  # See Note [Node provenance] in aotc/provenance.py
 
     def run_program(primals: list[torch.Tensor]) -> list[torch.Tensor]:
         user_args = [p.clone() if g in clone_args else p for g, p in enumerate(primals)]
@@ -90,7 +92,7 @@ def trace_joint(
                 diff = [fwd[k] for k in tangent_outs]
                 wrt = [g for g, p in enumerate(primals) if p.requires_grad]
                 if diff and wrt:
-                    with torch.enable_grad():
+                    with torch.enable_grad(), recorder.backward(diff):
                         got = torch.autograd.grad(
                             diff, [primals[g] for g in wrt], tangents, allow_unused=True
                         )
@@ -113,8 +115,9 @@ def trace_joint(
             if training
             else []
         )
-        with user_errors("joint trace"):
+        with user_errors("joint trace"), recording():
             module = make_fx(joint, record_stack_traces=True)(*primals, *tangents)
+        recorder.annotate(module)
 
     inputs = tuple(PrimalInput(GraphArg(g)) for g in range(num_primals))
     inputs += tuple(TangentInput(k) for k in tangent_outs) if training else ()

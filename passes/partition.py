@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import operator
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import networkx as nx
@@ -53,7 +53,15 @@ from aotc.passes.descriptors import (
     SavedOutput,
     TangentInput,
 )
-from aotc.passes.ir import JointGraph, StageGraph, is_sym_node, make_module, node_nbytes
+from aotc.passes.ir import (
+    JointGraph,
+    StageGraph,
+    is_sym_node,
+    make_module,
+    node_nbytes,
+    primal_names,
+)
+from aotc.passes.provenance import describe_source, source_of
 from aotc.passes.recompute import RecomputePolicy, can_recompute, is_random, recompute_cost
 from aotc.runtime.schema import GraphArg
 
@@ -92,7 +100,9 @@ class PartitionResult:
     def num_saved_symints(self) -> int:
         return sum(s.is_symint for s in self.saved)
 
-    def format(self) -> str:
+    def format(self, arg_names: Sequence[str] = ()) -> str:
+        """`arg_names`: readable names of the graph args (GraphArg space), for saved inputs."""
+        input_names = primal_names(self.forward, arg_names)
         lines = [
             "# stage: partition",
             f"# plan: {self.plan}",
@@ -109,7 +119,8 @@ class PartitionResult:
             dtype = str(s.dtype).removeprefix("torch.") if s.dtype is not None else "-"
             shape = list(s.shape) if s.shape is not None else "-"
             where = f"  # {s.source}" if s.source else ""
-            lines.append(f"saved {s.name}: {dtype}{shape} {s.nbytes} B from {s.producer}{where}")
+            name = f"{s.name} ({input_names[s.name]})" if s.name in input_names else s.name
+            lines.append(f"saved {name}: {dtype}{shape} {s.nbytes} B from {s.producer}{where}")
         lines.append(f"# recomputed: {', '.join(self.recomputed) or 'none'}")
         return "\n".join(lines)
 
@@ -467,14 +478,5 @@ def _saved_value(node: fx.Node) -> SavedValue:
 
 
 def source_line(node: fx.Node) -> str:
-    """`file:line  code` of the innermost user frame in the node's stack trace, or ''."""
-    lines = (node.meta.get("stack_trace") or "").strip().splitlines()
-    for i in range(len(lines) - 1, -1, -1):
-        text = lines[i].strip()
-        if text.startswith("File "):
-            parts = text.split('"')
-            where = parts[1] if len(parts) > 2 else text
-            lineno = text.split("line ")[-1].split(",")[0] if "line " in text else "?"
-            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            return f"{where}:{lineno}  {code}"
-    return ""
+    """The node's user module and source line (see passes/provenance.py), or ''."""
+    return describe_source(source_of(node))

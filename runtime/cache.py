@@ -58,6 +58,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 
 from aotc.runtime.errors import CacheError
+from aotc.runtime.schema import NODE_SOURCE_KEY, NodeSource
 
 FORMAT = "aotc-cache"
 FORMAT_VERSION = 2  # 2: node values keep their storage offset and device
@@ -587,6 +588,9 @@ def encode_graph(module: fx.GraphModule) -> dict[str, Any]:
             item["val"] = _encode_val(node.meta["val"])
         if node.meta.get("stack_trace"):
             item["stack_trace"] = str(node.meta["stack_trace"])
+        source = node.meta.get(NODE_SOURCE_KEY)
+        if isinstance(source, NodeSource):  # for inspection of a hit (aotc/provenance.py)
+            item["source"] = [source.module, source.module_type, source.line, source.backward]
         nodes.append(item)
     return {"nodes": nodes, "consts": consts}
 
@@ -625,6 +629,11 @@ def decode_graph(value: Any, on_device: bool = False) -> fx.GraphModule:
             node.meta["val"] = _decode_val(item["val"], on_device)
         if "stack_trace" in item:
             node.meta["stack_trace"] = str(item["stack_trace"])
+        if "source" in item:
+            module, kind, line, backward = _list(item["source"])
+            node.meta[NODE_SOURCE_KEY] = NodeSource(
+                str(module), str(kind), str(line), bool(backward)
+            )
         env[name] = node
     try:
         from torch.fx._lazy_graph_module import _LazyGraphModule

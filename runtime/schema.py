@@ -192,3 +192,20 @@ class FwdOutputPlan:
     @property
     def num_outputs(self) -> int:
         return len(self.user_outs) + len(self.mutated_args) + self.num_intermediate_bases
+
+
+NODE_SOURCE_KEY = "aotc_source"  # node.meta[NODE_SOURCE_KEY]: NodeSource
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSource:
+    """Where one graph node comes from in the user's program: `node.meta["aotc_source"]`.
+
+    Set by aotc/provenance.py after tracing, read by passes/provenance.py; kept through the
+    partition (nodes are copied with their meta) and the compile cache.
+    """
+
+    module: str  # nn.Module path ("transformer.h.0.attn"); "" at the top level or unknown
+    module_type: str  # its class name ("GPT2Attention"); "" when unknown
+    line: str  # "file:line  code" of the innermost user frame; "" when unknown
+    backward: bool  # computed by the backward of the forward op at `module` / `line`

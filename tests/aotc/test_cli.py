@@ -122,7 +122,7 @@ def test_usage_errors_exit_2(tmp_path):
     assert missing.returncode == 2 and "no such script" in missing.stderr
 
 
-@pytest.mark.parametrize("command", [[], ["dump"], ["explain"]])
+@pytest.mark.parametrize("command", [[], ["dump"], ["explain"], ["report"]])
 def test_help_on_every_subcommand(command, tmp_path):
     result = run_cli(*command, "--help", cwd=tmp_path)
     assert result.returncode == 0 and "usage" in result.stdout.lower()

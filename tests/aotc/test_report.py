@@ -79,8 +79,10 @@ def test_page_lists_every_graph_with_its_saved_bytes(dump):
         assert record.source in section
         for name in ["00_signature.txt", "07_compile_time.txt", "08_graph.json", "graph.dot"]:
             assert f'href="{folder}/{name}"' in section
-    # Self-contained: nothing to fetch (the SVG's xmlns URLs are names, not loads), no script.
-    assert not re.search(r"<script|<link|<img|<iframe|@import|src=", page)
+    # Self-contained: nothing to fetch (the SVG's xmlns URLs are names, not loads); the one
+    # script (search, pan and zoom) is inline.
+    assert not re.search(r"<script src|<link|<img|<iframe|@import|src=", page)
+    assert page.count("<script>") == 1
 
 
 def test_dumped_graph_code_parses(dump):
