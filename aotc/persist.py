@@ -70,7 +70,8 @@ from aotc.functional import FlatProgram
 from aotc.options import CompileOptions
 from aotc.passes import descriptors
 from aotc.passes.ir import StageGraph
-from aotc.passes.partition import PartitionResult, SavedValue
+from aotc.passes.partition import PartitionResult, Recomputation, RecomputeReason, SavedValue
+from aotc.passes.recompute import CostKind, Executor, RecomputeCost
 from aotc.passes.select import select_backend
 from aotc.runtime import autograd, epilogue, schema, wrappers
 from aotc.runtime import cache as store
@@ -103,6 +104,11 @@ store.register_records(
     StageGraph,
     SavedValue,
     PartitionResult,
+    Executor,
+    CostKind,
+    RecomputeCost,
+    RecomputeReason,
+    Recomputation,
 )
 
 # Options that change only diagnostics, never the compiled graphs: left out of the key.

@@ -39,6 +39,7 @@ from aotc.passes.descriptors import GradOutput
 from aotc.passes.ir import JointGraph
 from aotc.passes.lint import lint_graph
 from aotc.passes.partition import PartitionResult, partition
+from aotc.passes.recompute import executor_for
 from aotc.passes.select import select_backend
 from aotc.runtime.autograd import AutogradPlan
 from aotc.runtime.cache import DeferredField
@@ -211,8 +212,14 @@ def _compile_signature(
             if info.mutation.value != "none"
         )
         cleaned = cleanup(joint)
+        executor = executor_for(options.backend, options.triton_interpret, _graph_device(joint))
         part = partition(
-            cleaned, mutated, options.recompute, options.memory_budget, options.partitioner
+            cleaned,
+            mutated,
+            options.recompute,
+            options.memory_budget,
+            options.partitioner,
+            executor,
         )
         lap("partition")
         if options.check_invariants:
@@ -292,6 +299,15 @@ def _compile_signature(
     if options.dump_dir:
         dump_record(entry.record, options.dump_dir)
     return entry
+
+
+def _graph_device(graph: JointGraph) -> torch.device | None:
+    """The device of the first tensor input (what passes.select decides the backend by)."""
+    for node in graph.placeholders():
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.device
+    return None
 
 
 def _record_fields(record: CompiledRecord) -> dict[str, object]:
