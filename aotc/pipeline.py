@@ -186,7 +186,13 @@ def _compile_signature(
             return entry
     fake_mode = given_mode or FakeTensorMode(allow_non_fake_inputs=False)
     convention = plan_convention(leaves, names=names)
-    metadata = collect_metadata(program, leaves, convention, fake_mode, grad_enabled, names)
+    # A meta key is verified on the metadata pass's own fake run (Note [Verifying on the
+    # compile's own run] in aotc/keytrace.py).
+    observed = persist.FakeRunObserver(leaves) if key is not None else None
+    observed_program = observed.observe(program) if observed is not None else program
+    metadata = collect_metadata(
+        observed_program, leaves, convention, fake_mode, grad_enabled, names
+    )
     symbolic = given_mode is not None  # no synthetic bases: see Note [Symbolic compilations]
     groups = [] if symbolic else _mutated_alias_groups(leaves, convention, metadata)
     if groups:
@@ -293,6 +299,7 @@ def _compile_signature(
             _record_fields(entry.record),
             plan,
             (fwd_compiled, bwd_compiled),
+            observed,
         )
         lap("cache_key")  # the check of a meta key: part of the cold compile's cost
     _log_record(entry.record, fwd_module, bwd_module)

@@ -25,7 +25,7 @@ from aotc.runtime.convention import apply_convention
 from aotc.runtime.epilogue import EpiloguePlan, apply_mutations, build_outputs
 from aotc.runtime.errors import GuardError, UnsupportedError
 from aotc.runtime.fastpath import make_fast_call
-from aotc.runtime.guards import explain_bad_leaves, signature_key
+from aotc.runtime.guards import explain_bad_leaves, signature_check, signature_key
 from aotc.runtime.schema import CallingConvention, GraphArg
 
 log = logging.getLogger("aotc.recompiles")
@@ -178,7 +178,12 @@ def describe_change(old: tuple[object, ...], new: tuple[object, ...]) -> str:
 
 class Dispatcher:
     """Maps guard keys to compiled entries. Compiles under a lock, so concurrent first calls
-    compile once; lookups of existing entries take no lock."""
+    compile once; lookups of existing entries take no lock.
+
+    A call first runs the generated check of the entry that ran last (Note [Guard checks] in
+    runtime/guards.py): it compares the call's leaves with that entry's signature without
+    building a key. Only when it fails (another signature, or one without a check) is the key
+    built and looked up; the entry found becomes the one checked first."""
 
     def __init__(
         self,
@@ -194,12 +199,23 @@ class Dispatcher:
         self._warn_limit = warn_limit
         self._max = max_signatures
         self.recompile_reasons: list[str] = []
+        # The entry that ran last, its key's extra part, and its signature check (or None).
+        self._last: tuple[object, Callable[[list[object]], bool], CompiledEntry] | None = None
+        self._checks: dict[tuple[object, ...], Callable[[list[object]], bool] | None] = {}
 
     @property
     def entries(self) -> list[CompiledEntry]:
         return list(self._entries.values())
 
     def __call__(self, leaves: list[object], extra: object) -> object:
+        last = self._last
+        if last is not None and extra == last[0]:
+            try:
+                hit = last[1](leaves)
+            except (RuntimeError, TypeError):  # e.g. a sparse leaf: the key path explains it
+                hit = False
+            if hit:
+                return last[2].call(leaves)
         try:
             key = (extra, signature_key(leaves))
             entry = self._entries.get(key)
@@ -210,7 +226,15 @@ class Dispatcher:
             raise UnsupportedError(f"{self._name}: {reason}") from e
         if entry is None:
             entry = self._miss(key, leaves)
+        self._remember(key, entry)
         return entry.call(leaves)
+
+    def _remember(self, key: tuple[object, ...], entry: CompiledEntry) -> None:
+        """Make `entry` the one checked first (its check is generated once per key)."""
+        if key not in self._checks:
+            self._checks[key] = signature_check(key[1])  # type: ignore[arg-type]
+        check = self._checks[key]
+        self._last = (key[0], check, entry) if check is not None else None
 
     def _miss(self, key: tuple[object, ...], leaves: list[object]) -> CompiledEntry:
         with COMPILE_LOCK, self._lock:
