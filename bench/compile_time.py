@@ -251,7 +251,8 @@ def run(procs: int, reps: int, only: list[str] | None, verbose: bool = True) -> 
         med = {s: median(ts) * 1e3 for s, ts in by_system.items()}
         stages = stage_samples[name]
         stage_med = {
-            k: median([st.get(k, 0.0) for st in stages]) * 1e3 for k in (stages[0] if stages else {})
+            k: median([st.get(k, 0.0) for st in stages]) * 1e3
+            for k in (stages[0] if stages else {})
         }
         results[name] = {
             "median_ms": med,
