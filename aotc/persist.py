@@ -70,7 +70,8 @@ from aotc.functional import FlatProgram
 from aotc.options import CompileOptions
 from aotc.passes import descriptors
 from aotc.passes.ir import StageGraph
-from aotc.passes.partition import PartitionResult, SavedValue
+from aotc.passes.partition import PartitionResult, Recomputation, RecomputeReason, SavedValue
+from aotc.passes.recompute import CostKind, Executor, RecomputeCost
 from aotc.passes.select import select_backend
 from aotc.runtime import autograd, epilogue, schema, wrappers
 from aotc.runtime import cache as store
@@ -103,6 +104,11 @@ store.register_records(
     StageGraph,
     SavedValue,
     PartitionResult,
+    Executor,
+    CostKind,
+    RecomputeCost,
+    RecomputeReason,
+    Recomputation,
 )
 
 # Options that change only diagnostics, never the compiled graphs: left out of the key.
@@ -160,11 +166,31 @@ def cache_key(
             reason = f"key trace failed ({type(e).__name__})"
     else:
         return CacheKey(None, reason)
+    return _digest(parts, tracer, trace)
+
+
+def _digest(parts: list[str], tracer: str, trace: str) -> CacheKey:
     text = "\n".join([*parts, f"tracer {tracer}", trace])
     if " at 0x" in text:
         return CacheKey(None, "a value prints with its memory address")
     digest = hashlib.sha256(text.encode()).hexdigest()
     return CacheKey(digest, "", tracer, trace)
+
+
+def _key_of(
+    options: CompileOptions,
+    leaves: list[object],
+    names: Sequence[str],
+    grad_enabled: bool,
+    tracer: str,
+    trace: str,
+) -> CacheKey:
+    """The key of an already written key text (see `cache_key`)."""
+    try:
+        parts = [_versions(), _options_text(options), _signature_text(leaves, names, grad_enabled)]
+    except _Unkeyable as e:
+        return CacheKey(None, str(e))
+    return _digest(parts, tracer, trace)
 
 
 def lookup(
@@ -200,17 +226,24 @@ def store_verified(
     record: dict[str, Any],
     plan: object,
     compiled: tuple[CompiledGraph | None, CompiledGraph | None] = (None, None),
+    observed: keytrace.FakeRunObserver | None = None,
 ) -> None:
     """Store a cold compile's entry under `key` once `verify_key` accepts it. A meta key it
     refuses gets a redirect instead, and the entry goes under the program's fake key, so the next
-    process pays one extra key trace rather than a cold compile."""
+    process pays one extra key trace rather than a cold compile. `observed`: the fake text of the
+    compile's own fake run, which spares the verification its trace (Note [Verifying on the
+    compile's own run] in aotc/keytrace.py)."""
     assert key.key is not None
-    refused = verify_key(key, program, leaves, grad_enabled)
+    fake_text = observed.text if observed is not None else None
+    refused = verify_key(key, program, leaves, grad_enabled, fake_text)
     if refused is None:
         store_entry(options, key.key, record, plan, compiled)
         return
     log.info("%s: not stored under its meta key: %s", record.get("name", "?"), refused)
-    fake = cache_key(program, leaves, names, options, grad_enabled, tracers=("fake",))
+    if fake_text is not None:
+        fake = _key_of(options, leaves, names, grad_enabled, "fake", fake_text)
+    else:
+        fake = cache_key(program, leaves, names, options, grad_enabled, tracers=("fake",))
     if fake.key is None:
         log.info("not caching: %s", fake.reason)
         return
@@ -230,16 +263,24 @@ def _write_redirect(options: CompileOptions, key: str) -> None:
 
 
 def verify_key(
-    key: CacheKey, program: FlatProgram, leaves: list[object], grad_enabled: bool
+    key: CacheKey,
+    program: FlatProgram,
+    leaves: list[object],
+    grad_enabled: bool,
+    fake_text: str | None = None,
 ) -> str | None:
     """None when `key` may be stored under; else why not. A meta-traced key is trusted only if a
-    fake-tensor trace of the same program writes the same text (Note [Meta key trace])."""
+    fake-tensor run of the same program writes the same text (Note [Meta key trace]):
+    `fake_text` when the compile recorded one, else a fake trace run here."""
     if key.tracer != "meta":
         return None
-    try:
-        fake = keytrace.trace_text(program, leaves, grad_enabled, "fake")
-    except Exception as e:  # noqa: BLE001 the fake tracer is the reference: any failure refuses
-        return f"the fake-tensor key trace failed ({type(e).__name__}: {e})"
+    if fake_text is not None:
+        fake = fake_text
+    else:
+        try:
+            fake = keytrace.trace_text(program, leaves, grad_enabled, "fake")
+        except Exception as e:  # noqa: BLE001 the fake tracer is the reference: any failure refuses
+            return f"the fake-tensor key trace failed ({type(e).__name__}: {e})"
     if fake == key.trace:
         return None
     for i, (a, b) in enumerate(zip(key.trace.splitlines(), fake.splitlines())):
@@ -249,6 +290,7 @@ def verify_key(
 
 
 _Unkeyable = keytrace.Unkeyable
+FakeRunObserver = keytrace.FakeRunObserver
 
 
 _VERSIONS: list[str] = []
@@ -495,6 +537,7 @@ def store_entry(
 
 __all__ = [
     "CacheKey",
+    "FakeRunObserver",
     "cache_key",
     "is_enabled",
     "load_entry",

@@ -39,6 +39,7 @@ from aotc.passes.descriptors import GradOutput
 from aotc.passes.ir import JointGraph, primal_names
 from aotc.passes.lint import lint_graph
 from aotc.passes.partition import PartitionResult, partition
+from aotc.passes.recompute import executor_for
 from aotc.passes.select import select_backend
 from aotc.runtime.autograd import AutogradPlan
 from aotc.runtime.cache import DeferredField
@@ -287,7 +288,13 @@ def _compile_signature(
             return entry
     fake_mode = given_mode or FakeTensorMode(allow_non_fake_inputs=False)
     convention = plan_convention(leaves, names=names)
-    metadata = collect_metadata(program, leaves, convention, fake_mode, grad_enabled, names)
+    # A meta key is verified on the metadata pass's own fake run (Note [Verifying on the
+    # compile's own run] in aotc/keytrace.py).
+    observed = persist.FakeRunObserver(leaves) if key is not None else None
+    observed_program = observed.observe(program) if observed is not None else program
+    metadata = collect_metadata(
+        observed_program, leaves, convention, fake_mode, grad_enabled, names
+    )
     symbolic = given_mode is not None  # no synthetic bases: see Note [Symbolic compilations]
     groups = [] if symbolic else _mutated_alias_groups(leaves, convention, metadata)
     if groups:
@@ -313,8 +320,14 @@ def _compile_signature(
             if info.mutation.value != "none"
         )
         cleaned = cleanup(joint)
+        executor = executor_for(options.backend, options.triton_interpret, _graph_device(joint))
         part = partition(
-            cleaned, mutated, options.recompute, options.memory_budget, options.partitioner
+            cleaned,
+            mutated,
+            options.recompute,
+            options.memory_budget,
+            options.partitioner,
+            executor,
         )
         lap("partition")
         if options.check_invariants:
@@ -389,12 +402,22 @@ def _compile_signature(
             _record_fields(entry.record),
             plan,
             (fwd_compiled, bwd_compiled),
+            observed,
         )
         lap("cache_key")  # the check of a meta key: part of the cold compile's cost
     _log_record(entry.record, fwd_module, bwd_module)
     if options.dump_dir:
         dump_record(entry.record, options.dump_dir)
     return entry
+
+
+def _graph_device(graph: JointGraph) -> torch.device | None:
+    """The device of the first tensor input (what passes.select decides the backend by)."""
+    for node in graph.placeholders():
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.device
+    return None
 
 
 def _record_fields(record: CompiledRecord) -> dict[str, object]:

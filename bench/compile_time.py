@@ -1,23 +1,38 @@
-"""Compile time of the first call, including the first backward: aotc vs AOTAutograd.
+"""Cold compile time (first call + first backward): aotc vs AOTAutograd with no-op compilers.
 
-AOTAutograd runs with no-op compilers (`fw_compiler=bw_compiler=lambda gm, _: gm`), so both
-sides measure tracing + partitioning + wrapper construction, not code generation.
-aotc runs with its on-disk cache off (cold compiles; bench/cache.py measures warm starts). Each
-repetition builds a new function / module wrapper (aotc caches per compiled object; AOTAutograd
-caches per aot_function object), resets torch._dynamo if it is loaded, and times
-`loss = compiled(*inputs); loss.backward()`. Systems are interleaved inside every repetition.
+A cold compile is what a user pays the first time a program runs: aotc with its default options,
+so the persistent cache is on and empty (a fresh cache directory per repetition: the cache key's
+trace, its verification and the store of the entry are on the clock), and, for reference, aotc
+with `cache=False`. AOTAutograd runs with no-op compilers (`fw_compiler=bw_compiler=nop`), so
+both sides measure tracing + partitioning + wrapper construction, not code generation.
 
-Run from the repo root: .venv/bin/python bench/compile_time.py [--reps N]
+Workloads: the three of earlier runs (an MLP function, a GPT block module, a 10-op pointwise
+function) and the five of bench/partition.py (pointwise chain, LayerNorm+GELU MLP, softmax
+cross-entropy, 2-block GPT stack, conv net with BatchNorm).
+
+Method: `--procs` fresh worker processes (1 torch thread each). In each, every workload is first
+compiled once per system untimed (one-time costs: imports, op registrations), then `--reps`
+repetitions, systems interleaved (order alternating), each building a new compiled object and
+timing `loss = compiled(*inputs); loss.backward()`. Reported: the median over all repetitions of
+all processes, and the ratio of medians from the same run.
+
+Run from the repo root: .venv/bin/python bench/compile_time.py [--procs P] [--reps N]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,7 +53,11 @@ from torch._functorch.aot_autograd import aot_function, aot_module  # noqa: E402
 
 import aotc  # noqa: E402
 
-GOAL = "compile time (first call + first backward) ratio aotc/aot_autograd <= 1.0 per workload"
+GOAL = (
+    "cold compile (first call + first backward, cache on and empty) "
+    "aotc/aot_autograd <= 1.0 per workload"
+)
+SYSTEMS = ("aotc", "aotc_no_cache", "aot_autograd")
 
 
 # --------------------------------------------------------------------------- workloads
@@ -101,146 +120,220 @@ def block_inputs() -> tuple[torch.Tensor, ...]:
     return (torch.randn(4, 32, 64),)
 
 
-# --------------------------------------------------------------------------- systems
+class Workload:
+    """`fn()` gives a fresh function (functions) or the shared module (modules: the compiled
+    wrapper is fresh each repetition; parameters are not what is being compiled)."""
 
-# Each builder returns a fresh compiled callable. The module builders share one module instance
-# per process (wrappers are fresh each repetition; parameters are not what is being compiled).
-_BLOCK = None
+    def __init__(
+        self, name: str, fn: Callable[[], Any], inputs: Callable[[], tuple[Any, ...]]
+    ) -> None:
+        self.name, self.fn, self.inputs = name, fn, inputs
 
-
-def _block() -> nn.Module:
-    global _BLOCK
-    if _BLOCK is None:
-        torch.manual_seed(0)
-        _BLOCK = Block()
-    return _BLOCK
-
-
-WORKLOADS: dict[str, dict[str, object]] = {
-    "mlp_fn": {
-        "inputs": mlp_inputs,
-        "aotc": lambda: aotc.compile(make_mlp_fn(), cache=False),
-        "aot_autograd": lambda: aot_function(make_mlp_fn(), noop_compiler, noop_compiler),
-    },
-    "gpt_block_module": {
-        "inputs": block_inputs,
-        "aotc": lambda: aotc.compile(_block(), cache=False),
-        "aot_autograd": lambda: aot_module(_block(), noop_compiler, noop_compiler),
-    },
-    "pointwise10_fn": {
-        "inputs": pointwise_inputs,
-        "aotc": lambda: aotc.compile(make_pointwise_fn(), cache=False),
-        "aot_autograd": lambda: aot_function(make_pointwise_fn(), noop_compiler, noop_compiler),
-    },
-}
-
-SYSTEMS = ("aotc", "aot_autograd")
+    def build(self, system: str, cache_dir: str | None) -> Callable[..., torch.Tensor]:
+        target = self.fn()
+        if system == "aotc":
+            return aotc.compile(target, cache_dir=cache_dir)
+        if system == "aotc_no_cache":
+            return aotc.compile(target, cache=False)
+        if isinstance(target, nn.Module):
+            return aot_module(target, noop_compiler, noop_compiler)
+        return aot_function(target, noop_compiler, noop_compiler)
 
 
-def _zero_grads(inputs: tuple[torch.Tensor, ...]) -> None:
+def _fresh(fn: Callable[..., torch.Tensor]) -> Callable[[], Callable[..., torch.Tensor]]:
+    def make() -> Callable[..., torch.Tensor]:
+        def fresh(*args: Any) -> torch.Tensor:  # a new function object: no shared cache
+            return fn(*args)
+
+        fresh.__qualname__ = fn.__name__
+        return fresh
+
+    return make
+
+
+def workloads() -> list[Workload]:
+    import partition as part  # bench/partition.py: the step-time and saved-bytes workloads
+
+    torch.manual_seed(0)
+    block = Block()
+    out = [
+        Workload("mlp_fn", make_mlp_fn, mlp_inputs),
+        Workload("gpt_block_module", lambda: block, block_inputs),
+        Workload("pointwise10_fn", make_pointwise_fn, pointwise_inputs),
+    ]
+    for wl in part.workloads():
+        module = wl.fn if isinstance(wl.fn, nn.Module) else None
+        fn = (lambda m=module: m) if module is not None else _fresh(wl.fn)
+        out.append(Workload(wl.name, fn, wl.inputs))
+    return out
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def _zero_grads(wl: Workload, inputs: tuple[Any, ...]) -> None:
     for t in inputs:
-        t.grad = None
-    if _BLOCK is not None:
-        _BLOCK.zero_grad(set_to_none=True)
+        if isinstance(t, torch.Tensor):
+            t.grad = None
+    target = wl.fn()
+    if isinstance(target, nn.Module):
+        target.zero_grad(set_to_none=True)
 
 
-def measure_once(workload: dict[str, object], system: str) -> tuple[float, object]:
-    inputs = workload["inputs"]()  # type: ignore[operator]
-    reset_state()
-    gc.collect()
-    compiled = workload[system]()  # type: ignore[operator]
-    t0 = time.perf_counter()
-    loss = compiled(*inputs)
-    loss.backward()
-    dt = time.perf_counter() - t0
-    _zero_grads(inputs)
-    return dt, compiled
-
-
-def _aotc_stages(compiled: object) -> dict[str, float]:
+def measure_once(wl: Workload, system: str) -> tuple[float, dict[str, float]]:
+    """Seconds of the first call + backward of a fresh compile, and aotc's stage times."""
+    inputs = wl.inputs()
+    cache_dir = tempfile.mkdtemp(prefix="aotc-bench-cold-") if system == "aotc" else None
     try:
-        recs = aotc.inspect(compiled)
-    except Exception:  # pragma: no cover - diagnostics only
-        return {}
-    if not recs:
-        return {}
-    return dict(recs[0].stage_seconds)
+        reset_state()
+        gc.collect()
+        compiled = wl.build(system, cache_dir)
+        t0 = time.perf_counter()
+        loss = compiled(*inputs)
+        loss.backward()
+        dt = time.perf_counter() - t0
+        stages: dict[str, float] = {}
+        if system.startswith("aotc"):
+            records = aotc.inspect(compiled)
+            stages = dict(records[0].stage_seconds) if records else {}
+        _zero_grads(wl, inputs)
+        return dt, stages
+    finally:
+        if cache_dir is not None:
+            shutil.rmtree(cache_dir, ignore_errors=True)
 
 
-def run(reps: int = 9, warmup: int = 1, verbose: bool = True) -> dict[str, object]:
-    results: dict[str, object] = {}
-    for wname, workload in WORKLOADS.items():
-        for _ in range(warmup):  # one-time costs (lazy imports, op registration) off the clock
-            for system in SYSTEMS:
-                measure_once(workload, system)
+def worker(reps: int, only: list[str] | None) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    for wl in workloads():
+        if only and wl.name not in only:
+            continue
+        for system in SYSTEMS:  # one-time costs off the clock
+            measure_once(wl, system)
         times: dict[str, list[float]] = {s: [] for s in SYSTEMS}
         stages: list[dict[str, float]] = []
         for r in range(reps):
             order = SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]
             for system in order:
-                dt, compiled = measure_once(workload, system)
+                dt, st = measure_once(wl, system)
                 times[system].append(dt)
                 if system == "aotc":
-                    stages.append(_aotc_stages(compiled))
-        med = {s: median(times[s]) * 1e3 for s in SYSTEMS}
+                    stages.append(st)
+        out[wl.name] = {"times": times, "stages": stages}
+    return out
+
+
+def run(procs: int, reps: int, only: list[str] | None, verbose: bool = True) -> dict[str, Any]:
+    samples: dict[str, dict[str, list[float]]] = {}
+    stage_samples: dict[str, list[dict[str, float]]] = {}
+    per_proc: dict[str, list[dict[str, float]]] = {}
+    for p in range(procs):
+        cmd = [sys.executable, __file__, "--worker", "--reps", str(reps)]
+        if only:
+            cmd += ["--only", *only]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"worker {p} failed:\n{done.stderr[-4000:]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        for name, r in result.items():
+            for system, ts in r["times"].items():
+                samples.setdefault(name, {}).setdefault(system, []).extend(ts)
+            stage_samples.setdefault(name, []).extend(r["stages"])
+            per_proc.setdefault(name, []).append(
+                {s: median(ts) * 1e3 for s, ts in r["times"].items()}
+            )
+        if verbose:
+            print(f"  worker {p + 1}/{procs} done", flush=True)
+    results: dict[str, Any] = {}
+    for name, by_system in samples.items():
+        med = {s: median(ts) * 1e3 for s, ts in by_system.items()}
+        stages = stage_samples[name]
         stage_med = {
-            k: median([st[k] for st in stages if k in st]) * 1e3
+            k: median([st.get(k, 0.0) for st in stages]) * 1e3
             for k in (stages[0] if stages else {})
         }
-        results[wname] = {
+        results[name] = {
             "median_ms": med,
-            "samples_ms": {s: [round(t * 1e3, 3) for t in times[s]] for s in SYSTEMS},
-            "ratio": {"aotc/aot_autograd": ratio(med["aotc"], med["aot_autograd"])},
+            "samples_ms": {s: [round(t * 1e3, 3) for t in ts] for s, ts in by_system.items()},
+            "per_process_median_ms": per_proc[name],
+            "ratio": {
+                "aotc/aot_autograd": ratio(med["aotc"], med["aot_autograd"]),
+                "aotc_no_cache/aot_autograd": ratio(med["aotc_no_cache"], med["aot_autograd"]),
+                "aotc/aotc_no_cache": ratio(med["aotc"], med["aotc_no_cache"]),
+            },
             "aotc_stage_median_ms": stage_med,
-            "aotc_compile_seconds_median_ms": sum(stage_med.values()),
-            "reps": reps,
+            "reps": len(by_system["aotc"]),
             "meets_goal": med["aotc"] <= med["aot_autograd"],
         }
         if verbose:
             print(
-                f"  {wname:18s} aotc {med['aotc']:8.2f} ms   aot_autograd "
-                f"{med['aot_autograd']:8.2f} ms   ratio {med['aotc'] / med['aot_autograd']:.3f}",
+                f"  {name:24s} aotc {med['aotc']:8.2f} ms  (no cache {med['aotc_no_cache']:8.2f})"
+                f"  aot_autograd {med['aot_autograd']:8.2f} ms  ratio "
+                f"{med['aotc'] / med['aot_autograd']:.3f}",
                 flush=True,
             )
     return results
 
 
-def table(results: dict[str, object]) -> str:
+def table(results: dict[str, Any]) -> str:
     rows = []
-    for wname, r in results.items():
-        m = r["median_ms"]  # type: ignore[index]
+    for name, r in results.items():
+        m = r["median_ms"]
         rows.append(
             [
-                wname,
+                name,
                 m["aotc"],
+                m["aotc_no_cache"],
                 m["aot_autograd"],
-                r["ratio"]["aotc/aot_autograd"],  # type: ignore[index]
-                "yes" if r["meets_goal"] else "NO",  # type: ignore[index]
+                r["ratio"]["aotc/aot_autograd"],
+                r["aotc_stage_median_ms"].get("cache_key", 0.0),
+                "yes" if r["meets_goal"] else "NO",
             ]
         )
     return fmt_table(
-        ["compile (1st call+bwd)", "aotc ms", "aot_autograd ms", "aotc/aot", "<=1.0"], rows
+        [
+            "cold compile (1st call+bwd)",
+            "aotc ms",
+            "no cache ms",
+            "aot_autograd ms",
+            "aotc/aot",
+            "key ms",
+            "<=1.0",
+        ],
+        rows,
     )
 
 
-def main(argv: list[str] | None = None) -> dict[str, object]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--reps", type=int, default=9, help="timed repetitions per system (>= 5)")
+    p.add_argument("--procs", type=int, default=3, help="fresh worker processes")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per process and system")
+    p.add_argument("--only", nargs="*", help="workload names (default: all)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", default="compile_time", help="results file name under bench/results")
     args = p.parse_args(argv)
-    reps = max(5, args.reps)
-    print(f"compile_time: {reps} reps per system, interleaved", flush=True)
-    results = run(reps=reps)
+    if args.worker:
+        print(json.dumps(worker(max(1, args.reps), args.only)))
+        return {}
+    procs, reps = max(1, args.procs), max(1, args.reps)
+    print(f"compile_time: {procs} processes x {reps} reps per system, interleaved", flush=True)
+    results = run(procs, reps, args.only)
     path = write_results(
-        "compile_time",
+        args.out,
         results,
         goal=GOAL,
         method=(
-            "median over reps of wall time of first call + first backward, fresh compiled "
-            "object each rep, systems interleaved; AOTAutograd with no-op fw/bw compilers"
+            f"{procs} fresh processes (1 torch thread) x {reps} reps; each workload compiled "
+            "once per system untimed first; then wall time of first call + first backward of a "
+            "fresh compiled object, systems interleaved; aotc with the cache on and a fresh "
+            "empty cache directory per rep (aotc_no_cache: cache=False); AOTAutograd with "
+            "boxed no-op fw/bw compilers; median over all reps of all processes"
         ),
     )
     print(table(results))
-    print(f"wrote {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")
+    print(f"wrote {path}")
     return results
 
 

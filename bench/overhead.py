@@ -1,39 +1,67 @@
-"""Per-call runtime overhead on tiny inputs: eager vs aotc vs AOTAutograd's runtime.
+"""Per-call overhead on tiny inputs: eager vs aotc (both capture modes) vs AOTAutograd vs a
+hand-written autograd.Function of the same math.
 
 f(x, y) = (x * y).sum() on 4-element tensors, x requires grad. Modes:
   fwd_no_grad  forward under torch.no_grad() (inference entries for aotc and AOTAutograd)
   fwd_grad     forward with grad enabled, output discarded without backward
   fwd_bwd      out = f(x, y); out.backward()
-AOTAutograd is `aot_function(f, nop, nop)` with boxed no-op compilers (functorch.compile.nop).
-Each mode gets its own compiled objects, compiled (warmed up) in that mode. All systems run in the
-same process, interleaved inside every round; reported: median over rounds of per-call means.
+Systems:
+  eager               f itself
+  function            a hand-written torch.autograd.Function (saves y; backward g.expand(4) * y):
+                      the floor of any runtime built on one custom autograd node
+  aotc_trace          aotc.compile(f, capture="trace"): aotc's own tracer and guards
+  aotc_dynamo_run     what the Dynamo capture runs per call: Dynamo's own guard (the compiled
+                      frame's guard manager, checked on the call's locals) + the `run` closure
+                      aotc/backend.py returns for the graph
+  torch_compile_aotc  torch.compile(f, backend="aotc") called as users call it (adds the
+                      `torch.compile` wrapper's Python frames to aotc_dynamo_run)
+  torch_compile_eager torch.compile(f, backend="eager"): Dynamo's per-call cost with no compiler
+  aot_autograd        aot_function(f, nop, nop) (functorch.compile.nop)
+Each mode gets its own compiled objects, compiled (warmed up) in that mode.
 
-Run from the repo root: .venv/bin/python bench/overhead.py [--iters N] [--rounds R] [--profile]
-`--profile` adds a breakdown of aotc's fwd+bwd call path (manual timing of each piece + cProfile).
+Method: `--procs` fresh processes, 1 torch thread each; in each, all systems run interleaved
+inside every round (order rotated); a process reports the median over rounds of per-round mean
+us/call and its ratios against eager; the result is the median over processes (of times and of
+same-process ratios). `--instructions` adds a deterministic count: each fwd+bwd system run under
+callgrind (valgrind), instructions per call, when valgrind is installed (minutes).
+
+Run from the repo root: .venv/bin/python bench/overhead.py [--procs P] [--iters N] [--rounds R]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import fmt_table, interleaved_rounds, median, noop_compiler, ratio, write_results  # noqa: E402
-from torch._functorch.aot_autograd import aot_function  # noqa: E402
+from common import fmt_table, interleaved_rounds, median, noop_compiler, write_results  # noqa: E402
 
-import aotc  # noqa: E402
-
-FWD_BWD_TARGET_US = 45.0
+TARGET_RATIO = 1.3
 GOAL = (
-    f"fwd_bwd: aotc < {FWD_BWD_TARGET_US:g} us/call and aotc/aot_autograd <= 1.0 "
-    "(tiny inputs, CPU, median of per-round means)"
+    f"fwd_bwd: aotc_trace/eager and aotc_dynamo_run/eager <= {TARGET_RATIO} "
+    "(tiny inputs, CPU, 1 torch thread, median over fresh processes)"
 )
-SYSTEMS = ("eager", "aotc", "aot_autograd")
+SYSTEMS = (
+    "eager",
+    "function",
+    "aotc_trace",
+    "aotc_dynamo_run",
+    "torch_compile_aotc",
+    "torch_compile_eager",
+    "aot_autograd",
+)
 MODES = ("fwd_no_grad", "fwd_grad", "fwd_bwd")
 
 
@@ -41,34 +69,95 @@ def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (x * y).sum()
 
 
+class HandWritten(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(y)
+        return (x * y).sum()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (y,) = ctx.saved_tensors
+        return g.expand(4) * y, None
+
+
 def make_inputs() -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     return torch.randn(4, requires_grad=True), torch.randn(4)
 
 
-def build(system: str, mode: str, x: torch.Tensor, y: torch.Tensor) -> Callable[..., torch.Tensor]:
-    """A callable for `system`, compiled (first call made) in `mode`'s grad mode."""
-    if system == "eager":
-        return f
+def _fresh() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """f with a code object of its own: Dynamo caches compiled frames per code object, so each
+    compiled system and mode must not share one."""
+    namespace: dict[str, Any] = {}
+    exec(compile("def f(x, y):\n    return (x * y).sum()\n", "<overhead f>", "exec"), namespace)  # noqa: S102
+    return namespace["f"]  # type: ignore[no-any-return]
 
-    def fresh(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # new object per compile
-        return (x * y).sum()
 
-    fn = (
-        aotc.compile(fresh)
-        if system == "aotc"
-        else aot_function(fresh, noop_compiler, noop_compiler)
-    )
+def _dynamo_run(mode: str, x: torch.Tensor, y: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """Dynamo's guard for the compiled frame + the run closure aotc's backend returned."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    import aotc.backend
+
+    runs: list[Callable[..., Any]] = []
+
+    def capture(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        run = aotc.backend.aotc_backend(gm, example_inputs)
+        runs.append(run)
+        return run
+
+    fn = _fresh()
+    compiled = torch.compile(fn, backend=capture)
+    _warm(compiled, mode, x, y)
+    (entry,) = _debug_get_cache_entry_list(fn.__code__)
+    manager = entry.guard_manager
+    check = getattr(manager, "root", manager).check
+    (run,) = runs
+    frame_locals = {"x": x, "y": y}
+
+    def guarded(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if not check(frame_locals):
+            raise AssertionError("Dynamo's guard failed")
+        return run(a, b)[0]  # type: ignore[no-any-return]
+
+    return guarded
+
+
+def _warm(fn: Callable[..., torch.Tensor], mode: str, x: torch.Tensor, y: torch.Tensor) -> None:
     if mode == "fwd_no_grad":
         with torch.no_grad():
             fn(x, y)
     else:
         fn(x, y).backward()
         x.grad = None
+
+
+def build(system: str, mode: str, x: torch.Tensor, y: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """A callable for `system`, compiled (first call made) in `mode`'s grad mode."""
+    import aotc
+
+    if system == "eager":
+        return f
+    if system == "function":
+        return HandWritten.apply  # type: ignore[no-any-return]
+    if system == "aotc_dynamo_run":
+        return _dynamo_run(mode, x, y)
+    if system == "aotc_trace":
+        fn: Callable[..., torch.Tensor] = aotc.compile(_fresh(), capture="trace", cache=False)
+    elif system == "torch_compile_aotc":
+        fn = torch.compile(_fresh(), backend="aotc")
+    elif system == "torch_compile_eager":
+        fn = torch.compile(_fresh(), backend="eager")
+    else:
+        from torch._functorch.aot_autograd import aot_function
+
+        fn = aot_function(_fresh(), noop_compiler, noop_compiler)
+    _warm(fn, mode, x, y)
     return fn
 
 
-def loop_for(mode: str, fn: Callable[..., torch.Tensor], x: torch.Tensor, y: torch.Tensor):
+def loop_for(mode: str, fn: Callable[..., torch.Tensor], x: torch.Tensor, y: torch.Tensor):  # type: ignore[no-untyped-def]
     if mode == "fwd_no_grad":
 
         def run_n(n: int) -> None:
@@ -105,331 +194,232 @@ def check_correct(fns: dict[str, Callable[..., torch.Tensor]]) -> None:
         torch.testing.assert_close(g, ref[1], msg=f"{name}: grad differs from eager")
 
 
-def run(iters: int = 2000, rounds: int = 15, verbose: bool = True) -> dict[str, object]:
+def worker(iters: int, rounds: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
     x, y = make_inputs()
-    per_mode_fns = {m: {s: build(s, m, x, y) for s in SYSTEMS} for m in MODES}
-    check_correct(per_mode_fns["fwd_bwd"])
-    results: dict[str, object] = {}
+    out: dict[str, Any] = {}
     for mode in MODES:
-        fns = per_mode_fns[mode]
-        systems = {s: loop_for(mode, fns[s], x, y) for s in SYSTEMS}
-        samples = interleaved_rounds(systems, iters=iters, rounds=rounds)
+        fns = {s: build(s, mode, x, y) for s in SYSTEMS}
+        if mode == "fwd_bwd":
+            check_correct(fns)
         x.grad = None
-        med = {s: median(samples[s]) * 1e6 for s in SYSTEMS}
-        entry: dict[str, object] = {
+        samples = interleaved_rounds(
+            {s: loop_for(mode, fns[s], x, y) for s in SYSTEMS}, iters=iters, rounds=rounds
+        )
+        x.grad = None
+        out[mode] = {s: median(v) * 1e6 for s, v in samples.items()}
+    return out
+
+
+# --------------------------------------------------------------------------- instructions
+
+_CALLGRIND_WRAPPERS = (  # each system's loop runs inside its own C iterator (see _instructions)
+    "starmap_next",
+    "takewhile_next",
+    "dropwhile_next",
+    "filterfalse_next",
+    "accumulate_next",
+    "functools_reduce",
+    "groupby_next",
+)
+
+
+def instruction_worker(n: int) -> None:
+    """Under callgrind: run each fwd+bwd system `n` times inside a distinct C iterator, so the
+    iterator's inclusive instruction count is that system's."""
+    import functools
+    import itertools
+
+    torch.set_num_threads(1)
+    x, y = make_inputs()
+    systems = [s for s in SYSTEMS if s != "torch_compile_eager"]
+    assert len(systems) <= len(_CALLGRIND_WRAPPERS)
+    wrappers: list[Callable[[Callable[[], None]], object]] = [
+        lambda g: list(itertools.starmap(lambda: (g(), 0)[1], itertools.repeat((), n))),
+        lambda g: list(itertools.takewhile(lambda _: (g(), True)[1], range(n))),
+        lambda g: list(itertools.dropwhile(lambda _: (g(), True)[1], range(n))),
+        lambda g: list(itertools.filterfalse(lambda _: (g(), False)[1], range(n))),
+        lambda g: list(itertools.accumulate(range(n), lambda a, b: (g(), a)[1])),
+        lambda g: functools.reduce(lambda a, b: (g(), a)[1], range(n), 0),
+        lambda g: list(itertools.groupby(range(n), key=lambda k: (g(), k)[1])),
+    ]
+    for system, wrap, cname in zip(systems, wrappers, _CALLGRIND_WRAPPERS):
+        fn = build(system, "fwd_bwd", x, y)
+
+        def step(fn: Callable[..., torch.Tensor] = fn) -> None:
+            fn(x, y).backward()
+
+        for _ in range(50):
+            step()
+        print(f"SYSTEM {cname} {system}", flush=True)
+        wrap(step)
+
+
+def instructions(n: int = 300) -> dict[str, float] | None:
+    """Instructions per fwd+bwd call per system (callgrind), or None without valgrind."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_annotate") is None:
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "callgrind.out")
+        cmd = [
+            "valgrind",
+            "--tool=callgrind",
+            "--collect-atstart=no",
+            *[f"--toggle-collect=*{c}*" for c in _CALLGRIND_WRAPPERS],
+            f"--callgrind-out-file={out}",
+            sys.executable,
+            __file__,
+            "--instruction-worker",
+            str(n),
+        ]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"callgrind run failed:\n{done.stderr[-3000:]}")
+        names = dict(re.findall(r"SYSTEM (\S+) (\S+)", done.stdout))
+        text = subprocess.run(
+            ["callgrind_annotate", "--inclusive=yes", out], capture_output=True, text=True
+        ).stdout
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"\s*([\d,]+)\s+(?:\([^)]*\)\s+)?\S+:(\S+)", line)
+        if not m:
+            continue
+        for cname, system in names.items():
+            if m.group(2).startswith(cname) and system not in counts:
+                counts[system] = int(m.group(1).replace(",", "")) / n
+    return counts
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def run(procs: int, iters: int, rounds: int, verbose: bool = True) -> dict[str, Any]:
+    per_proc: list[dict[str, Any]] = []
+    for p in range(procs):
+        cmd = [sys.executable, __file__, "--worker", "--iters", str(iters), "--rounds", str(rounds)]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"worker {p} failed:\n{done.stderr[-4000:]}")
+        per_proc.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        if verbose:
+            fb = per_proc[-1]["fwd_bwd"]
+            print(
+                f"  process {p + 1}/{procs} fwd_bwd: "
+                + "  ".join(f"{s} {fb[s]:.1f}" for s in SYSTEMS),
+                flush=True,
+            )
+    results: dict[str, Any] = {}
+    for mode in MODES:
+        med = {s: median([pp[mode][s] for pp in per_proc]) for s in SYSTEMS}
+        ratios = {
+            f"{s}/eager": median([pp[mode][s] / pp[mode]["eager"] for pp in per_proc])
+            for s in SYSTEMS
+            if s != "eager"
+        }
+        ratios["aotc_trace/aot_autograd"] = median(
+            [pp[mode]["aotc_trace"] / pp[mode]["aot_autograd"] for pp in per_proc]
+        )
+        ratios["aotc_trace/function"] = median(
+            [pp[mode]["aotc_trace"] / pp[mode]["function"] for pp in per_proc]
+        )
+        entry: dict[str, Any] = {
             "median_us_per_call": med,
-            "round_means_us": {s: [round(v * 1e6, 3) for v in samples[s]] for s in SYSTEMS},
-            "ratio": {
-                "aotc/eager": ratio(med["aotc"], med["eager"]),
-                "aotc/aot_autograd": ratio(med["aotc"], med["aot_autograd"]),
-                "aot_autograd/eager": ratio(med["aot_autograd"], med["eager"]),
-            },
-            "aotc_minus_eager_us": med["aotc"] - med["eager"],
-            "aot_autograd_minus_eager_us": med["aot_autograd"] - med["eager"],
+            "ratio": ratios,
+            "per_process_us": [pp[mode] for pp in per_proc],
         }
         if mode == "fwd_bwd":
             entry["meets_goal"] = bool(
-                med["aotc"] < FWD_BWD_TARGET_US and med["aotc"] <= med["aot_autograd"]
+                ratios["aotc_trace/eager"] <= TARGET_RATIO
+                and ratios["aotc_dynamo_run/eager"] <= TARGET_RATIO
             )
         results[mode] = entry
-        if verbose:
-            print(
-                f"  {mode:12s} eager {med['eager']:7.2f} us  aotc {med['aotc']:7.2f} us  "
-                f"aot_autograd {med['aot_autograd']:7.2f} us",
-                flush=True,
-            )
     return results
 
 
-def table(results: dict[str, object]) -> str:
+def table(results: dict[str, Any]) -> str:
     rows = []
     for mode, r in results.items():
-        m = r["median_us_per_call"]  # type: ignore[index]
-        q = r["ratio"]  # type: ignore[index]
+        m, q = r["median_us_per_call"], r["ratio"]
         rows.append(
             [
                 mode,
                 m["eager"],
-                m["aotc"],
+                m["function"],
+                m["aotc_trace"],
+                m["aotc_dynamo_run"],
+                m["torch_compile_aotc"],
                 m["aot_autograd"],
-                q["aotc/eager"],
-                q["aotc/aot_autograd"],
+                q["aotc_trace/eager"],
+                q["aotc_dynamo_run/eager"],
+                q["function/eager"],
             ]
         )
     return fmt_table(
-        ["overhead (us/call)", "eager", "aotc", "aot_autograd", "aotc/eager", "aotc/aot"], rows
+        [
+            "us/call",
+            "eager",
+            "function",
+            "aotc trace",
+            "dynamo run",
+            "torch.compile",
+            "aot_autograd",
+            "trace/eager",
+            "dyn run/eager",
+            "fn/eager",
+        ],
+        rows,
     )
 
 
-# --------------------------------------------------------------------------- breakdown
-
-
-def breakdown(iters: int = 2000, rounds: int = 9) -> dict[str, float]:
-    """Time each piece of aotc's fwd+bwd call path in isolation (median of per-round means, us).
-
-    Uses private attributes of the compiled object (diagnostics only; nothing is modified).
-    """
-    import torch.utils._pytree as pytree  # noqa: F401
-
-    from aotc.runtime.convention import apply_convention
-    from aotc.runtime.epilogue import build_outputs
-    from aotc.runtime.guards import signature_key
-
-    x, y = make_inputs()
-    cf = build("aotc", "fwd_bwd", x, y)
-    disp = cf._dispatch
-    ((key, entry),) = disp._entries.items()
-    plan = entry.plan
-    leaves = [x, y]
-    args = apply_convention(plan.convention, leaves)
-    holder: list[torch.Tensor] = []
-    diff = entry._fn.apply(holder, *args)
-    fwd_outs = list(holder)
-    record = entry.record
-    bwd = _closure_var(entry._fn.backward, "bwd")  # the callable the runtime really calls
-    if bwd is None and record is not None and record.backward is not None:
-        bwd = record.backward.forward
-    fwd_graph_outs = entry._fwd(*args)
-    n_out = plan.autograd.num_fwd_outs
-    saved = fwd_graph_outs[n_out:]
-    tangent = torch.ones_like(diff[0])
-    # the apply the runtime calls: a direct C++ apply if the entry has one, else Function.apply
-    apply = getattr(entry, "_apply", None) or entry._fn.apply
-    fwd = entry._fwd
-    extra = len(leaves)
-
-    def loop(body: Callable[[], object]) -> Callable[[int], None]:
-        def run_n(n: int) -> None:
-            for _ in range(n):
-                body()
-
-        return run_n
-
-    def fn_apply() -> object:
-        return apply([], *args)
-
-    def fn_apply_bwd() -> None:
-        apply([], *args)[0].backward()
-
-    pieces: dict[str, Callable[[int], None]] = {
-        "empty loop body (harness)": loop(lambda: None),
-        "eager f(x,y) fwd": loop(lambda: f(x, y)),
-        "eager f(x,y) fwd+bwd": loop(lambda: f(x, y).backward()),
-        "aotc cf(x,y) fwd (grad on)": loop(lambda: cf(x, y)),
-        "aotc cf(x,y) fwd+bwd": loop(lambda: cf(x, y).backward()),
-        "CompiledFunction.__call__ prelude (type check + leaves)": loop(
-            lambda: (not {} and all(type(a) is torch.Tensor for a in (x, y)), list((x, y)))
-        ),
-        "Dispatcher.__call__ (key + lookup + run)": loop(lambda: disp(leaves, extra)),
-        "signature_key(leaves)": loop(lambda: signature_key(leaves)),
-        "dict lookup of key": loop(lambda: disp._entries.get(key)),
-        "CompiledEntry.run(leaves) fwd": loop(lambda: entry.run(leaves)),
-        "apply_convention": loop(lambda: apply_convention(plan.convention, leaves)),
-        "autograd apply(holder,*args) fwd (incl. fwd graph)": loop(fn_apply),
-        "fwd graph callable alone": loop(lambda: fwd(*args)),
-        "autograd apply + .backward()": loop(fn_apply_bwd),
-        "build_outputs + unflatten": loop(
-            lambda: entry._unflatten(build_outputs(plan.epilogue, leaves, fwd_outs))
-        ),
-    }
-    if bwd is not None:
-        pieces["bwd graph callable alone"] = loop(lambda: bwd(*saved, tangent))
-
-    class _Ctx:
-        saved_tensors = tuple(saved)
-
-    ctx = _Ctx()
-    py_backward = entry._fn.backward
-
-    def fn_py_backward() -> None:
-        with torch.no_grad():
-            py_backward(ctx, tangent)
-
-    pieces["AotcFunction.backward staticmethod (under no_grad, incl. bwd graph)"] = loop(
-        fn_py_backward
-    )
-
-    # Floor of any autograd.Function-based runtime: a minimal Function running the same eager ops
-    class _MinimalFn(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, a, b):  # type: ignore[no-untyped-def]
-            ctx.save_for_backward(b)
-            return (a * b).sum()
-
-        @staticmethod
-        def backward(ctx, g):  # type: ignore[no-untyped-def]
-            (b,) = ctx.saved_tensors
-            return g.expand(4) * b, None
-
-    min_apply = _MinimalFn.apply
-    pieces["minimal autograd.Function (eager ops) fwd"] = loop(lambda: min_apply(x, y))
-    pieces["minimal autograd.Function (eager ops) fwd+bwd"] = loop(
-        lambda: min_apply(x, y).backward()
-    )
-
-    # inference path (what fwd_no_grad runs)
-    with torch.no_grad():
-        cf(x, y)  # compile the inference entry
-    inf_entry = next(e for k, e in disp._entries.items() if k[1][2] is False)
-
-    def under_no_grad(body: Callable[[], object]) -> Callable[[int], None]:
-        def run_n(n: int) -> None:
-            with torch.no_grad():
-                for _ in range(n):
-                    body()
-
-        return run_n
-
-    pieces["no_grad: eager f(x,y)"] = under_no_grad(lambda: f(x, y))
-    pieces["no_grad: aotc cf(x,y)"] = under_no_grad(lambda: cf(x, y))
-    pieces["no_grad: signature_key(leaves)"] = under_no_grad(lambda: signature_key(leaves))
-    pieces["no_grad: CompiledEntry.run(leaves)"] = under_no_grad(lambda: inf_entry.run(leaves))
-    pieces["no_grad: fwd graph callable alone"] = under_no_grad(lambda: inf_entry._fwd(*args))
-
-    # signature_key's parts, per call of 2 tensors
-    pieces["  sig part: 2x t.untyped_storage().data_ptr()"] = loop(
-        lambda: (x.untyped_storage().data_ptr(), y.untyped_storage().data_ptr())
-    )
-    pieces["  sig part: 2x (dtype, device, shape, stride(), requires_grad, is_leaf)"] = loop(
-        lambda: (
-            (x.dtype, x.device, x.shape, x.stride(), x.requires_grad, x.is_leaf),
-            (y.dtype, y.device, y.shape, y.stride(), y.requires_grad, y.is_leaf),
-        )
-    )
-    pieces["  sig part: is_grad_enabled + 2x is_autocast_enabled (old key)"] = loop(
-        lambda: (
-            torch.is_grad_enabled(),
-            torch.is_autocast_enabled("cpu"),
-            torch.is_autocast_enabled("cuda"),
-        )
-    )
-    pieces["  sig part: is_grad_enabled + _is_any_autocast_enabled (new key)"] = loop(
-        lambda: (torch.is_grad_enabled(), torch._C._is_any_autocast_enabled())
-    )
-    pieces["  sig part: hash of the key tuple"] = loop(lambda: hash(key))
-    samples = interleaved_rounds(pieces, iters=iters, rounds=rounds)
-    x.grad = None
-    return {k: median(v) * 1e6 for k, v in samples.items()}
-
-
-def _closure_var(fn: object, name: str) -> object:
-    fn = getattr(fn, "__func__", fn)
-    code = getattr(fn, "__code__", None)
-    if code is None or fn.__closure__ is None:  # type: ignore[attr-defined]
-        return None
-    cells = dict(zip(code.co_freevars, fn.__closure__))  # type: ignore[attr-defined]
-    cell = cells.get(name)
-    return cell.cell_contents if cell is not None else None
-
-
-def knockout(iters: int = 2000, rounds: int = 9) -> dict[str, dict[str, float]]:
-    """Whole-call cost with one runtime piece replaced by a precomputed result (same inputs every
-    call, so the result is valid). Baseline minus knocked-out = what that piece costs in situ.
-
-    Pieces timed alone (breakdown) tend to under-count on this machine: their in-situ cost is
-    larger than their standalone cost. This patches module globals of runtime.wrappers inside this
-    process only, around each timed loop; nothing on disk changes.
-    """
-    import aotc.runtime.wrappers as W
-
-    x, y = make_inputs()
-    cf = build("aotc", "fwd_bwd", x, y)
-    ((key, entry),) = cf._dispatch._entries.items()
-    sig = key[1]
-    assert hasattr(entry.call, "__aotc_source__"), "expected the fast path for this entry"
-    orig = {n: getattr(W, n) for n in ("signature_key",)}
-
-    # apply_convention and build_outputs run only on the general path; this entry's plan is
-    # direct, so its calls take the generated fast call (runtime/fastpath.py) without them.
-    variants: dict[str, dict[str, object]] = {
-        "baseline": {},
-        "signature_key -> const": {"signature_key": lambda lv: sig},
-    }
-    out: dict[str, dict[str, float]] = {}
-    for mode in ("fwd_grad", "fwd_bwd"):
-        systems = {}
-        for name, patch in variants.items():
-            inner = loop_for(mode, cf, x, y)
-
-            def run_n(n: int, patch: dict[str, object] = patch, inner=inner) -> None:  # noqa: ANN001
-                for k, v in patch.items():
-                    setattr(W, k, v)
-                try:
-                    inner(n)
-                finally:
-                    for k in patch:
-                        setattr(W, k, orig[k])
-
-            systems[name] = run_n
-        samples = interleaved_rounds(systems, iters=iters, rounds=rounds)
-        out[mode] = {k: median(v) * 1e6 for k, v in samples.items()}
-    x.grad = None
-    return out
-
-
-def cprofile(n: int = 20000, top: int = 25) -> str:
-    import cProfile
-    import io
-    import pstats
-
-    x, y = make_inputs()
-    cf = build("aotc", "fwd_bwd", x, y)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(n):
-        cf(x, y).backward()
-    prof.disable()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(top)
-    return s.getvalue()
-
-
-def main(argv: list[str] | None = None) -> dict[str, object]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--iters", type=int, default=2000, help="calls per round")
-    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds")
-    p.add_argument("--profile", action="store_true", help="break down aotc's fwd+bwd call path")
+    p.add_argument("--procs", type=int, default=5, help="fresh processes")
+    p.add_argument("--iters", type=int, default=1000, help="calls per round")
+    p.add_argument("--rounds", type=int, default=9, help="interleaved rounds per process")
+    p.add_argument("--instructions", action="store_true", help="add callgrind counts (slow)")
+    p.add_argument("--out", default="overhead", help="results file name under bench/results")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--instruction-worker", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    print(f"overhead: {args.rounds} rounds x {args.iters} calls, interleaved", flush=True)
-    results = run(iters=args.iters, rounds=args.rounds)
-    extra: dict[str, object] = {}
-    fb = results["fwd_bwd"]["median_us_per_call"]  # type: ignore[index]
-    over = fb["aotc"] >= FWD_BWD_TARGET_US or fb["aotc"] > fb["aot_autograd"]
-    if args.profile or over:
-        bd = breakdown(iters=args.iters, rounds=max(5, args.rounds // 2))
-        extra["aotc_breakdown_us"] = bd
-        extra["aotc_knockout_us"] = knockout(iters=args.iters, rounds=max(5, args.rounds // 2))
+    if args.instruction_worker:
+        instruction_worker(args.instruction_worker)
+        return {}
+    if args.worker:
+        print(json.dumps(worker(args.iters, args.rounds)))
+        return {}
+    print(
+        f"overhead: {args.procs} processes x {args.rounds} rounds x {args.iters} calls",
+        flush=True,
+    )
+    results = run(max(1, args.procs), args.iters, args.rounds)
+    extra: dict[str, Any] = {}
+    if args.instructions:
+        counts = instructions()
+        if counts is not None:
+            extra["fwd_bwd_instructions_per_call"] = counts
+            extra["fwd_bwd_instruction_ratio"] = {
+                f"{s}/eager": counts[s] / counts["eager"] for s in counts if s != "eager"
+            }
     path = write_results(
-        "overhead",
+        args.out,
         results,
         goal=GOAL,
         workload="f(x, y) = (x * y).sum(), x: randn(4, requires_grad=True), y: randn(4)",
         method=(
-            f"{args.rounds} rounds x {args.iters} calls, systems interleaved (order rotated), "
-            "median of per-round mean us/call; AOTAutograd = aot_function with boxed no-op "
-            "compilers"
+            f"{args.procs} fresh processes (1 torch thread) x {args.rounds} rounds x "
+            f"{args.iters} calls, systems interleaved (order rotated); per process the median "
+            "of per-round mean us/call; reported: median over processes of times and of "
+            "same-process ratios. Instructions (if present): callgrind, per fwd+bwd call"
         ),
         **extra,
     )
     print(table(results))
-    if "aotc_breakdown_us" in extra:
-        print("\naotc fwd+bwd breakdown (us/call, median of per-round means; pieces timed alone):")
-        for k, v in extra["aotc_breakdown_us"].items():  # type: ignore[union-attr]
-            print(f"  {v:8.2f}  {k}")
-    if "aotc_knockout_us" in extra:
-        print("\naotc whole-call us/call with one piece replaced by a precomputed result:")
-        for mode, d in extra["aotc_knockout_us"].items():  # type: ignore[union-attr]
-            base = d["baseline"]
-            print(
-                f"  {mode}: "
-                + ", ".join(
-                    f"{k} {v:.1f}" + ("" if k == "baseline" else f" ({v - base:+.1f})")
-                    for k, v in d.items()
-                )
-            )
-    if args.profile:
-        print("\ncProfile of aotc fwd+bwd (tottime):")
-        print(cprofile())
+    if "fwd_bwd_instructions_per_call" in extra:
+        print("\nfwd+bwd instructions per call (callgrind):")
+        for s, v in extra["fwd_bwd_instructions_per_call"].items():
+            ratio = extra["fwd_bwd_instruction_ratio"].get(f"{s}/eager", 1.0)
+            print(f"  {s:20s} {v / 1e3:8.1f} K  ({ratio:.2f}x eager)")
     print(f"wrote {path}")
     return results
 

@@ -8,9 +8,11 @@ the non-None gradients; every backward input is a saved value or a tangent; a no
 backward as well as the forward only if the policy allows recomputing it (or a memory budget asked
 for it); random ops run once, in the forward.
 
-The plan is a minimum cut (see Note [Min-cut partition]); `plan="simple"` keeps the older "save
-what the backward reads" plan for comparison. The report gives the saved values, what is
-recomputed, and saved bytes against "save everything" and against the simple plan.
+The plan is a minimum cut (see Note [Min-cut partition]) under a recompute cost model that knows
+what the executor fuses (see Note [Recompute cost model] in passes/recompute.py); `plan="simple"`
+keeps the older "save what the backward reads" plan for comparison. The report gives the saved
+values, every recomputed value with what recomputing it costs and what it saves, and saved bytes
+against "save everything" and against the simple plan.
 
 Note [Min-cut partition]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -21,20 +23,24 @@ it); every data edge u -> v becomes u_out -> v_in with infinite capacity. The so
 primal; every node the backward must compute (tangent-dependent, or a gradient) drains into the
 sink. (A view is charged its root's bytes: saving it keeps that whole storage alive.) A minimum
 source/sink cut then crosses only n_in -> n_out edges: those n are saved, and
-everything on the sink side is computed in the backward from them. A forward node the policy
-may not recompute (a matmul, a big reduction, a random op) is fed by the source too, so the cut
-must save it or something after it: it never runs twice.
+everything on the sink side is computed in the backward from them. A forward node whose
+recomputation is not free (passes/recompute.py: on ATen every op but views and sizes; on Triton
+matmuls, big reductions, random ops, and values a non-fused backward op reads) is fed by the
+source too, so the cut must save it or something after it: it never runs twice. A node only the
+backward needs (`cos(x)` for `sin`'s derivative) runs once on whichever side saves fewer bytes.
 
-    x -> sin -> cos -> mul(tangent, .)         sin, cos pointwise: cut at x (save x, 1 tensor)
-    x -> mm(x, w) -> relu -> mul(tangent, .)   mm banned: cut at mm or relu's input (save mm)
+    x -> sin -> cos -> mul(tangent, .)         Triton: sin, cos fuse: cut at x (save x)
+                                               ATen: sin runs once: save x and sin (as eager)
+    x -> mm(x, w) -> relu -> mul(tangent, .)   mm never free: cut at mm or relu's input (save mm)
 
-A memory budget below the min-cut plan unbans expensive forward ops, cheapest recompute cost per
-byte first, and takes the fewest that fit (binary search over that fixed order, so saved bytes fall
-monotonically as the budget falls).
+A memory budget below the min-cut plan unbans non-free forward ops, cheapest estimated seconds
+per byte first (pointwise passes over memory before matmuls), and takes the fewest that fit
+(binary search over that fixed order, so saved bytes fall monotonically as the budget falls).
 """
 
 from __future__ import annotations
 
+import enum
 import math
 import operator
 import time
@@ -62,10 +68,24 @@ from aotc.passes.ir import (
     primal_names,
 )
 from aotc.passes.provenance import describe_source, source_of
-from aotc.passes.recompute import RecomputePolicy, can_recompute, is_random, recompute_cost
+from aotc.passes.recompute import (
+    CostKind,
+    Executor,
+    RecomputeCost,
+    RecomputePolicy,
+    is_random,
+    recompute_cost,
+)
 from aotc.runtime.schema import GraphArg
 
-__all__ = ["PartitionResult", "SavedValue", "is_random", "partition"]
+__all__ = [
+    "PartitionResult",
+    "Recomputation",
+    "RecomputeReason",
+    "SavedValue",
+    "is_random",
+    "partition",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,18 +99,48 @@ class SavedValue:
     is_symint: bool = False  # a size, saved as an int (see Note [Saved SymInts])
 
 
+class RecomputeReason(enum.Enum):
+    FREE = "free"  # recomputing costs nothing on this executor (a view, a fused op)
+    BUDGET = "budget"  # not free: unbanned to meet the memory budget
+
+
+@dataclass(frozen=True, slots=True)
+class Recomputation:
+    """One forward value the backward computes again, with what that costs and saves."""
+
+    name: str
+    producer: str  # the op
+    nbytes: int  # bytes saving it would keep alive (0 for a view: its base is what is kept)
+    cost: RecomputeCost
+    reason: RecomputeReason
+
+    def format(self) -> str:
+        why = "to meet the memory budget" if self.reason is RecomputeReason.BUDGET else ""
+        return (
+            f"recomputed {self.name}: {self.producer}; costs {self.cost.format()}; "
+            f"saves {self.nbytes} B{' ' + why if why else ''}"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class PartitionResult:
     forward: StageGraph
     backward: StageGraph
     saved: tuple[SavedValue, ...]  # len == num saved; order = forward outputs after fwd outs
-    recomputed: tuple[str, ...]  # forward nodes the backward computes again
+    recomputed: tuple[str, ...]  # forward nodes the backward computes again, graph order
     seconds: float
     plan: str  # "min_cut" or "simple"
     save_everything_bytes: int  # every forward value the backward reads, all ops in the forward
     simple_bytes: int  # the "save what the backward reads" plan
     budget_bytes: int | None  # the memory budget asked for, in bytes (None: no budget)
     unbanned: tuple[str, ...]  # expensive ops recomputed to meet the budget
+    executor: Executor = Executor.ATEN  # what the recompute costs assumed runs the graphs
+    recomputations: tuple[Recomputation, ...] = ()  # len == len(recomputed); same order
+
+    @property
+    def recompute_seconds(self) -> float:
+        """Estimated time per step the backward spends recomputing (0 when all are free)."""
+        return sum(r.cost.seconds for r in self.recomputations)
 
     @property
     def saved_bytes(self) -> int:
@@ -105,7 +155,7 @@ class PartitionResult:
         input_names = primal_names(self.forward, arg_names)
         lines = [
             "# stage: partition",
-            f"# plan: {self.plan}",
+            f"# plan: {self.plan}, executor: {self.executor.value}",
             f"# saved: {len(self.saved)} values, {self.saved_bytes} bytes "
             f"(save everything: {self.save_everything_bytes}, simple plan: {self.simple_bytes})",
         ]
@@ -121,7 +171,11 @@ class PartitionResult:
             where = f"  # {s.source}" if s.source else ""
             name = f"{s.name} ({input_names[s.name]})" if s.name in input_names else s.name
             lines.append(f"saved {name}: {dtype}{shape} {s.nbytes} B from {s.producer}{where}")
-        lines.append(f"# recomputed: {', '.join(self.recomputed) or 'none'}")
+        lines.append(
+            f"# recomputed: {len(self.recomputations)} values, estimated cost "
+            f"{self.recompute_seconds * 1e6:.1f} us per step"
+        )
+        lines += [r.format() for r in self.recomputations]
         return "\n".join(lines)
 
 
@@ -134,6 +188,7 @@ class _Roles:
     fwd_values: tuple[object, ...]  # fwd outputs (nodes or constants)
     grad_pairs: tuple[tuple[fx.Node, GradOutput], ...]  # non-None gradients
     fwd_required: frozenset[fx.Node]  # what the forward must compute anyway
+    random: frozenset[fx.Node]  # random ops: run once, in the forward
     bwd_required: frozenset[fx.Node]  # tangent-dependent nodes and gradient values
     order: dict[fx.Node, int]
 
@@ -161,7 +216,7 @@ def _roles(joint: JointGraph) -> _Roles:
     grad_pairs = tuple(
         (v, d) for v, d in zip(values, joint.outputs) if isinstance(d, GradOutput) and v is not None
     )
-    random_nodes = [n for n in graph.nodes if is_random(n)]
+    random_nodes = frozenset(n for n in graph.nodes if is_random(n))
     fwd_required = _ancestors([*fwd_values, *random_nodes]) | set(primals)
     tangent_dependent: set[fx.Node] = set(tangents)
     for node in graph.nodes:
@@ -176,6 +231,7 @@ def _roles(joint: JointGraph) -> _Roles:
         fwd_values,
         grad_pairs,
         frozenset(fwd_required),
+        random_nodes,
         frozenset(bwd_required),
         order,
     )
@@ -217,10 +273,25 @@ _SOURCE, _SINK = "__source__", "__sink__"
 # recomputes it when that tensor is saved anyway. Saved sizes come after saved tensors.
 _SYM_BYTES = 1
 
+# Note [Ties go to values the forward has anyway]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Many cuts save the same bytes: for `y = x.sin()` the backward needs `cos(x)`, and saving `x`
+# or saving `cos(x)` (computed in the forward for the purpose) both keep one tensor alive. They
+# are not equally fast: the second moves backward work into the forward, where its result waits
+# in memory until the backward reads it, instead of being computed right before its use while
+# its input is still in cache. Measured on the 10-op pointwise chain (float32[256, 256], ATen
+# calls, CPU): ~10% slower steps with the backward-only values computed in the forward. So
+# capacities are bytes scaled by _TIE_SCALE, plus one for a node the forward does not need
+# itself: among cuts with equal bytes the cut saves the fewest such nodes, and the scale keeps
+# the tie-break from ever trading a byte for it (up to _TIE_SCALE - 1 such nodes).
+_TIE_SCALE = 1 << 20
+
 
 def _min_cut_saved(
-    roles: _Roles, policy: RecomputePolicy, unbanned: frozenset[fx.Node]
+    roles: _Roles, costs: dict[fx.Node, RecomputeCost], unbanned: frozenset[fx.Node]
 ) -> set[fx.Node]:
+    """`costs`: per relevant forward node, what recomputing it costs; a node whose cost is not
+    free is never recomputed unless in `unbanned` (see Note [Min-cut partition])."""
     grads = [v for v, _ in roles.grad_pairs]
     relevant = _ancestors(grads)
     inf = math.inf
@@ -234,13 +305,15 @@ def _min_cut_saved(
         val = node.meta.get("val")
         # Saving a view keeps its root's whole storage alive: charge the root's bytes.
         if isinstance(val, torch.Tensor):
-            capacity = node_nbytes(_view_root(node))
+            capacity = node_nbytes(_view_root(node)) * _TIE_SCALE
         else:  # See Note [Saved SymInts]
-            capacity = _SYM_BYTES if is_sym_node(node) else inf
+            capacity = _SYM_BYTES * _TIE_SCALE if is_sym_node(node) else inf
+        if capacity != inf and node not in roles.fwd_required:
+            capacity += 1  # See Note [Ties go to values the forward has anyway]
         n_in, n_out = (node, "in"), (node, "out")
         cut_edges.append((n_in, n_out, capacity))
         if node.op == "placeholder" or (
-            node in roles.fwd_required and node not in unbanned and not can_recompute(node, policy)
+            node in roles.fwd_required and node not in unbanned and not costs[node].is_free
         ):
             inf_edges.append((_SOURCE, n_in))
         for user in node.users:
@@ -292,39 +365,51 @@ def _bytes(nodes: Iterable[fx.Node]) -> int:
     return sum(node_nbytes(n) for n in nodes)
 
 
+def _costs(
+    roles: _Roles, executor: Executor, policy: RecomputePolicy
+) -> dict[fx.Node, RecomputeCost]:
+    """What recomputing each forward node the gradients depend on would cost."""
+    grads = [v for v, _ in roles.grad_pairs]
+    in_forward = roles.fwd_required.__contains__
+    return {
+        n: recompute_cost(n, executor, policy, in_forward)
+        for n in _ancestors(grads)
+        if n not in roles.bwd_required
+    }
+
+
 def _budget_saved(
-    roles: _Roles, policy: RecomputePolicy, budget_bytes: int, base: set[fx.Node]
+    roles: _Roles, costs: dict[fx.Node, RecomputeCost], budget_bytes: int, base: set[fx.Node]
 ) -> tuple[set[fx.Node], tuple[fx.Node, ...]]:
-    """Fewest expensive ops to recompute (cheapest per byte first) so saved bytes fit."""
+    """Fewest non-free ops to recompute (cheapest estimated seconds per byte first) so saved
+    bytes fit."""
     if _bytes(base) <= budget_bytes:
         return base, ()
-    grads = [v for v, _ in roles.grad_pairs]
     candidates = sorted(
         (
             n
-            for n in _ancestors(grads)
+            for n, cost in costs.items()
             if n in roles.fwd_required
             and n.op == "call_function"
-            and not is_random(n)
-            and not can_recompute(n, policy)
-            and not (isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable)
+            and cost.kind is not CostKind.NEVER
+            and not cost.is_free
         ),
-        key=lambda n: (recompute_cost(n) / max(node_nbytes(n), 1), roles.order[n]),
+        key=lambda n: (costs[n].seconds / max(node_nbytes(n), 1), roles.order[n]),
     )
     lo, hi = 1, len(candidates)
-    best = (_min_cut_saved(roles, policy, frozenset(candidates)), tuple(candidates))
+    best = (_min_cut_saved(roles, costs, frozenset(candidates)), tuple(candidates))
     if _bytes(best[0]) > budget_bytes:
         return best  # best effort: even recomputing every candidate does not fit
     while lo < hi:
         mid = (lo + hi) // 2
-        saved = _min_cut_saved(roles, policy, frozenset(candidates[:mid]))
+        saved = _min_cut_saved(roles, costs, frozenset(candidates[:mid]))
         if _bytes(saved) <= budget_bytes:
             hi = mid
             best = (saved, tuple(candidates[:mid]))
         else:
             lo = mid + 1
     if hi < len(candidates) and best[1] != tuple(candidates[:hi]):
-        best = (_min_cut_saved(roles, policy, frozenset(candidates[:hi])), tuple(candidates[:hi]))
+        best = (_min_cut_saved(roles, costs, frozenset(candidates[:hi])), tuple(candidates[:hi]))
     return best
 
 
@@ -337,29 +422,35 @@ def partition(
     policy: RecomputePolicy = _DEFAULT_POLICY,
     memory_budget: float | int | None = None,
     plan: str = "min_cut",
+    executor: Executor = Executor.ATEN,
 ) -> PartitionResult:
     """`mutated_args`: primals the epilogue mutates in place after the forward; a saved value
     that is one of them, or a view of one, is saved as a clone (see Note [Saving mutated inputs]).
-    `memory_budget`: a fraction (0..1] of the save-everything bytes, or a byte count."""
+    `memory_budget`: a fraction (0..1] of the save-everything bytes, or a byte count.
+    `executor`: what will run the graphs; it decides which recomputations are free (see Note
+    [Recompute cost model] in passes/recompute.py)."""
     start = time.perf_counter()
     roles = _roles(joint)
     everything = _simple_saved(roles, all_in_forward=True)
     simple = _simple_saved(roles, all_in_forward=False)
+    costs = _costs(roles, executor, policy)
     budget_bytes: int | None = None
     unbanned: tuple[fx.Node, ...] = ()
     if plan == "simple":
         saved = simple
     elif plan == "min_cut":
-        saved = _min_cut_saved(roles, policy, frozenset())
+        saved = _min_cut_saved(roles, costs, frozenset())
         if memory_budget is not None:
             budget_bytes = (
                 int(memory_budget * _bytes(everything))
                 if isinstance(memory_budget, float)
                 else int(memory_budget)
             )
-            saved, unbanned = _budget_saved(roles, policy, budget_bytes, saved)
+            saved, unbanned = _budget_saved(roles, costs, budget_bytes, saved)
     else:
         raise ValueError(f"partition(plan={plan!r}): expected 'min_cut' or 'simple'")
+    if plan == "min_cut":
+        saved = _settle(roles, saved, costs, frozenset(unbanned))
     forward, backward, saved_nodes, recomputed = _build(joint, roles, saved, mutated_args)
     return PartitionResult(
         forward=forward,
@@ -372,7 +463,68 @@ def partition(
         simple_bytes=_bytes(simple),
         budget_bytes=budget_bytes,
         unbanned=tuple(n.name for n in unbanned),
+        executor=executor,
+        recomputations=tuple(
+            _recomputation(n, costs, executor, policy, frozenset(unbanned)) for n in recomputed
+        ),
     )
+
+
+def _recomputation(
+    node: fx.Node,
+    costs: dict[fx.Node, RecomputeCost],
+    executor: Executor,
+    policy: RecomputePolicy,
+    unbanned: frozenset[fx.Node],
+) -> Recomputation:
+    cost = costs.get(node) or recompute_cost(node, executor, policy)
+    return Recomputation(
+        name=node.name,
+        producer=str(node.target),
+        nbytes=0 if _view_root(node) is not node else node_nbytes(node),
+        cost=cost,
+        reason=RecomputeReason.BUDGET if node in unbanned else RecomputeReason.FREE,
+    )
+
+
+def _sides(roles: _Roles, saved: set[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]]:
+    """The nodes the forward runs and the nodes the backward runs, for this saved set."""
+    stop = frozenset(saved) | frozenset(roles.tangents)
+    bwd_nodes = _ancestors((v for v, _ in roles.grad_pairs), stop) - frozenset(saved)
+    bwd_nodes -= set(roles.tangents)
+    fwd_nodes = _ancestors([*roles.fwd_values, *saved]) | set(roles.primals)
+    fwd_nodes |= roles.random
+    return fwd_nodes, bwd_nodes
+
+
+def _settle(
+    roles: _Roles,
+    saved: set[fx.Node],
+    costs: dict[fx.Node, RecomputeCost],
+    unbanned: frozenset[fx.Node],
+) -> set[fx.Node]:
+    """`saved`, plus every non-free node that would otherwise run in both graphs.
+
+    The cut bans recomputing the nodes the forward needs anyway, but a node only the backward
+    needs runs in the forward too when a saved value depends on it (`c = cos(x)` feeding a
+    smaller saved `s = c.sum(1)` and, unsaved, a backward op): the flow network counts saving
+    bytes, not running `c` twice. Saving such a node instead costs its bytes and no time; it may
+    leave an earlier saved value unread, which is dropped."""
+    saved = set(saved)
+    while True:
+        fwd_nodes, bwd_nodes = _sides(roles, saved)
+        twice = {
+            n
+            for n in fwd_nodes & bwd_nodes
+            if n in costs and not costs[n].is_free and n not in unbanned
+        }
+        more = _tensor_saves(twice) - saved
+        if not more:
+            break
+        saved |= more
+    _, bwd_nodes = _sides(roles, saved)
+    read = {i for n in bwd_nodes for i in n.all_input_nodes} | {v for v, _ in roles.grad_pairs}
+    return {n for n in saved if n in read}
 
 
 def _build(
@@ -381,11 +533,7 @@ def _build(
     graph = joint.module.graph
     # Tensors first, then sizes: see Note [Saved SymInts].
     saved_nodes = sorted(saved, key=lambda n: (is_sym_node(n), roles.order[n]))
-    stop = frozenset(saved) | frozenset(roles.tangents)
-    bwd_nodes = _ancestors((v for v, _ in roles.grad_pairs), stop) - frozenset(saved)
-    bwd_nodes -= set(roles.tangents)
-    fwd_nodes = _ancestors([*roles.fwd_values, *saved_nodes]) | set(roles.primals)
-    fwd_nodes |= {n for n in graph.nodes if is_random(n)}
+    fwd_nodes, bwd_nodes = _sides(roles, saved)
     recomputed = [n for n in graph.nodes if n in bwd_nodes and n in fwd_nodes]
 
     fwd_graph = fx.Graph()

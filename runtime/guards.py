@@ -1,7 +1,9 @@
 """Guards: the key under which one compiled signature is cached.
 
-Hot path: `signature_key(leaves)` runs on every call. It must change whenever any property the
-compiled graphs were specialized on changes; see Note [What a signature covers].
+Hot path: `signature_key(leaves)` keys a call; it must change whenever any property the compiled
+graphs were specialized on changes (see Note [What a signature covers]). `signature_check(sig)`
+generates, for one signature, a check equivalent to `signature_key(leaves) == sig` that builds no
+key (see Note [Guard checks]): the dispatcher runs it first, for the entry it ran last.
 
 Note [What a signature covers]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -15,7 +17,7 @@ alias regeneration depend on. The tree structure of the arguments is covered by 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -36,6 +38,85 @@ def signature_key(leaves: Sequence[object]) -> tuple[object, ...]:
     pattern = _alias_pattern(leaves, ptrs) if len(set(ptrs)) != len(ptrs) else None
     autocast = _autocast_state() if torch._C._is_any_autocast_enabled() else None
     return (tuple(parts), pattern, torch.is_grad_enabled(), autocast)
+
+
+# Note [Guard checks]
+# ~~~~~~~~~~~~~~~~~~~
+# Building the key of a call reads every property of every leaf into fresh tuples, hashes them
+# and compares them with the stored key: ~40% of the per-call cost of a tiny training step (2
+# tensors). A training loop calls one signature over and over, so the dispatcher first asks the
+# entry it ran last "is this call yours?", with straight-line code generated from that entry's
+# signature, every expected value a constant:
+#
+#     def check(leaves):
+#         if len(leaves) != 2: return False
+#         l0, l1 = leaves
+#         return (isinstance(l0, Tensor) and l0.dtype is c0_dtype and l0.device == c0_device
+#                 and l0.shape == c0_shape and l0.stride() == c0_stride
+#                 and l0.requires_grad is True and l0.is_leaf is True
+#                 and isinstance(l1, Tensor) and ... and l1.is_leaf is True
+#                 and l0.untyped_storage().data_ptr() != l1.untyped_storage().data_ptr()
+#                 and grad_enabled() is True and not any_autocast())
+#
+# It compares exactly the fields `signature_key` puts in the key, with the same equality (`is`
+# for singletons and bools, `==` for the rest; non-tensor leaves as the same `(type, value)`
+# tuple), so it is True iff the key would equal the signature: no guard is dropped. Signatures
+# with shared storage among the leaves, or autocast on, get no check (the key path handles them).
+# tests/runtime/test_guard_matrix.py checks check == (key == signature) over many changes.
+
+
+def signature_check(signature: tuple[object, ...]) -> Callable[[Sequence[object]], bool] | None:
+    """`leaves -> signature_key(leaves) == signature`, generated (see Note [Guard checks]);
+    None when the signature has shared storage or autocast state."""
+    parts, pattern, grad_enabled, autocast = signature  # type: ignore[misc]
+    if pattern is not None or autocast is not None:
+        return None
+    n = len(parts)  # type: ignore[arg-type]
+    namespace: dict[str, object] = {
+        "Tensor": Tensor,
+        "grad_enabled": torch.is_grad_enabled,
+        "any_autocast": torch._C._is_any_autocast_enabled,
+    }
+    conds: list[str] = []
+    tensors: list[str] = []
+    for i, part in enumerate(parts):  # type: ignore[arg-type]
+        leaf = f"l{i}"
+        if len(part) == 6 and isinstance(part[0], torch.dtype):
+            dtype, device, shape, stride, requires_grad, is_leaf = part
+            namespace[f"c{i}_dtype"], namespace[f"c{i}_device"] = dtype, device
+            namespace[f"c{i}_shape"], namespace[f"c{i}_stride"] = shape, stride
+            conds += [
+                f"isinstance({leaf}, Tensor)",
+                f"{leaf}.dtype is c{i}_dtype",
+                f"{leaf}.device == c{i}_device",
+                f"{leaf}.shape == c{i}_shape",
+                f"{leaf}.stride() == c{i}_stride",
+                f"{leaf}.requires_grad is {bool(requires_grad)}",
+                f"{leaf}.is_leaf is {bool(is_leaf)}",
+            ]
+            tensors.append(leaf)
+        elif part[0] is slice:
+            namespace[f"c{i}"] = part
+            conds.append(
+                f"type({leaf}) is slice and (slice, {leaf}.start, {leaf}.stop, {leaf}.step) == c{i}"
+            )
+        else:
+            namespace[f"c{i}"] = part
+            conds.append(f"not isinstance({leaf}, Tensor) and (type({leaf}), {leaf}) == c{i}")
+    if len(tensors) > 1:  # no two tensor leaves share storage (an empty one counts as 0)
+        ptrs = ", ".join(f"{t}.untyped_storage().data_ptr()" for t in tensors)
+        conds.append(f"len({{{ptrs}}}) == {len(tensors)}")
+    conds.append(f"grad_enabled() is {bool(grad_enabled)}")
+    conds.append("not any_autocast()")
+    lines = ["def check(leaves):", f"    if len(leaves) != {n}:", "        return False"]
+    if n:
+        lines.append(f"    {', '.join(f'l{i}' for i in range(n))}, = leaves")
+    lines.append("    return (\n        " + "\n        and ".join(conds) + "\n    )")
+    source = "\n".join(lines) + "\n"
+    exec(compile(source, "<aotc guard check>", "exec"), namespace)  # noqa: S102
+    check = namespace["check"]
+    check.__aotc_source__ = source  # type: ignore[attr-defined]
+    return check  # type: ignore[return-value]
 
 
 def explain_bad_leaves(leaves: Sequence[object], names: Sequence[str]) -> str | None:

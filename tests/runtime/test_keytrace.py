@@ -212,3 +212,76 @@ def test_meta_key_hit_matches_eager_and_defers_joint_graphs(tmp_path):
     assert warm_rec.joint.code == cold_rec.joint.code
     assert warm_rec.partitioned_joint.module.code == cold_rec.partitioned_joint.module.code
     assert warm_rec.joint_graph.format("joint") == cold_rec.joint_graph.format("joint")
+
+
+def _spy_verification(monkeypatch):
+    """Record, per verification, the compile's observed fake text and a standalone fake trace of
+    the same program; count standalone fake traces the compile itself runs."""
+    seen: list[tuple[str | None, str, str]] = []
+    standalone = {"fake": 0}
+    real_trace, real_verify = keytrace.trace_text, persist.verify_key
+
+    def trace_text(program, leaves, grad_enabled, tracer):
+        standalone[tracer] = standalone.get(tracer, 0) + 1
+        return real_trace(program, leaves, grad_enabled, tracer)
+
+    def verify_key(key, program, leaves, grad_enabled, fake_text=None):
+        reference = real_trace(program, leaves, grad_enabled, "fake")
+        seen.append((fake_text, reference, key.trace))
+        return real_verify(key, program, leaves, grad_enabled, fake_text)
+
+    monkeypatch.setattr(keytrace, "trace_text", trace_text)
+    monkeypatch.setattr(persist, "verify_key", verify_key)
+    return seen, standalone
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_cold_compile_verifies_on_its_own_fake_run(name, tmp_path, monkeypatch):
+    """Note [Verifying on the compile's own run]: the metadata pass's fake run writes exactly the
+    standalone fake trace's text, so a cold compile runs no fake trace of its own and still
+    stores under the meta key (the next compile hits)."""
+    fn, make = PROGRAMS[name]
+    seen, standalone = _spy_verification(monkeypatch)
+    cold = assert_matches_eager(fn, make, cache_dir=str(tmp_path), runs=1)
+    assert len(seen) == 1
+    observed, reference, meta = seen[0]
+    assert observed is not None and observed == reference == meta
+    assert standalone["fake"] == 0 and standalone["meta"] == 1
+    warm = assert_matches_eager(fn, make, cache_dir=str(tmp_path), runs=1)
+    assert "cache_load" not in aotc.inspect(cold)[0].stage_seconds
+    assert "cache_load" in aotc.inspect(warm)[0].stage_seconds
+
+
+@pytest.mark.parametrize("name", ["gpt", "conv"])
+def test_cold_compile_verifies_models_on_its_own_fake_run(name, tmp_path, monkeypatch):
+    make_model, batch = MODELS[name]
+    seen, standalone = _spy_verification(monkeypatch)
+    torch.manual_seed(0)
+    model = aotc.compile(make_model(), cache_dir=str(tmp_path))
+    model(*batch()).float().sum().backward()
+    ((observed, reference, meta),) = seen
+    assert observed is not None and observed == reference == meta
+    assert standalone["fake"] == 0
+
+
+def test_observer_leaves_functional_and_symbolic_runs_alone():
+    x = torch.randn(3, requires_grad=True)
+    observer = keytrace.FakeRunObserver([x])
+    calls = []
+
+    def program(user_leaves):
+        calls.append(type(user_leaves[0]).__name__)
+        return [user_leaves[0] * 2], None
+
+    observed = observer.observe(program)
+    observed([x])  # a real tensor: not a fake run
+    assert observer.text is None and "no plain fake" in observer.reason
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(x)
+        observed([fake])
+        observed([mode.from_tensor(x)])  # only the first plain fake run is recorded
+    assert observer.text is not None and "aten.mul.Tensor" in observer.text
+    assert observer.text.count("aten.mul.Tensor") == 1
+    assert len(calls) == 3

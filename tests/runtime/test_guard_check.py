@@ -1,0 +1,134 @@
+"""The generated guard check (Note [Guard checks] in runtime/guards.py) is True exactly when the
+call's key equals the entry's signature: over every pair of leaf sets below, in every grad and
+autocast state, `signature_check(sig)(leaves) == (signature_key(leaves) == sig)`. The dispatcher
+that runs it first still picks the right entry, and a call that changes any property compiles."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import aotc
+from aotc.runtime.guards import signature_check, signature_key
+from tests.conftest import assert_matches_eager
+
+
+def _leaf_sets() -> dict[str, list[object]]:
+    base = torch.randn(4, 3)
+    w = torch.randn(3, 2, requires_grad=True)
+    shared = torch.randn(12)
+    empty_a, empty_b = torch.empty(0), torch.empty(0)
+    return {
+        "base": [base, w, 2, 0.5],
+        "same objects again": [base, w, 2, 0.5],
+        "new tensors same geometry": [
+            torch.randn(4, 3),
+            torch.randn(3, 2, requires_grad=True),
+            2,
+            0.5,
+        ],
+        "dtype": [base.double(), w, 2, 0.5],
+        "device": [base.to("meta"), w, 2, 0.5],
+        "shape": [torch.randn(5, 3), w, 2, 0.5],
+        "stride": [torch.randn(3, 4).t(), w, 2, 0.5],
+        "offset only": [torch.randn(13)[1:].view(4, 3), w, 2, 0.5],
+        "requires_grad": [base.requires_grad_(False).clone().requires_grad_(), w, 2, 0.5],
+        "non-leaf": [base, w * 1, 2, 0.5],
+        "int value": [base, w, 3, 0.5],
+        "int vs bool": [base, w, True, 0.5],
+        "int vs float": [base, w, 2.0, 0.5],
+        "float value": [base, w, 2, 0.25],
+        "nan": [base, w, 2, math.nan],
+        "negative zero": [base, w, 2, -0.0],
+        "zero": [base, w, 2, 0.0],
+        "none": [base, w, None, 0.5],
+        "string": [base, w, "2", 0.5],
+        "slice": [base, w, slice(0, 2), 0.5],
+        "other slice": [base, w, slice(0, 3), 0.5],
+        "dtype value": [base, w, torch.float32, 0.5],
+        "tensor for int": [base, w, torch.tensor(2), 0.5],
+        "int for tensor": [2, w, 2, 0.5],
+        "fewer leaves": [base, w, 2],
+        "same tensor twice": [base, base, 2, 0.5],
+        "views of one storage": [shared[:12].view(4, 3), shared[:6].view(3, 2), 2, 0.5],
+        "two empty tensors": [empty_a, empty_b, 2, 0.5],
+        "empty and base": [empty_a, w, 2, 0.5],
+        "parameter": [torch.nn.Parameter(torch.randn(4, 3)), w, 2, 0.5],
+    }
+
+
+STATES = [
+    ("grad", lambda: torch.enable_grad()),
+    ("no_grad", lambda: torch.no_grad()),
+    ("autocast", lambda: torch.autocast("cpu", dtype=torch.bfloat16)),
+]
+
+
+def test_check_equals_key_equality_on_every_pair():
+    sets = _leaf_sets()
+    checked = 0
+    for (_, sig_state), (_, call_state) in itertools.product(STATES, STATES):
+        for sig_leaves, leaves in itertools.product(sets.values(), sets.values()):
+            with sig_state():
+                sig = signature_key(sig_leaves)
+            check = signature_check(sig)
+            if check is None:
+                assert sig[1] is not None or sig[3] is not None  # shared storage or autocast
+                continue
+            with call_state():
+                want = signature_key(leaves) == sig
+                got = check(leaves)
+            assert got == want, (sig_leaves, leaves)
+            checked += 1
+    assert checked > 1000
+
+
+def test_check_source_inlines_every_field():
+    x, w = torch.randn(4, 3), torch.randn(3, 2, requires_grad=True)
+    check = signature_check(signature_key([x, w, 7]))
+    source = check.__aotc_source__
+    for field in ("dtype is", "device ==", "shape ==", "stride() ==", "requires_grad is True"):
+        assert field in source
+    assert "is_leaf is True" in source and "untyped_storage().data_ptr()" in source
+    assert "grad_enabled() is True" in source and "not any_autocast()" in source
+
+
+def _f(x, w, k):
+    return (x @ w * k).relu().sum()
+
+
+def test_dispatcher_switches_entries_and_recompiles_on_each_change():
+    compiled = aotc.compile(_f)
+    calls = [
+        (torch.randn(4, 3), torch.randn(3, 2, requires_grad=True), 2.0),
+        (torch.randn(5, 3), torch.randn(3, 2, requires_grad=True), 2.0),
+        (torch.randn(4, 3), torch.randn(3, 2, requires_grad=True), 3.0),
+        (
+            torch.randn(4, 3).double(),
+            torch.randn(3, 2, dtype=torch.float64, requires_grad=True),
+            2.0,
+        ),
+    ]
+    for _ in range(2):  # the second round hits the entries, alternating signatures
+        for x, w, k in calls:
+            w.grad = None
+            got = compiled(x, w, k)
+            got.backward()
+            w2 = w.detach().clone().requires_grad_()
+            want = _f(x, w2, k)
+            want.backward()
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(w.grad, w2.grad)
+    assert len(compiled.records) == len(calls)
+
+
+@pytest.mark.parametrize("k", [2.0, -0.0, math.inf])
+def test_repeated_calls_take_the_checked_entry(k):
+    compiled = assert_matches_eager(
+        _f, lambda: (torch.randn(4, 3), torch.randn(3, 2, requires_grad=True), k), runs=3
+    )
+    assert len(compiled.records) == 1
+    assert compiled._dispatch._last is not None

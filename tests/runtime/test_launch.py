@@ -1,0 +1,92 @@
+"""Fast op bindings (Note [Fast op bindings] in runtime/launch.py): a graph op runs through
+torch's generated binding only where a dry run proves it dispatches the same overload with the
+same arguments; factories, mutating ops and overloads the binding would not pick keep `_op`;
+graphs give the same results either way."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from aotc.runtime import launch
+from aotc.runtime.launch import fast_binding, make_callable
+
+aten = torch.ops.aten
+
+
+def _graph(fn, *args) -> fx.GraphModule:
+    return make_fx(fn)(*args)
+
+
+def _node(module: fx.GraphModule, target) -> fx.Node:
+    return next(n for n in module.graph.nodes if n.target is target)
+
+
+def test_bindings_are_kept_only_for_the_same_overload():
+    def f(x, y):
+        a = aten.mul.Tensor(x, y)
+        b = aten.mul.Tensor(a, 2.0)  # a Python float where the schema has a Tensor
+        c = aten.mul.Scalar(b, 3)  # torch.mul(b, 3) would dispatch mul.Tensor: keep _op
+        d = aten.sum.dim_IntList(c, [0], True)
+        e = aten.expand.default(d, [4, 3])  # a method only (Tensor.expand)
+        return (aten.add.Tensor(e, x, alpha=2),)
+
+    module = _graph(f, torch.randn(4, 3), torch.randn(4, 3))
+    nodes = [n for n in module.graph.nodes if n.op == "call_function"]
+    bound = {str(n.target): fast_binding(n) for n in nodes}
+    assert bound["aten.mul.Scalar"] is None
+    assert bound["aten.mul.Tensor"] is torch._C._VariableFunctions.mul
+    assert bound["aten.sum.dim_IntList"] is torch._C._VariableFunctions.sum
+    assert bound["aten.expand.default"] is torch._C.TensorBase.expand
+    assert bound["aten.add.Tensor"] is torch._C._VariableFunctions.add
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    torch.testing.assert_close(make_callable(module)(x, y)[0], f(x, y)[0])
+    source = make_callable(module).__aotc_source__
+    assert "alpha=2" in source
+
+
+def test_factories_and_mutating_ops_keep_op():
+    def f(x):
+        z = aten.zeros.default([3], dtype=torch.float32, device=torch.device("cpu"))
+        return aten.add_.Tensor(z, x)
+
+    module = _graph(f, torch.randn(3))
+    assert fast_binding(_node(module, aten.zeros.default)) is None
+    add_ = next(n for n in module.graph.nodes if n.target is aten.add_.Tensor)
+    assert fast_binding(add_) is None
+
+
+def test_symbolic_sizes_need_a_static_verdict():
+    # Overload resolution sees Python types, never sizes: a verdict from a static dry run holds
+    # for symbolic graphs too, but a symbolic graph cannot be the dry run itself.
+    module = make_fx(lambda t: (aten.sin.default(t),), tracing_mode="symbolic")(torch.randn(5, 3))
+    node = _node(module, aten.sin.default)
+    launch._BINDINGS.clear()
+    assert fast_binding(node) is None
+    launch._BINDINGS.clear()
+    static = _graph(lambda t: (aten.sin.default(t),), torch.randn(2, 2))
+    assert fast_binding(_node(static, aten.sin.default)) is torch._C._VariableFunctions.sin
+    assert fast_binding(node) is torch._C._VariableFunctions.sin
+    x = torch.randn(7, 3)
+    torch.testing.assert_close(make_callable(module)(x)[0], x.sin())
+
+
+def test_verdicts_are_cached_per_overload_and_argument_kinds():
+    launch._BINDINGS.clear()
+    module = _graph(lambda x: aten.cos.default(aten.cos.default(x)), torch.randn(3))
+    nodes = [n for n in module.graph.nodes if n.target is aten.cos.default]
+    assert fast_binding(nodes[0]) is fast_binding(nodes[1]) is torch._C._VariableFunctions.cos
+    assert len([k for k in launch._BINDINGS if k[0] is aten.cos.default]) == 1
+
+
+def test_multi_output_ops_run_through_bindings():
+    def f(x, w, b):
+        out, mean, rstd = aten.native_layer_norm.default(x, [3], w, b, 1e-5)
+        return out * 2, mean, rstd
+
+    args = (torch.randn(4, 3), torch.randn(3), torch.randn(3))
+    module = _graph(f, *args)
+    assert fast_binding(_node(module, aten.native_layer_norm.default)) is not None
+    for got, want in zip(make_callable(module)(*args), f(*args)):
+        torch.testing.assert_close(got, want)
