@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -37,6 +38,10 @@ from aotc.runtime.kernels import (
 from aotc.runtime.symsizes import SymSource, bind_symbols, compile_sizes
 
 log = logging.getLogger("aotc.kernels")
+
+# Called with every CompiledGraph lowering makes (observers only: e.g. the test suite compiles
+# every generated kernel for GPU targets, see tests/conftest.py).
+KERNEL_LISTENERS: list[Callable[[CompiledGraph], None]] = []
 
 
 def graph_device(module: fx.GraphModule) -> torch.device | None:
@@ -80,6 +85,8 @@ def lower_graph(
         fallback = _node_runner(nodes, list(group.stores), plan.lowered.aliases, sources)
         try:
             kernel = generate_kernel(plan, group, device, interpret)
+            if interpret:  # the kernel a GPU would run for this group (see KernelSource.cuda)
+                kernel = replace(kernel, cuda=generate_kernel(plan, group, "cuda", False))
             load_kernel(kernel)
         except Exception as e:  # noqa: BLE001 - a group that cannot compile runs as ATen calls
             log.warning(
@@ -94,7 +101,7 @@ def lower_graph(
         specs = tuple(_spec(plan, name, device) for name in group.stores)
         steps.append(KernelStep(kernel, specs, fallback))
     steps, num_slots = _plan_buffers(steps, plan, outputs | extern_reads)
-    return CompiledGraph(
+    compiled = CompiledGraph(
         kernels=tuple(kernels),
         steps=tuple(steps),
         placeholders=tuple(plan.lowered.placeholders),
@@ -105,6 +112,9 @@ def lower_graph(
         symbols=sources,
         decomposed=decomposed,
     )
+    for listener in KERNEL_LISTENERS:
+        listener(compiled)
+    return compiled
 
 
 def _input_stride(plan: FusionPlan, name: str) -> tuple[int, ...] | None:
