@@ -264,7 +264,9 @@ class _Emitter:
             if e.buf in self.registers:
                 return self.registers[e.buf]
             size, _, _, dtype = self.buffers[e.buf]
-            if 0 in size:  # only a reduction over an empty dim reads it: every lane is masked
+            # only a reduction over an empty dim reads an empty buffer; a load whose mask is
+            # never true (a cat input no lane reads) reads nothing: every lane is masked
+            if 0 in size or e.mask is sympy.false:
                 shape = (
                     "[XBLOCK, RBLOCK]"
                     if self.group.kind is GroupKind.REDUCTION

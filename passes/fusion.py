@@ -181,6 +181,7 @@ def expand(
     FusionMismatch. A masked load of a member masks every load of its computation."""
     if isinstance(e, Load):
         mask = None if e.mask is None else simplify(e.mask, ranges)
+        mask = None if mask is sympy.true else mask
         if e.buf in inline:
             producer = inline[e.buf]
             value = producer.fn(_storage_to_index(producer, e.index))

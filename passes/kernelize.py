@@ -24,6 +24,7 @@ from torch import fx
 from aotc.passes.codegen import generate_kernel
 from aotc.passes.decompose import decompose
 from aotc.passes.fusion import FusionPlan, GroupKind, plan_fusion
+from aotc.passes.kernel_figures import kernel_figures
 from aotc.passes.loop_ir import is_static, static_or_expr
 from aotc.passes.lowering import Extern, _non_overlapping, lower, view_output_positions
 from aotc.runtime.kernels import (
@@ -71,6 +72,7 @@ def lower_graph(
     extern_reads = {b for g in plan.groups if g.kind is GroupKind.EXTERN for b in g.reads}
     steps: list[Step] = []
     kernels: list[KernelSource] = []
+    generated: set[str] = set()
     for group in plan.groups:
         if group.kind is GroupKind.EXTERN:
             ext = group.members[0]
@@ -98,6 +100,7 @@ def lower_graph(
             steps.append(AtenStep(group.name, fallback))
             continue
         kernels.append(kernel)
+        generated.add(group.name)
         specs = tuple(_spec(plan, name, device) for name in group.stores)
         steps.append(KernelStep(kernel, specs, fallback))
     steps, num_slots = _plan_buffers(steps, plan, outputs | extern_reads)
@@ -111,6 +114,7 @@ def lower_graph(
         input_strides=tuple(_input_stride(plan, name) for name in plan.lowered.placeholders),
         symbols=sources,
         decomposed=decomposed,
+        figures=kernel_figures(plan, generated),
     )
     for listener in KERNEL_LISTENERS:
         listener(compiled)

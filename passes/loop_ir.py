@@ -32,6 +32,7 @@ below the numel (lanes past it are masked).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -420,7 +421,7 @@ class Indirect:
     """`body` with the data symbol `symbol` bound to the integer value of `index`: an index read
     from a tensor (gather, index, embedding). See Note [Data-dependent indices]."""
 
-    symbol: sympy.Symbol  # a data symbol (data_symbol()), unique in its graph
+    symbol: sympy.Symbol  # data_symbol(index, dim)
     index: Expr  # an int64 value; valid values are 0 <= value < size
     size: Size  # the extent of the dim it indexes
     body: Expr  # its loads that use `symbol` are masked by 0 <= symbol < size
@@ -443,10 +444,13 @@ IndexFn = Callable[[Sequence[sympy.Expr]], Expr]
 # it cannot check: such reads simply do not simplify to the row and stay separate kernels.
 
 
-def data_symbol(n: int) -> sympy.Symbol:
-    """The n-th data symbol of a graph (the value of an index tensor, see Note [Data-dependent
-    indices]); printed as a kernel variable of the same name."""
-    return sympy.Symbol(f"gidx{n}", integer=True)
+def data_symbol(value: Expr, dim: int) -> sympy.Symbol:
+    """The data symbol bound to `value` indexing dim `dim` (see Note [Data-dependent indices]);
+    printed as a kernel variable of the same name. Named after the value itself, so the same
+    value gives the same symbol however often an index function runs, and two values never
+    share one (equal loads under different bindings would otherwise be merged)."""
+    digest = hashlib.sha256(f"{value!r}/{dim}".encode()).hexdigest()[:10]
+    return sympy.Symbol(f"gidx_{digest}", integer=True)
 
 
 def with_mask(e: Expr, cond: sympy.Basic) -> Expr:

@@ -253,7 +253,7 @@ class _Lowering:
         for inp in node.all_input_nodes:
             value = self.env.get(inp)
             lazy = isinstance(value, tuple) or (isinstance(value, _Value) and value.buffer is None)
-            if lazy and _is_view(inp):
+            if lazy and is_view_node(inp):
                 self.extern(inp)  # a view feeding an ATen call stays an ATen view, no copy
                 reads.append(inp.name)
             elif isinstance(value, _Value):
@@ -302,7 +302,7 @@ class _Lowering:
     def lower_node(self, node: fx.Node) -> None:
         val = _val(node)
         lowering = LOWERINGS.get(node.target)
-        is_view_out = node in self.view_outputs and _is_view(node)
+        is_view_out = node in self.view_outputs and is_view_node(node)
         if node.op == "get_attr":
             self.items.append(Extern(node.name, node, ()))
             self.env[node] = (
@@ -356,7 +356,7 @@ class _Lowering:
         return a
 
 
-def _is_view(node: fx.Node) -> bool:
+def is_view_node(node: fx.Node) -> bool:
     if node.target is operator.getitem:
         return isinstance(node.args[0], fx.Node) and node.args[0].target in VIEW_OPS
     return node.target in VIEW_OPS
@@ -414,7 +414,7 @@ def view_output_positions(module: fx.GraphModule) -> frozenset[int]:
     return frozenset(
         i
         for i, v in enumerate(returned)
-        if isinstance(v, fx.Node) and _is_view(v) and v.target != aten._unsafe_view.default
+        if isinstance(v, fx.Node) and is_view_node(v) and v.target != aten._unsafe_view.default
     )  # that one returns a fresh tensor
 
 
@@ -961,3 +961,6 @@ def _scan(ctx: _Lowering, node: fx.Node, a: _Value, dim: int, *, dtype: Any = No
         else contiguous_strides(shape)
     )
     return Computed(node.name, NodeKind.REDUCTION, shape, stride, out.dtype, fn, red, node)
+
+
+from aotc.passes import lowering_gather as _lowering_gather  # noqa: E402, F401 - registers ops

@@ -172,6 +172,7 @@ class CompileResult:
     signature: str  # the signature Triton compiled (names, types, constexprs, attributes)
     resources: KernelResources | None  # None when it failed
     error: str | None  # None when it compiled
+    cpu_seconds: float = 0.0  # what the compile cost (0: from the cache)
 
     @property
     def ok(self) -> bool:
@@ -282,7 +283,7 @@ def submit(
             done = _read_disk(cache_dir, key)
         if done is not None:
             fut: Future[CompileResult] = Future()
-            fut.set_result(_result(kernel, target, launch, done))
+            fut.set_result(_result(kernel, target, launch, {**done, "cpu_seconds": 0.0}))
             return fut
         pending = _PENDING.get(key)
         if pending is None:
@@ -297,8 +298,11 @@ def submit(
 def _result(
     kernel: KernelSource, target: Target, launch: LaunchSignature, answer: dict[str, Any]
 ) -> CompileResult:
+    cpu = float(answer.get("cpu_seconds", 0.0))
     if not answer["ok"]:
-        return CompileResult(kernel.name, kernel.key, target, launch, "", None, answer["error"])
+        return CompileResult(
+            kernel.name, kernel.key, target, launch, "", None, answer["error"], cpu
+        )
     occ, limiter = occupancy(target, answer["registers"], answer["shared"], answer["num_warps"])
     resources = KernelResources(
         registers=answer["registers"],
@@ -319,7 +323,7 @@ def _result(
             f"{target.limits.shared_per_block} B"
         )
     return CompileResult(
-        kernel.name, kernel.key, target, launch, answer["signature"], resources, error
+        kernel.name, kernel.key, target, launch, answer["signature"], resources, error, cpu
     )
 
 

@@ -29,6 +29,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 import traceback
 from typing import Any
 
@@ -133,6 +134,14 @@ def compile_one(request: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this worker and the ptxas processes it ran (independent of machine load)."""
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
 def main() -> None:
     if len(sys.argv) > 1 and int(sys.argv[1]):
         os.nice(int(sys.argv[1]))  # argv[1]: niceness (the test suite compiles behind its tests)
@@ -140,6 +149,7 @@ def main() -> None:
     sys.stdout = sys.stderr  # stray prints must not corrupt the answers
     for line in sys.stdin:
         request = json.loads(line)
+        start = _cpu_seconds()
         try:
             answer = {"id": request["id"], "ok": True, **compile_one(request)}
         except Exception as e:  # noqa: BLE001 - every failure is an answer, the worker lives on
@@ -150,6 +160,7 @@ def main() -> None:
                 "error": text[:4000],
                 "traceback": traceback.format_exc()[-4000:],
             }
+        answer["cpu_seconds"] = round(_cpu_seconds() - start, 4)
         out.write(json.dumps(answer) + "\n")
         out.flush()
 

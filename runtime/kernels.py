@@ -102,6 +102,38 @@ Step = KernelStep | AtenStep
 
 
 @dataclass(frozen=True)
+class KernelFigures:
+    """How much of one graph runs as generated kernels, and the memory traffic they cause
+    (static, from the fusion plan; passes.kernel_figures). Byte counts are None when sizes are
+    symbolic."""
+
+    eligible_ops: int  # pointwise/reduction/indexing/scan nodes of the decomposed graph
+    kernel_ops: int  # how many of them run inside generated kernels
+    fallback_ops: tuple[tuple[str, int], ...]  # (ATen op, count) of the others, sorted
+    kernel_bytes: int | None  # read + written by the generated kernels
+    aten_bytes: int | None  # read + written by the ATen calls (views: 0)
+    min_bytes: int | None  # every graph input read once, every graph output written once
+    fusion_min_bytes: int | None  # what kernels must move given the ATen calls (see module)
+
+    @property
+    def coverage(self) -> float:
+        return self.kernel_ops / self.eligible_ops if self.eligible_ops else 1.0
+
+    def format(self) -> str:
+        fallback = ", ".join(f"{op} x{n}" for op, n in self.fallback_ops) or "none"
+        text = (
+            f"{self.kernel_ops}/{self.eligible_ops} pointwise/reduction ops in generated "
+            f"kernels ({self.coverage:.0%}); as ATen calls: {fallback}"
+        )
+        if self.kernel_bytes is not None and self.min_bytes:
+            text += (
+                f"; traffic: kernels {self.kernel_bytes} B + ATen {self.aten_bytes} B vs minimum "
+                f"{self.min_bytes} B ({(self.kernel_bytes + (self.aten_bytes or 0)) / self.min_bytes:.2f}x)"
+            )
+        return text
+
+
+@dataclass(frozen=True)
 class CompiledGraph:
     kernels: tuple[KernelSource, ...]  # generated kernels, in execution order
     steps: tuple[Step, ...]
@@ -115,6 +147,7 @@ class CompiledGraph:
     decomposed: Any = (
         None  # the decomposed fx graph the kernels come from (the disk cache keeps it)
     )
+    figures: KernelFigures | None = None
 
     @property
     def gpu_kernels(self) -> tuple[KernelSource, ...]:

@@ -68,10 +68,11 @@ class GpuCompileCheck:
                 f"{r.target.value} [{r.launch.describe()}]: {r.error}\n  source: {path}"
             )
         spills = sum(1 for r in results if r.resources and r.resources.flags)
+        cpu = sum(r.cpu_seconds for r in results)
         summary = (
             f"gpu compile check: {len(self.seen)} kernels, {len(results)} launches compiled for "
             f"{', '.join(t.value for t in self.cc.DEFAULT_TARGETS)}; {len(failures)} failed; "
-            f"{spills} flagged (spills or low occupancy); "
+            f"{spills} flagged (spills or low occupancy); {cpu:.0f} CPU s of compiles; "
             f"{time.perf_counter() - self.start:.0f} s in the background, {tail:.0f} s after the "
             "tests"
         )
