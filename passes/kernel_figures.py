@@ -31,7 +31,7 @@ from torch import fx
 
 from aotc.passes.fusion import FusionPlan, GroupKind
 from aotc.passes.loop_ir import is_static
-from aotc.passes.lowering import Extern, is_view_node
+from aotc.passes.lowering import Computed, Extern, is_view_node
 from aotc.runtime.kernels import KernelFigures
 
 aten = torch.ops.aten
@@ -74,7 +74,7 @@ def kernel_figures(plan: FusionPlan, generated: set[str]) -> KernelFigures:
             assert isinstance(ext, Extern)
             aten_nodes.append(ext.node)
             continue
-        cone = {n for m in group.members for n in m.cone}  # type: ignore[union-attr]
+        cone = {n for m in group.members if isinstance(m, Computed) for n in m.cone}
         if group.name in generated:
             in_kernels |= cone
         else:
@@ -110,7 +110,7 @@ def _traffic(
         n = 1
         for s in size:
             n *= int(s)
-        return n * dtype.itemsize
+        return n * int(dtype.itemsize)
 
     kernels = [g for g in plan.kernel_groups if g.name in generated]
     kernel_bytes = sum(int(g.bytes_read) + int(g.bytes_written) for g in kernels)

@@ -414,8 +414,25 @@ def view_output_positions(module: fx.GraphModule) -> frozenset[int]:
     return frozenset(
         i
         for i, v in enumerate(returned)
-        if isinstance(v, fx.Node) and is_view_node(v) and v.target != aten._unsafe_view.default
+        if isinstance(v, fx.Node) and _returns_alias(v) and v.target != aten._unsafe_view.default
     )  # that one returns a fresh tensor
+
+
+def _returns_alias(node: fx.Node) -> bool:
+    """A view of an input by the op's schema (`Tensor(a)` returns: unbind, select, unfold, ...),
+    or by lowering's own list; a getitem of a multi-output view op is a view too. Such graph
+    outputs stay ATen views so the runtime can regenerate their aliasing (their storage offset
+    into the base included)."""
+    if is_view_node(node):
+        return True
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return any(
+        r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns
+    )
 
 
 # ---- op lowerings ----------------------------------------------------------------------------

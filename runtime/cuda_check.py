@@ -379,11 +379,14 @@ class _Pool:
 
     def __init__(self, jobs: int, nice: int) -> None:
         self.nice = nice
+        self.procs: dict[int, subprocess.Popen[str]] = {}  # thread index -> its live worker
         self.requests: queue.Queue[tuple[dict[str, Any], Future[dict[str, Any]]] | None] = (
             queue.Queue()
         )
         self.threads = [
-            threading.Thread(target=self._serve, name=f"aotc-cuda-check-{i}", daemon=True)
+            threading.Thread(
+                target=self._serve, args=(i,), name=f"aotc-cuda-check-{i}", daemon=True
+            )
             for i in range(jobs)
         ]
         for t in self.threads:
@@ -400,13 +403,24 @@ class _Pool:
         for t in self.threads:
             t.join(timeout=30)
 
-    def _serve(self) -> None:
+    def renice(self, nice: int) -> None:
+        """Run the workers at `nice` from now on (raising their priority back needs privileges;
+        without them they keep theirs)."""
+        self.nice = nice
+        for proc in list(self.procs.values()):
+            try:
+                os.setpriority(os.PRIO_PROCESS, proc.pid, nice)
+            except OSError:
+                pass  # not allowed: the workers stay at their priority
+
+    def _serve(self, slot: int) -> None:
         proc: subprocess.Popen[str] | None = None
         try:
             while (item := self.requests.get()) is not None:
                 request, fut = item
                 if proc is None or proc.poll() is not None:
                     proc = _start_worker(self.nice)
+                    self.procs[slot] = proc
                 try:
                     assert proc.stdin is not None and proc.stdout is not None
                     proc.stdin.write(json.dumps({**request, "id": 0}) + "\n")
@@ -470,6 +484,14 @@ def _pool(jobs: int | None) -> _Pool:
         atexit.register(_STATE["pool"].close)
     pool: _Pool = _STATE["pool"]
     return pool
+
+
+def renice(nice: int) -> None:
+    """Change the priority of the running workers (see `configure`)."""
+    _STATE["config"] = (_STATE.get("config", (None, 0))[0], nice)
+    pool = _STATE.get("pool")
+    if pool is not None:
+        pool.renice(nice)
 
 
 def shutdown() -> None:

@@ -54,6 +54,7 @@ class GpuCompileCheck:
     def finish(self) -> tuple[list[str], str]:
         """(failure reports, one summary line), once every compile is done."""
         waited = time.perf_counter()
+        self.cc.renice(0)  # the tests are done: the compiles need not yield any more
         results = [f.result() for f in list(self.futures)]
         tail = time.perf_counter() - waited
         failures = [r for r in results if not r.ok]

@@ -137,3 +137,27 @@ def test_backend_choice_does_not_depend_on_import_order(first: str, interpret: s
     counts = eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 - our own print
     assert counts and all(n >= 1 for n in counts), out.stdout
     assert "interpreter" not in out.stderr and "ATen calls" not in out.stderr, out.stderr
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda t: t.unbind(0)[2],
+        lambda t: t.select(0, 2),
+        lambda t: t[1:3],
+        lambda t: t.unfold(0, 2, 1)[1],
+        lambda t: t.split(1)[3],
+    ],
+    ids=["unbind", "select", "slice", "unfold", "split"],
+)
+def test_view_outputs_of_intermediates_keep_their_offset(view) -> None:
+    """An output that is a view of an intermediate at a storage offset (select/unbind row 2)
+    stays an ATen view of the kernel's result, so its values and aliasing are eager's."""
+    from tests.conftest import assert_matches_eager
+
+    def fn(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = a * 3
+        return view(t), t
+
+    assert_matches_eager(fn, lambda: torch.randn(4, 3, requires_grad=True), backend="triton")
