@@ -251,3 +251,22 @@ def test_embedding_forward(graphs, caplog) -> None:
         lambda: (torch.randn(11, 8, requires_grad=True), torch.randint(0, 11, (3, 4))),
         ("aten.embedding",),
     )
+
+
+def test_traffic_figures_around_an_aten_call(graphs) -> None:
+    """Forward of `(x @ w).relu() * 2`: the mm is an ATen call (reads x and w, writes its
+    output); one kernel reads the mm output once and writes the result once, which is the
+    kernels' minimum given the mm; the graph's minimum is x, w and the output."""
+    import aotc
+
+    compiled = aotc.compile(lambda x, w: (x @ w).relu() * 2, backend="triton", cache=False)
+    x, w = torch.randn(6, 5), torch.randn(5, 7)
+    torch.testing.assert_close(compiled(x, w), (x @ w).relu() * 2)
+    (fwd,) = graphs
+    f = fwd.figures
+    assert f is not None and len(fwd.kernels) == 1
+    mm_out = out = 6 * 7 * 4
+    assert f.kernel_bytes == mm_out + out == f.fusion_min_bytes
+    assert f.aten_bytes == (6 * 5 + 5 * 7) * 4 + mm_out
+    assert f.min_bytes == (6 * 5 + 5 * 7) * 4 + out
+    assert f.coverage == 1.0 and "aten.mm" not in dict(f.fallback_ops)
