@@ -165,6 +165,8 @@ def reduce_rows(kind: str, block: str) -> str:
 
 
 def index_code(e: sympy.Expr) -> str:
+    if e is sympy.true or e is sympy.false:  # a condition that simplified away
+        return "1" if e is sympy.true else "0"
     if isinstance(e, sympy.core.relational.Relational):
         return f"({index_code(e.lhs)} {e.rel_op} {index_code(e.rhs)})"
     if isinstance(e, (sympy.And, sympy.Or)):
@@ -182,11 +184,29 @@ def index_code(e: sympy.Expr) -> str:
         return "(" + " * ".join(index_code(a) for a in e.args) + ")"
     if e.is_Pow and e.exp.is_Integer and int(e.exp) > 0:
         return "(" + " * ".join([index_code(e.base)] * int(e.exp)) + ")"
-    if isinstance(e, FloorDiv):
-        return f"({index_code(e.args[0])} // {index_code(e.args[1])})"
-    if isinstance(e, ModIdx):
-        return f"({index_code(e.args[0])} % {index_code(e.args[1])})"
+    if isinstance(e, (FloorDiv, ModIdx)):
+        a, b = index_code(e.args[0]), index_code(e.args[1])
+        if _nonneg(e.args[0]):
+            return f"({a} // {b})" if isinstance(e, FloorDiv) else f"({a} % {b})"
+        # A dividend that may be negative (a cat input's index, rewritten by the simplifier
+        # under Python's rounding): floor semantics whichever way `%` rounds (C on CUDA).
+        rem = f"((({a}) % {b} + {b}) % {b})"
+        return f"((({a}) - {rem}) // {b})" if isinstance(e, FloorDiv) else rem
     raise CodegenError(f"cannot print index {e}")
+
+
+def _nonneg(e: sympy.Expr) -> bool:
+    """`e` >= 0 by its form: index and size symbols, non-negative constants, and sums,
+    products, quotients and remainders of those (data symbols are not)."""
+    if e.is_Integer:
+        return int(e) >= 0
+    if e.is_Symbol:
+        return bool(e.is_nonnegative)
+    if e.is_Add or e.is_Mul or isinstance(e, (FloorDiv, ModIdx)):
+        return all(_nonneg(a) for a in e.args)
+    if e.is_Pow:
+        return _nonneg(e.base)
+    return False
 
 
 def _block_index(e: sympy.Expr, blocks: tuple[sympy.Symbol, ...] = (XINDEX,)) -> str:

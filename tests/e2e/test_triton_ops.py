@@ -270,3 +270,22 @@ def test_traffic_figures_around_an_aten_call(graphs) -> None:
     assert f.aten_bytes == (6 * 5 + 5 * 7) * 4 + mm_out
     assert f.min_bytes == (6 * 5 + 5 * 7) * 4 + out
     assert f.coverage == 1.0 and "aten.mm" not in dict(f.fallback_ops)
+
+
+def test_cat_read_through_a_reshape_and_bicubic(graphs, caplog) -> None:
+    """A cat input read through a reshape gets an index the simplifier rewrites with negative
+    intermediate values; its `%` must round like Python's on every backend (found by the
+    OpInfo sweep: bicubic interpolation)."""
+
+    def f(a: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w = torch.cat([a[:, None] + 1, 2 - a[:, None]]).view(2, 3) * -0.75
+        up = F.interpolate(x, size=(3, 5), mode="bicubic", align_corners=True)
+        return w, up
+
+    check(
+        graphs,
+        caplog,
+        f,
+        lambda: (torch.rand(3), torch.randn(2, 3, 4, 4, requires_grad=True)),
+        ("aten.cat", "aten.index.Tensor"),
+    )
