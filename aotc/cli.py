@@ -213,8 +213,13 @@ def _kernels_text(rec: Any, aten_calls: int) -> str:
     kernels = getattr(rec, "kernels", ())
     if not kernels:
         return f"{aten_calls} ATen calls (backend 'aten'; backend='triton' generates kernels)"
+    from aotc.pipeline import kernel_resources_text
+
     names = ", ".join(k.name for k in kernels[:6]) + (" ..." if len(kernels) > 6 else "")
-    return f"{len(kernels)} generated Triton kernels ({names}) plus ATen calls for the rest"
+    text = f"{len(kernels)} generated Triton kernels ({names}) plus ATen calls for the rest"
+    # per kernel on sm_90 and sm_80: registers, spills, shared memory, warps, stages, occupancy
+    table = kernel_resources_text(rec).splitlines()
+    return text + "".join(f"\n      {line}" for line in table if not line.startswith("# stage"))
 
 
 def explain_text(

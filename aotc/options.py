@@ -24,7 +24,7 @@ class CompileOptions:
     # How graphs run: "aten" runs the fx graphs as ATen ops; "triton" runs generated Triton
     # kernels (on CPU through Triton's interpreter); "auto" uses Triton for CUDA graphs only.
     backend: str = "auto"
-    triton_interpret: bool = False  # set by from_env: Triton's interpreter runs CPU kernels
+    triton_interpret: bool = False  # set by from_env: Triton's interpreter can run CPU kernels
     dynamic: bool = False  # symbolic sizes for tensor arguments (see aotc/symbolic.py)
     recompile_warn_limit: int = 8  # warn once a function has this many compiled signatures
     max_signatures: int = 64  # refuse to compile more signatures than this (GuardError)
@@ -68,7 +68,7 @@ class CompileOptions:
                 f"aotc.compile(backend={opts.backend!r}): expected 'aten', 'triton' or 'auto'."
             )
         if opts.backend == "triton":
-            opts = replace(opts, triton_interpret=_prepare_triton_interpreter())
+            opts = replace(opts, triton_interpret=_triton_interpreter_available())
         return opts
 
 
@@ -89,20 +89,24 @@ def default_cache_dir() -> str:
     return os.path.join(base, "aotc")
 
 
-def _prepare_triton_interpreter() -> bool:
-    """Whether Triton runs CPU kernels in its interpreter. TRITON_INTERPRET is read when triton
-    is imported, so it is set here, before the first import, on machines without CUDA (an
-    exception to "options only read env vars": Triton itself reads this one)."""
-    import sys
+def cuda_check_cache_dir() -> str | None:
+    """Where compiles for GPU targets (runtime.cuda_check: kernel resources in `aotc explain`,
+    the dump and AOTC_LOG=kernels) keep their results: under the cache directory, unless
+    AOTC_CACHE=0."""
+    if os.environ.get("AOTC_CACHE", "1").strip().lower() in ("0", "false", "off"):
+        return None
+    return os.path.join(default_cache_dir(), "cuda-check")
 
-    import torch
 
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    if "triton" in sys.modules or torch.cuda.is_available():
-        return False
-    os.environ["TRITON_INTERPRET"] = "1"
-    return True
+def _triton_interpreter_available() -> bool:
+    """Whether Triton's interpreter can run CPU kernels: whenever triton is installed. The
+    interpreter is chosen per kernel, by its device, when the kernel is loaded
+    (runtime.kernels.load_kernel; see Note [Interpreter-safe Triton] in passes.codegen), so it
+    does not matter whether TRITON_INTERPRET was set or triton (or torch._dynamo) imported first.
+    """
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def _check_partition_options(opts: CompileOptions) -> None:

@@ -489,6 +489,7 @@ def _log_record(record: CompiledRecord, fwd: fx.GraphModule, bwd: fx.GraphModule
             len(record.kernels),
             "\n".join(k.source for k in record.kernels),
         )
+        kernels.info("%s: kernel resources\n%s", record.name, kernel_resources_text(record))
     elif kernels.isEnabledFor(logging.INFO):
         for label, module in (("forward", fwd), ("backward", bwd)):
             if module is not None:
@@ -572,6 +573,9 @@ def dump_record(record: CompiledRecord, root: str) -> str:
 
     folder = _dump_folder(record.name, root)
     _write_files(folder, record.stages, graph_json(record, current_dynamo_compile_id()))
+    if record.kernels:
+        with open(os.path.join(folder, "09_kernels", "resources.txt"), "w") as f:
+            f.write(kernel_resources_text(record))
     return folder
 
 
@@ -590,3 +594,13 @@ def dump_failure(failure: FailedCompile, root: str) -> str:
     ]
     _write_files(folder, files, failure_json(failure, current_dynamo_compile_id()))
     return folder
+
+
+def kernel_resources_text(record: CompiledRecord) -> str:
+    """Registers, spills, shared memory, warps, stages and occupancy of each generated kernel
+    on sm_90 and sm_80 (compiled by Triton without a GPU; runtime.cuda_check)."""
+    from aotc.options import cuda_check_cache_dir
+    from aotc.runtime.cuda_check import describe_resources
+
+    kernels = [k.for_cuda for k in record.kernels]
+    return describe_resources(kernels, cache_dir=cuda_check_cache_dir())

@@ -68,8 +68,6 @@ def child(name: str, cache_dir: str, enabled: bool, backend: str) -> dict:
         AOTC_CACHE_DIR=cache_dir,
         AOTC_CACHE="1" if enabled else "0",
     )
-    if backend == "triton" and not _has_cuda():
-        env["TRITON_INTERPRET"] = "1"  # read when triton is imported (torch._dynamo may import it)
     code = CHILD.format(root=str(ROOT), name=name, backend=backend)
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -82,12 +80,6 @@ def child(name: str, cache_dir: str, enabled: bool, backend: str) -> dict:
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -31,8 +31,6 @@ from typing import Any
 os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="aotc-bench-triton-"))
 os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
 os.environ.setdefault("AOTC_CACHE", "0")
-if "--smoke" in sys.argv:  # a CPU check of the script: aotc's kernels run in the interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))

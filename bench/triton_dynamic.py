@@ -14,7 +14,6 @@ Writes bench/results/triton_dynamic.json.
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,8 +21,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-if not __import__("torch").cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
 from common import fmt_table, write_results

@@ -17,7 +17,8 @@ Worked example (softmax rows of float[4, 5], persistent):
 
     xindex = xoffset + tl.arange(0, XBLOCK)[:, None]; rindex = tl.arange(0, RBLOCK)[None, :]
     tmp0 = tl.load(in_x + (rindex + 5*xindex), xmask & rmask, other=0)
-    tmp1 = tl.max(tl.where(xmask & rmask, tmp0, float("-inf")), 1)[:, None]
+    tmp1 = tl.reduce(tl.where(xmask & rmask, tmp0, float("-inf")), 1,
+                     tl.standard._elementwise_max)[:, None]
     ...
     tl.store(out_div + (rindex + 5*xindex), tmp5, xmask & rmask)
 """
@@ -42,7 +43,17 @@ from aotc.passes.fusion import (
     store_index,
     tile_columns,
 )
-from aotc.passes.loop_ir import Const, Expr, FloorDiv, IndexValue, Load, ModIdx, Op, is_static
+from aotc.passes.loop_ir import (
+    Const,
+    Expr,
+    FloorDiv,
+    IndexValue,
+    Indirect,
+    Load,
+    ModIdx,
+    Op,
+    is_static,
+)
 from aotc.passes.lowering import Computed
 from aotc.runtime.kernels import KernelSource
 
@@ -59,6 +70,7 @@ _TL = {
     torch.float64: "tl.float64",
     torch.int64: "tl.int64",
     torch.int32: "tl.int32",
+    torch.int16: "tl.int16",
     torch.bool: "tl.int1",
     torch.int8: "tl.int8",
     torch.uint8: "tl.uint8",
@@ -102,13 +114,23 @@ _TEMPLATES = {
     "gelu": "(0.5 * {0} * (1.0 + tl.math.erf({0} * 0.7071067811865476)))",
     "gelu_tanh": "(0.5 * {0} * (2.0 / (1.0 + tl.exp(-2.0 * 0.7978845608028654 * ({0} + "
     "0.044715 * {0} * {0} * {0}))) ))",
-    "pow2": "({0} * {0})",
-    "pow3": "({0} * {0} * {0})",
-    "pow0_5": "tl.sqrt({0})",
-    "powm0_5": "tl.math.rsqrt({0})",
-    "powm1": "(1.0 / {0})",
-    "pow1": "{0}",
-    "powm2": "(1.0 / ({0} * {0}))",
+    "floor": "tl.floor({0})",
+    "ceil": "tl.ceil({0})",
+    "trunc": "tl.where({0} < 0, tl.ceil({0}), tl.floor({0}))",
+    "round": "_round_half_even({0})",
+    "isnan": "({0} != {0})",
+    "isinf": '(tl.abs({0}) == float("inf"))',
+    "bitwise_and": "({0} & {1})",
+    "bitwise_or": "({0} | {1})",
+    "bitwise_xor": "({0} ^ {1})",
+    "bitwise_not": "(~{0})",
+    "lshift": "({0} << {1})",
+    "rshift": "({0} >> {1})",
+    # integer division and remainders, exact whichever way `//` rounds (see _HELPERS)
+    "floordiv": "_floordiv({0}, {1})",
+    "truncdiv": "_truncdiv({0}, {1})",
+    "remainder": "({0} - _floordiv({0}, {1}) * {1})",
+    "fmod": "({0} - _truncdiv({0}, {1}) * {1})",
 }
 
 
@@ -116,7 +138,42 @@ class CodegenError(Exception):
     pass
 
 
+# Note [Interpreter-safe Triton]
+# Triton's standard library (`tl.sum`, `tl.max`, `tl.zeros`, `tl.cumsum`, ...) is made of
+# `@triton.jit` functions decorated when triton is imported, as interpreter functions only if
+# TRITON_INTERPRET=1 was set *then*. A kernel that calls them runs in the interpreter only when
+# triton was imported after that switch, so a program that imported triton (or torch._dynamo)
+# before aotc could not run CPU kernels. Generated kernels therefore call only Triton builtins
+# (`tl.reduce`, `tl.associative_scan`, `tl.full`, math functions) and pass the standard combine
+# functions (`tl.standard._sum_combine`, ...) by reference: the interpreter recognizes them and
+# never calls them, the compiler inlines them. Helpers a kernel defines itself are rebuilt as
+# interpreter or compiler functions when its module is loaded (runtime.kernels.load_kernel), so
+# the choice is made per kernel (by its device) and never depends on import order.
+
+_COMBINE = {
+    "sum": "tl.standard._sum_combine",
+    "prod": "tl.standard._prod_combine",
+    "max": "tl.standard._elementwise_max",
+    "min": "tl.standard._elementwise_min",
+}
+
+
+def reduce_rows(kind: str, block: str) -> str:
+    """A sum/max/min of a [XBLOCK, RBLOCK] block over r, as [XBLOCK] (see Note
+    [Interpreter-safe Triton])."""
+    return f"tl.reduce({block}, 1, {_COMBINE[kind]})"
+
+
 def index_code(e: sympy.Expr) -> str:
+    if e is sympy.true or e is sympy.false:  # a condition that simplified away
+        return "1" if e is sympy.true else "0"
+    if isinstance(e, sympy.core.relational.Relational):
+        return f"({index_code(e.lhs)} {e.rel_op} {index_code(e.rhs)})"
+    if isinstance(e, (sympy.And, sympy.Or)):
+        op = " & " if isinstance(e, sympy.And) else " | "
+        return "(" + op.join(index_code(a) for a in e.args) + ")"
+    if isinstance(e, sympy.Not):
+        return f"(~{index_code(e.args[0])})"
     if e.is_Integer:
         return str(int(e))
     if e.is_Symbol:
@@ -127,11 +184,29 @@ def index_code(e: sympy.Expr) -> str:
         return "(" + " * ".join(index_code(a) for a in e.args) + ")"
     if e.is_Pow and e.exp.is_Integer and int(e.exp) > 0:
         return "(" + " * ".join([index_code(e.base)] * int(e.exp)) + ")"
-    if isinstance(e, FloorDiv):
-        return f"({index_code(e.args[0])} // {index_code(e.args[1])})"
-    if isinstance(e, ModIdx):
-        return f"({index_code(e.args[0])} % {index_code(e.args[1])})"
+    if isinstance(e, (FloorDiv, ModIdx)):
+        a, b = index_code(e.args[0]), index_code(e.args[1])
+        if _nonneg(e.args[0]):
+            return f"({a} // {b})" if isinstance(e, FloorDiv) else f"({a} % {b})"
+        # A dividend that may be negative (a cat input's index, rewritten by the simplifier
+        # under Python's rounding): floor semantics whichever way `%` rounds (C on CUDA).
+        rem = f"((({a}) % {b} + {b}) % {b})"
+        return f"((({a}) - {rem}) // {b})" if isinstance(e, FloorDiv) else rem
     raise CodegenError(f"cannot print index {e}")
+
+
+def _nonneg(e: sympy.Expr) -> bool:
+    """`e` >= 0 by its form: index and size symbols, non-negative constants, and sums,
+    products, quotients and remainders of those (data symbols are not)."""
+    if e.is_Integer:
+        return int(e) >= 0
+    if e.is_Symbol:
+        return bool(e.is_nonnegative)
+    if e.is_Add or e.is_Mul or isinstance(e, (FloorDiv, ModIdx)):
+        return all(_nonneg(a) for a in e.args)
+    if e.is_Pow:
+        return _nonneg(e.base)
+    return False
 
 
 def _block_index(e: sympy.Expr, blocks: tuple[sympy.Symbol, ...] = (XINDEX,)) -> str:
@@ -153,14 +228,6 @@ def _const(value: object, dtype: torch.dtype) -> str:
             return 'float("inf")' if v > 0 else 'float("-inf")'
         return repr(v)
     return str(int(value))  # type: ignore[call-overload]
-
-
-def _uses_r(e: Expr) -> bool:
-    if isinstance(e, (Load, IndexValue)):
-        return RINDEX in e.index.free_symbols
-    if isinstance(e, Op):
-        return any(_uses_r(a) for a in e.args)
-    return False
 
 
 class _Scope:
@@ -185,6 +252,20 @@ class _Emitter:
         self.counter = 0
         self.registers: dict[str, str] = {}  # reduction member -> its row value variable
         self.buffers = plan.lowered.buffers
+        self.r_symbols: set[sympy.Symbol] = {RINDEX}  # r, and data symbols whose value uses r
+
+    def uses_r(self, e: Expr) -> bool:
+        """Whether `e` varies along r (then it is computed inside the r loop)."""
+        if isinstance(e, (Load, IndexValue)):
+            syms = e.index.free_symbols
+            if isinstance(e, Load) and e.mask is not None:
+                syms = syms | e.mask.free_symbols
+            return bool(syms & self.r_symbols)
+        if isinstance(e, Op):
+            return any(self.uses_r(a) for a in e.args)
+        if isinstance(e, Indirect):
+            return self.uses_r(e.index) or self.uses_r(e.body)
+        return False
 
     def var(self) -> str:
         self.counter += 1
@@ -194,7 +275,7 @@ class _Emitter:
         if isinstance(e, Const):
             return _const(e.value, e.dtype)
         target = scope
-        if scope.level == "r" and not _uses_r(e) and scope.parent is not None:
+        if scope.level == "r" and not self.uses_r(e) and scope.parent is not None:
             target = scope.parent
         hit = target.find(e)
         if hit is not None:
@@ -203,7 +284,9 @@ class _Emitter:
             if e.buf in self.registers:
                 return self.registers[e.buf]
             size, _, _, dtype = self.buffers[e.buf]
-            if 0 in size:  # only a reduction over an empty dim reads it: every lane is masked
+            # only a reduction over an empty dim reads an empty buffer; a load whose mask is
+            # never true (a cat input no lane reads) reads nothing: every lane is masked
+            if 0 in size or e.mask is sympy.false:
                 shape = (
                     "[XBLOCK, RBLOCK]"
                     if self.group.kind is GroupKind.REDUCTION
@@ -212,10 +295,12 @@ class _Emitter:
                     else "[XBLOCK]"
                 )
                 name = self.var()
-                target.lines.append(f"{target.indent}{name} = tl.zeros({shape}, {_TL[dtype]})")
+                target.lines.append(f"{target.indent}{name} = tl.full({shape}, 0, {_TL[dtype]})")
                 target.cache[e] = name
                 return name
-            mask = "xmask & rmask" if RINDEX in e.index.free_symbols else "xmask"
+            mask = "xmask & rmask" if self.uses_r(e) else "xmask"
+            if e.mask is not None:
+                mask += f" & {index_code(e.mask)}"
             code = f"tl.load(in_{e.buf} + {_block_index(e.index, self.blocks)}, {mask}, other=0)"
             if dtype in (torch.float16, torch.bfloat16):
                 code += ".to(tl.float32)"
@@ -223,6 +308,21 @@ class _Emitter:
                 code = f"({code} != 0)"
         elif isinstance(e, IndexValue):
             code = f"({_block_index(e.index, self.blocks)}).to({_TL[e.dtype]})"
+        elif isinstance(e, Indirect):  # see Note [Data-dependent indices] in passes.loop_ir
+            value = self.emit(e.index, scope)
+            name = str(e.symbol)
+            lanes = "xmask & rmask" if self.uses_r(e.index) else "xmask"
+            if self.uses_r(e.index):
+                self.r_symbols.add(e.symbol)
+            size = index_code(sympy.sympify(e.size))
+            target.lines += [
+                f"{target.indent}{name} = {value}",
+                f"{target.indent}tl.device_assert((({name} >= 0) & ({name} < {size})) | "
+                f'~({lanes}), "index out of bounds")',
+            ]
+            body = self.emit(e.body, scope)
+            target.cache[e] = body
+            return body
         else:
             args = [self.emit(a, scope) for a in e.args]
             code = self.op_code(e, args)
@@ -244,6 +344,15 @@ class _Emitter:
             fn = "tl.maximum" if e.name == "maximum" else "tl.minimum"
             nan = ", propagate_nan=tl.PropagateNan.ALL" if e.dtype.is_floating_point else ""
             return f"{fn}({args[0]}, {args[1]}{nan})"
+        if e.name == "pow":
+            if self.interpret:  # Triton's interpreter has no libdevice: see _HELPERS["_pow"]
+                return f"_pow({args[0]}, {args[1]}).to({_TL[e.dtype]})"
+            # libdevice picks powf/pow by the argument types: make constants that type
+            typed = [
+                f"tl.full([], {a}, {_TL[e.dtype]})" if isinstance(x, Const) else a
+                for a, x in zip(args, e.args, strict=True)
+            ]
+            return f"libdevice.pow({typed[0]}, {typed[1]})"
         if e.name not in _TEMPLATES:
             raise CodegenError(f"no Triton template for op {e.name}")
         return _TEMPLATES[e.name].format(*args)
@@ -275,6 +384,8 @@ def _full(value: str, dtype: torch.dtype, shape: str) -> str:
 def _init(kind: str, dtype: torch.dtype) -> str:
     if kind == "sum":
         return "0"
+    if kind == "prod":
+        return "1"
     if dtype.is_floating_point:
         return 'float("-inf")' if kind == "max" else 'float("inf")'
     info = torch.iinfo(dtype) if dtype != torch.bool else None
@@ -348,7 +459,8 @@ def generate_kernel(
         if m.reduction is not None:
             em.registers[m.name] = _reduce(em, m, e, outer, persistent)
             if m.name in stores:
-                em.store(m, em.registers[m.name], outer, "xmask")
+                scan = m.reduction.is_scan  # every element: at (x, r)
+                em.store(m, em.registers[m.name], outer, "xmask & rmask" if scan else "xmask")
         elif m.name in stores:
             row = reduction and is_row_level(m, x, r)
             if row or not reduction or persistent:
@@ -418,7 +530,7 @@ def generate_kernel(
         "# source ops:",
         *[f"#   {op}" for op in group.source_ops],
     ]
-    helpers = _ROUND_BF16 if "_round_bf16(" in "\n".join(body) else ""
+    helpers = _helpers("\n".join(body))
     source = "\n".join(
         [
             *header,
@@ -446,73 +558,216 @@ def generate_kernel(
         bytes_written=group.bytes_written,
         tiled=bool(cols),
         symbols=symbols,
+        arg_dtypes=tuple(plan.lowered.buffers[b][3] for b in (*group.reads, *group.stores)),
     )
 
 
 def _reduce(em: _Emitter, m: Computed, e: Expr, outer: _Scope, persistent: bool) -> str:
     red = m.reduction
     assert red is not None
-    acc_tl = _TL[m.dtype]
-    init = _init(red.kind, m.dtype)
-    combine = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min"}[red.kind]
+    if red.is_scan:
+        return _scan(em, m, e, outer, persistent)
+    if red.kind in ("argmax", "argmin"):
+        return _arg_reduce(em, m, e, outer, persistent)
+    kind, dtype, post = red.kind, m.dtype, ""
+    if kind in ("any", "all"):  # of (x != 0), as an int32 max/min (Triton reduces no int1)
+        kind, dtype, post = ("max" if kind == "any" else "min"), torch.int32, " != 0"
+    acc_tl = _TL[dtype]
+    init = _init(kind, dtype)
     if persistent:
-        value = em.emit(e, outer)
-        if isinstance(e, Const):
-            value = _full(value, m.dtype, "[XBLOCK, RBLOCK]")
+        value = _block_value(em, e, outer, dtype, post)
         masked, name = em.var(), em.var()
         outer.lines += [
             f"    {masked} = tl.where(xmask & rmask, {value}, {init})",
-            f"    {name} = {combine}({masked}, 1)[:, None].to({acc_tl})",
+            f"    {name} = {reduce_rows(kind, masked)}[:, None].to({acc_tl})",
         ]
-        outer.lines += _propagate_nan(red.kind, m.dtype, masked, name, "    ")
-        return name
+        outer.lines += _propagate_nan(kind, dtype, masked, name, "    ")
+        return _post(em, outer, name, post)
     acc = em.var()
     loop = _Scope("        ", outer, "r")
-    value = em.emit(e, loop)
-    if isinstance(e, Const):
-        value = _full(value, m.dtype, "[XBLOCK, RBLOCK]")
+    value = _block_value(em, e, loop, dtype, post)
     masked = f"tl.where(xmask & rmask, {value}, {init})"
-    nan = ", propagate_nan=tl.PropagateNan.ALL" if m.dtype.is_floating_point else ""
-    step = {
-        "sum": f"{acc} + {masked}",
-        "max": f"tl.maximum({acc}, {masked}{nan})",
-        "min": f"tl.minimum({acc}, {masked}{nan})",
-    }[red.kind]
     outer.lines += [
         f"    {acc} = tl.full([XBLOCK, RBLOCK], {init}, {acc_tl})",
+        *_r_loop(loop),
+        f"        {acc} = {_combine_step(kind, dtype, acc, masked)}",
+    ]
+    name = em.var()
+    outer.lines.append(f"    {name} = {reduce_rows(kind, acc)}[:, None]")
+    outer.lines += _propagate_nan(kind, dtype, acc, name, "    ")
+    return _post(em, outer, name, post)
+
+
+def _block_value(em: _Emitter, e: Expr, scope: _Scope, dtype: torch.dtype, post: str) -> str:
+    """`e` emitted in `scope` as a [XBLOCK, RBLOCK] block (of int32 for any/all)."""
+    value = em.emit(e, scope)
+    if isinstance(e, Const):
+        value = _full(value, dtype, "[XBLOCK, RBLOCK]")
+    return f"{value}.to(tl.int32)" if post else value
+
+
+def _post(em: _Emitter, outer: _Scope, name: str, post: str) -> str:
+    if not post:
+        return name
+    out = em.var()
+    outer.lines.append(f"    {out} = {name}{post}")
+    return out
+
+
+def _r_loop(loop: _Scope) -> list[str]:
+    return [
         "    for roffset in range(0, rnumel, RBLOCK):",
         "        rindex = roffset + rbase",
         "        rmask = rindex < rnumel",
         *loop.lines,
-        f"        {acc} = {step}",
     ]
-    name = em.var()
-    outer.lines.append(f"    {name} = {combine}({acc}, 1)[:, None]")
-    outer.lines += _propagate_nan(red.kind, m.dtype, acc, name, "    ")
+
+
+def _combine_step(kind: str, dtype: torch.dtype, acc: str, masked: str) -> str:
+    nan = ", propagate_nan=tl.PropagateNan.ALL" if dtype.is_floating_point else ""
+    return {
+        "sum": f"{acc} + {masked}",
+        "prod": f"{acc} * {masked}",
+        "max": f"tl.maximum({acc}, {masked}{nan})",
+        "min": f"tl.minimum({acc}, {masked}{nan})",
+    }[kind]
+
+
+def _arg_reduce(em: _Emitter, m: Computed, e: Expr, outer: _Scope, persistent: bool) -> str:
+    """argmax/argmin along r as torch defines them: the first index of the max (min); a NaN
+    counts as the max (min), so a row with a NaN gives its first NaN. One pass finds the value
+    (NaN-propagating), a second the smallest r holding it (both in registers when persistent)."""
+    red = m.reduction
+    assert red is not None
+    dtype = e.dtype if not isinstance(e, Load) else em.buffers[e.buf][3]
+    kind = "max" if red.kind == "argmax" else "min"
+    init = _init(kind, dtype)
+    isfloat = dtype.is_floating_point
+
+    def hit(value: str, best: str) -> str:
+        same = f"({value} == {best})"
+        return f"({same} | (({value} != {value}) & ({best} != {best})))" if isfloat else same
+
+    if persistent:
+        value = _block_value(em, e, outer, dtype, "")
+        masked, best, idx = em.var(), em.var(), em.var()
+        outer.lines += [
+            f"    {masked} = tl.where(xmask & rmask, {value}, {init})",
+            f"    {best} = {reduce_rows(kind, masked)}[:, None]",
+            *_propagate_nan(kind, dtype, masked, best, "    "),
+            f"    {idx} = {reduce_rows('min', f'tl.where(xmask & rmask & {hit(value, best)}, rindex, rnumel)')}"
+            "[:, None].to(tl.int64)",
+        ]
+        return idx
+    acc, best, acc_idx, idx = em.var(), em.var(), em.var(), em.var()
+    first, second = _Scope("        ", outer, "r"), _Scope("        ", outer, "r")
+    value = _block_value(em, e, first, dtype, "")
+    outer.lines += [
+        f"    {acc} = tl.full([XBLOCK, RBLOCK], {init}, {_TL[dtype]})",
+        *_r_loop(first),
+        f"        {acc} = {_combine_step(kind, dtype, acc, f'tl.where(xmask & rmask, {value}, {init})')}",
+        f"    {best} = {reduce_rows(kind, acc)}[:, None]",
+        *_propagate_nan(kind, dtype, acc, best, "    "),
+        f"    {acc_idx} = tl.full([XBLOCK, RBLOCK], 0, tl.int64) + rnumel",
+    ]
+    value = _block_value(em, e, second, dtype, "")
+    candidate = f"tl.where(xmask & rmask & {hit(value, best)}, rindex, rnumel)"
+    outer.lines += [
+        *_r_loop(second),
+        f"        {acc_idx} = tl.minimum({acc_idx}, {candidate}.to(tl.int64))",
+        f"    {idx} = {reduce_rows('min', acc_idx)}[:, None]",
+    ]
+    return idx
+
+
+def _scan(em: _Emitter, m: Computed, e: Expr, outer: _Scope, persistent: bool) -> str:
+    """An inclusive cumsum/cumprod of each row, kept in registers ([XBLOCK, RBLOCK])."""
+    red = m.reduction
+    assert red is not None
+    if not persistent:  # lowering keeps scans to rows it can hold (MAX_SCAN_RNUMEL)
+        raise CodegenError(f"{m.name}: a scan over rows longer than {PERSISTENT_RNUMEL}")
+    combine = "tl.standard._sum_combine" if red.kind == "cumsum" else "tl.standard._prod_combine"
+    value = _block_value(em, e, outer, m.dtype, "")
+    masked, name = em.var(), em.var()
+    outer.lines += [
+        f"    {masked} = tl.where(xmask & rmask, {value}, {0 if red.kind == 'cumsum' else 1})",
+        f"    {name} = tl.associative_scan({masked}.to({_TL[m.dtype]}), 1, {combine})",
+    ]
     return name
 
 
 def _propagate_nan(
     kind: str, dtype: torch.dtype, block: str, result: str, indent: str
 ) -> list[str]:
-    """torch's amax/amin return NaN for a row with a NaN; tl.max/tl.min may skip it."""
-    if kind == "sum" or not dtype.is_floating_point:
+    """torch's amax/amin return NaN for a row with a NaN; a max/min reduction may skip it."""
+    if kind not in ("max", "min") or not dtype.is_floating_point:
         return []
     line = (
-        f"{indent}{result} = tl.where(tl.sum(({block} != {block}).to(tl.int32), 1)[:, None]"
+        f"{indent}{result} = tl.where("
+        f"{reduce_rows('sum', f'({block} != {block}).to(tl.int32)')}[:, None]"
         f' > 0, float("nan"), {result})'
     )
     return [line]
 
 
-_ROUND_BF16 = """@triton.jit
+# Triton helpers a kernel defines when its body calls them (by name), in definition order.
+_HELPERS = {
+    "_round_bf16": """@triton.jit
 def _round_bf16(v):
     # fp32 -> bf16 with round-to-nearest-even (the interpreter's cast truncates)
     bits = v.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+""",
+    "_floordiv": """@triton.jit
+def _floordiv(a, b):
+    # integer floor division (torch's //) whether `//` truncates (CUDA) or floors (interpreter)
+    q = a // b
+    r = a - q * b
+    return q - ((r != 0) & ((r < 0) != (b < 0))).to(q.dtype)
+""",
+    "_truncdiv": """@triton.jit
+def _truncdiv(a, b):
+    # integer division rounding toward zero, whichever way `//` rounds
+    q = a // b
+    r = a - q * b
+    return q + ((r != 0) & ((r < 0) != (a < 0))).to(q.dtype)
+""",
+    "_round_half_even": """@triton.jit
+def _round_half_even(x):
+    # torch.round: to the nearest integer, ties to even (exact: no x + 0.5)
+    f = tl.floor(x)
+    d = x - f
+    up = (d > 0.5) | ((d == 0.5) & ((f - 2.0 * tl.floor(f * 0.5)) != 0))
+    return tl.where(up, f + 1.0, f)
+""",
+    "_pow": """@triton.jit
+def _pow(x, y):
+    # torch.pow in Triton's interpreter (no libdevice there): exp(y * log|x|) in fp64, with the
+    # sign of a negative base to an odd integer power, NaN for a negative base to a non-integer
+    # power, and pow(x, 0) = pow(1, y) = 1 (also for NaN), pow(-1, +-inf) = 1
+    xf = (x + 0 * y).to(tl.float64)
+    yf = (y + 0 * x).to(tl.float64)
+    mag = tl.exp(yf * tl.log(tl.abs(xf)))
+    y_int = yf == tl.floor(yf)
+    y_odd = y_int & ((yf - 2.0 * tl.floor(yf * 0.5)) == 1.0)
+    r = tl.where(xf < 0, tl.where(y_int, tl.where(y_odd, -mag, mag), float("nan")), mag)
+    r = tl.where((tl.abs(xf) == 1.0) & (tl.abs(yf) == float("inf")), 1.0, r)
+    return tl.where((yf == 0) | (xf == 1.0), 1.0, r)
+""",
+}
 
-"""
+
+def _helpers(body: str) -> str:
+    """The helper definitions `body` calls, directly or through another helper, and the imports
+    it needs."""
+    used = {name for name in _HELPERS if f"{name}(" in body}
+    for name in list(used):  # one level of helpers calling helpers is all we have
+        used |= {other for other in _HELPERS if f"{other}(" in _HELPERS[name]}
+    text = "".join(_HELPERS[name] + "\n" for name in _HELPERS if name in used)
+    if "libdevice." in body:
+        text = "from triton.language.extra import libdevice\n\n" + text
+    return text
 
 
 def kernel_numel(group: FusionGroup) -> int:

@@ -109,9 +109,24 @@ def decomposition_table() -> dict[Any, Callable[..., Any]]:
         for op, fn in table.items()
         if op.overloadpacket not in EXTERN_OPS and op.overloadpacket not in _KEEP
     }
+    table[aten.mean.dim] = _mean
+    table[aten.mean.default] = lambda x, *, dtype=None: _mean(x, None, dtype=dtype)
     table[aten.var_mean.correction] = _var_mean
     table[aten.var.correction] = lambda *a, **k: _var_mean(*a, **k)[0]
     return table
+
+
+def _mean(
+    x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """A sum and a division, which fuse into the reduction's kernel (RMSNorm's
+    `x.pow(2).mean(-1, keepdim=True)`); the sum accumulates in fp32 for half types, as eager's
+    mean does, and the division happens before the one rounding to the result type."""
+    dims = list(range(x.dim())) if not dim else [d % max(x.dim(), 1) for d in dim]
+    n = 1
+    for d in dims:
+        n *= x.shape[d]
+    return aten.sum.dim_IntList(x, dims, keepdim, dtype=dtype) / n
 
 
 def _var_mean(

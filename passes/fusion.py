@@ -34,6 +34,7 @@ import sympy
 from aotc.passes.loop_ir import (
     Expr,
     IndexValue,
+    Indirect,
     Load,
     Op,
     Ranges,
@@ -49,6 +50,7 @@ from aotc.passes.loop_ir import (
     mod,
     simplify,
     unflatten,
+    with_mask,
 )
 from aotc.passes.lowering import Computed, Extern, Item, LoweredGraph, _itemsize, _prod
 
@@ -141,7 +143,7 @@ def _same(a: Size, b: Size) -> bool:
 
 def store_index(comp: Computed, xnumel: int, rnumel: int, cols: int = 0) -> sympy.Expr:
     ranges = group_ranges(xnumel, rnumel, cols)
-    if comp.reduction is not None:
+    if comp.reduction is not None and not comp.reduction.is_scan:  # a scan stores every element
         red = comp.reduction
         outer = iter(unflatten(XINDEX, red.outer, ranges))
         keep = len(comp.size) == len(red.src_size)
@@ -176,19 +178,30 @@ def expand(
 ) -> Expr:
     """`e` with loads of in-group pointwise members replaced by their computation and every
     index simplified. Loads of in-group reductions must be at the row (`rows[buf]`), else
-    FusionMismatch."""
+    FusionMismatch. A masked load of a member masks every load of its computation."""
     if isinstance(e, Load):
+        mask = None if e.mask is None else simplify(e.mask, ranges)
+        mask = None if mask is sympy.true else mask
         if e.buf in inline:
             producer = inline[e.buf]
-            return expand(producer.fn(_storage_to_index(producer, e.index)), inline, rows, ranges)
+            value = producer.fn(_storage_to_index(producer, e.index))
+            return expand(value if mask is None else with_mask(value, mask), inline, rows, ranges)
         index = simplify(e.index, ranges)
         if e.buf in rows and index != rows[e.buf]:
             raise FusionMismatch(f"{e.buf} read at {index}, computed at {rows[e.buf]}")
-        return Load(e.buf, index)
+        return Load(e.buf, index, mask)
     if isinstance(e, IndexValue):
         return IndexValue(simplify(e.index, ranges), e.dtype)
     if isinstance(e, Op):
         return Op(e.name, tuple(expand(a, inline, rows, ranges) for a in e.args), e.dtype)
+    if isinstance(e, Indirect):  # see Note [Data-dependent indices] in passes.loop_ir
+        inner = {**ranges, e.symbol: e.size}
+        return Indirect(
+            e.symbol,
+            expand(e.index, inline, rows, ranges),
+            e.size,
+            expand(e.body, inline, rows, inner),
+        )
     return e
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from torch import fx
 from aotc.passes.codegen import generate_kernel
 from aotc.passes.decompose import decompose
 from aotc.passes.fusion import FusionPlan, GroupKind, plan_fusion
+from aotc.passes.kernel_figures import kernel_figures
 from aotc.passes.loop_ir import is_static, static_or_expr
 from aotc.passes.lowering import Extern, _non_overlapping, lower, view_output_positions
 from aotc.runtime.kernels import (
@@ -37,6 +39,10 @@ from aotc.runtime.kernels import (
 from aotc.runtime.symsizes import SymSource, bind_symbols, compile_sizes
 
 log = logging.getLogger("aotc.kernels")
+
+# Called with every CompiledGraph lowering makes (observers only: e.g. the test suite compiles
+# every generated kernel for GPU targets, see tests/conftest.py).
+KERNEL_LISTENERS: list[Callable[[CompiledGraph], None]] = []
 
 
 def graph_device(module: fx.GraphModule) -> torch.device | None:
@@ -66,6 +72,7 @@ def lower_graph(
     extern_reads = {b for g in plan.groups if g.kind is GroupKind.EXTERN for b in g.reads}
     steps: list[Step] = []
     kernels: list[KernelSource] = []
+    generated: set[str] = set()
     for group in plan.groups:
         if group.kind is GroupKind.EXTERN:
             ext = group.members[0]
@@ -80,6 +87,8 @@ def lower_graph(
         fallback = _node_runner(nodes, list(group.stores), plan.lowered.aliases, sources)
         try:
             kernel = generate_kernel(plan, group, device, interpret)
+            if interpret:  # the kernel a GPU would run for this group (see KernelSource.cuda)
+                kernel = replace(kernel, cuda=generate_kernel(plan, group, "cuda", False))
             load_kernel(kernel)
         except Exception as e:  # noqa: BLE001 - a group that cannot compile runs as ATen calls
             log.warning(
@@ -91,10 +100,11 @@ def lower_graph(
             steps.append(AtenStep(group.name, fallback))
             continue
         kernels.append(kernel)
+        generated.add(group.name)
         specs = tuple(_spec(plan, name, device) for name in group.stores)
         steps.append(KernelStep(kernel, specs, fallback))
     steps, num_slots = _plan_buffers(steps, plan, outputs | extern_reads)
-    return CompiledGraph(
+    compiled = CompiledGraph(
         kernels=tuple(kernels),
         steps=tuple(steps),
         placeholders=tuple(plan.lowered.placeholders),
@@ -104,7 +114,11 @@ def lower_graph(
         input_strides=tuple(_input_stride(plan, name) for name in plan.lowered.placeholders),
         symbols=sources,
         decomposed=decomposed,
+        figures=kernel_figures(plan, generated),
     )
+    for listener in KERNEL_LISTENERS:
+        listener(compiled)
+    return compiled
 
 
 def _input_stride(plan: FusionPlan, name: str) -> tuple[int, ...] | None:

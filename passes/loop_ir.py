@@ -32,6 +32,7 @@ below the numel (lanes past it are masked).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -283,6 +284,10 @@ def mod(e: sympy.Expr, d: Size, ranges: Ranges) -> sympy.Expr:
 
 def simplify(e: sympy.Expr, ranges: Ranges) -> sympy.Expr:
     """Rebuild `e` bottom-up with the range-aware rules (see Note [Index simplification])."""
+    if e is sympy.true or e is sympy.false:
+        return e
+    if isinstance(e, (sympy.core.relational.Relational, sympy.logic.boolalg.BooleanFunction)):
+        return e.func(*[simplify(a, ranges) for a in e.args])  # a mask: simplify its sides
     if e.is_Integer or e.is_Symbol or (e.is_Pow and e.exp.is_Integer and e.base.is_positive):
         return e  # a Pow here is a size symbol's power (symbolic strides)
     if isinstance(e, FloorDiv):
@@ -387,6 +392,9 @@ def unflatten(flat: sympy.Expr, size: Sequence[Size], ranges: Ranges) -> list[sy
 class Load:
     buf: str  # name of a materialized buffer (placeholder, extern output, or kernel output)
     index: sympy.Expr  # element offset into the buffer's storage
+    # An index condition (a sympy boolean over index and data symbols): the element is read
+    # only where it holds, elsewhere the value is 0 (cat reads each input in its own range).
+    mask: sympy.Basic | None = None
 
 
 @dataclass(frozen=True)
@@ -397,7 +405,7 @@ class Const:
 
 @dataclass(frozen=True)
 class IndexValue:
-    index: sympy.Expr  # an index used as a number (iota, masks)
+    index: sympy.Expr  # an index used as a number (iota, masks); or an index condition (bool)
     dtype: torch.dtype
 
 
@@ -408,15 +416,63 @@ class Op:
     dtype: torch.dtype  # result dtype (torch semantics; half types compute in fp32)
 
 
-Expr = Load | Const | IndexValue | Op
+@dataclass(frozen=True)
+class Indirect:
+    """`body` with the data symbol `symbol` bound to the integer value of `index`: an index read
+    from a tensor (gather, index, embedding). See Note [Data-dependent indices]."""
+
+    symbol: sympy.Symbol  # data_symbol(index, dim)
+    index: Expr  # an int64 value; valid values are 0 <= value < size
+    size: Size  # the extent of the dim it indexes
+    body: Expr  # its loads that use `symbol` are masked by 0 <= symbol < size
+
+
+Expr = Load | Const | IndexValue | Op | Indirect
 
 IndexFn = Callable[[Sequence[sympy.Expr]], Expr]
+
+# Note [Data-dependent indices]
+# `x.gather(1, i)`, `x[i]` and `embedding(i, w)` read `x` at an index that is a *value*: the
+# lowering binds a fresh data symbol `g` to that value (`Indirect(g, value, size, body)`) and
+# builds `body` by calling the input's index function with `g` in the indexed dim, so views of
+# the input compose as usual and the body's loads have `g` in their index expressions. Every such
+# load is masked by `0 <= g < size` (`with_mask`): an index out of range reads nothing. Eager
+# raises on such an index; a kernel cannot raise, so the generated code asserts the range with
+# `tl.device_assert` (active in Triton's interpreter and in kernels compiled with TRITON_DEBUG=1)
+# and otherwise yields 0 for it (see docs/status.md). Index simplification knows `g < size`;
+# fusion never inlines a producer or reads a reduction result at a data-dependent index in a way
+# it cannot check: such reads simply do not simplify to the row and stay separate kernels.
+
+
+def data_symbol(value: Expr, dim: int) -> sympy.Symbol:
+    """The data symbol bound to `value` indexing dim `dim` (see Note [Data-dependent indices]);
+    printed as a kernel variable of the same name. Named after the value itself, so the same
+    value gives the same symbol however often an index function runs, and two values never
+    share one (equal loads under different bindings would otherwise be merged)."""
+    digest = hashlib.sha256(f"{value!r}/{dim}".encode()).hexdigest()[:10]
+    return sympy.Symbol(f"gidx_{digest}", integer=True)
+
+
+def with_mask(e: Expr, cond: sympy.Basic) -> Expr:
+    """`e` with every load made conditional on `cond` (see Load.mask)."""
+    if cond is sympy.true:
+        return e
+    if isinstance(e, Load):
+        mask = cond if e.mask is None else sympy.And(e.mask, cond)
+        return Load(e.buf, e.index, mask)
+    if isinstance(e, Op):
+        return Op(e.name, tuple(with_mask(a, cond) for a in e.args), e.dtype)
+    if isinstance(e, Indirect):
+        return Indirect(e.symbol, with_mask(e.index, cond), e.size, with_mask(e.body, cond))
+    return e
 
 
 def expr_size(e: Expr, limit: int = 10_000) -> int:
     """Number of nodes of an expression tree (shared subtrees counted each time)."""
     if isinstance(e, Op):
         return 1 + sum(expr_size(a, limit) for a in e.args)
+    if isinstance(e, Indirect):
+        return 1 + expr_size(e.index, limit) + expr_size(e.body, limit)
     return 1
 
 
@@ -429,4 +485,6 @@ def loads_of(e: Expr) -> list[Load]:
             out.append(cur)
         elif isinstance(cur, Op):
             stack.extend(cur.args)
+        elif isinstance(cur, Indirect):
+            stack.extend((cur.index, cur.body))
     return out

@@ -73,7 +73,13 @@ class NodeKind(enum.Enum):
 class ReductionInfo:
     src_size: tuple[Size, ...]  # the size of the reduced input
     dims: tuple[int, ...]  # reduced dims of src_size, sorted
-    kind: str  # "sum", "max", "min"
+    # "sum", "max", "min", "prod", "any", "all", "argmax", "argmin"; or a scan, "cumsum" or
+    # "cumprod", whose result has every element (size == src_size, see is_scan)
+    kind: str
+
+    @property
+    def is_scan(self) -> bool:
+        return self.kind in ("cumsum", "cumprod")
 
     @property
     def outer(self) -> tuple[Size, ...]:
@@ -247,7 +253,7 @@ class _Lowering:
         for inp in node.all_input_nodes:
             value = self.env.get(inp)
             lazy = isinstance(value, tuple) or (isinstance(value, _Value) and value.buffer is None)
-            if lazy and _is_view(inp):
+            if lazy and is_view_node(inp):
                 self.extern(inp)  # a view feeding an ATen call stays an ATen view, no copy
                 reads.append(inp.name)
             elif isinstance(value, _Value):
@@ -296,7 +302,7 @@ class _Lowering:
     def lower_node(self, node: fx.Node) -> None:
         val = _val(node)
         lowering = LOWERINGS.get(node.target)
-        is_view_out = node in self.view_outputs and _is_view(node)
+        is_view_out = node in self.view_outputs and is_view_node(node)
         if node.op == "get_attr":
             self.items.append(Extern(node.name, node, ()))
             self.env[node] = (
@@ -350,7 +356,7 @@ class _Lowering:
         return a
 
 
-def _is_view(node: fx.Node) -> bool:
+def is_view_node(node: fx.Node) -> bool:
     if node.target is operator.getitem:
         return isinstance(node.args[0], fx.Node) and node.args[0].target in VIEW_OPS
     return node.target in VIEW_OPS
@@ -408,8 +414,25 @@ def view_output_positions(module: fx.GraphModule) -> frozenset[int]:
     return frozenset(
         i
         for i, v in enumerate(returned)
-        if isinstance(v, fx.Node) and _is_view(v) and v.target != aten._unsafe_view.default
+        if isinstance(v, fx.Node) and _returns_alias(v) and v.target != aten._unsafe_view.default
     )  # that one returns a fresh tensor
+
+
+def _returns_alias(node: fx.Node) -> bool:
+    """A view of an input by the op's schema (`Tensor(a)` returns: unbind, select, unfold, ...),
+    or by lowering's own list; a getitem of a multi-output view op is a view too. Such graph
+    outputs stay ATen views so the runtime can regenerate their aliasing (their storage offset
+    into the base included)."""
+    if is_view_node(node):
+        return True
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return any(
+        r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns
+    )
 
 
 # ---- op lowerings ----------------------------------------------------------------------------
@@ -530,6 +553,9 @@ for _name, _targets in {
     "logical_and": (aten.logical_and.default,),
     "logical_or": (aten.logical_or.default,),
     "logical_not": (aten.logical_not.default,),
+    "bitwise_and": (aten.bitwise_and.Tensor, aten.bitwise_and.Scalar),
+    "bitwise_or": (aten.bitwise_or.Tensor, aten.bitwise_or.Scalar),
+    "bitwise_xor": (aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar),
 }.items():
     register(*_targets)(_pointwise(_name))
 
@@ -544,13 +570,6 @@ for _name, _targets in {
     register(*_targets)(_pointwise(_name))
 
 
-@register(aten.bitwise_not.default)
-def _bitwise_not(ctx: _Lowering, node: fx.Node, a: _Value) -> _Value:
-    if a.dtype != torch.bool:
-        raise Unsupported("bitwise_not on integers")
-    return _pointwise("logical_not")(ctx, node, a)
-
-
 @register(aten.div.Tensor, aten.div.Scalar)
 def _div(ctx: _Lowering, node: fx.Node, a: Any, b: Any) -> _Value:
     if not _val(node).dtype.is_floating_point:
@@ -558,15 +577,131 @@ def _div(ctx: _Lowering, node: fx.Node, a: Any, b: Any) -> _Value:
     return _pointwise("div", lambda out: out)(ctx, node, a, b)
 
 
+# Heuristic: integer powers up to this are multiplications (torch does x*x and x*x*x too);
+# beyond, a float power is libdevice's pow (Triton's interpreter: see codegen._HELPERS["_pow"]).
+MAX_POWER_PRODUCTS = 4
+
+
+def _power(v: Expr, n: int, dtype: torch.dtype) -> Expr:
+    """`v ** n` (n >= 1) by repeated squaring; equal subtrees are computed once."""
+    if n == 1:
+        return v
+    half = _power(v, n // 2, dtype)
+    sq = Op("mul", (half, half), dtype)
+    return Op("mul", (sq, v), dtype) if n % 2 else sq
+
+
 @register(aten.pow.Tensor_Scalar)
 def _pow(ctx: _Lowering, node: fx.Node, a: _Value, exponent: Any) -> _Value:
-    if exponent not in (0.5, -0.5, -1, 1, 2, 3, -2):
-        raise Unsupported(f"pow with exponent {exponent}")
-    if not _val(node).dtype.is_floating_point:
-        raise Unsupported("integer pow")
-    return _pointwise(f"pow{exponent}".replace(".", "_").replace("-", "m"), lambda o: o)(
-        ctx, node, a
+    out = _val(node)
+    size = _shape(out)
+    if isinstance(exponent, (SymScalar, complex)) or isinstance(exponent, bool):
+        raise Unsupported(f"pow with exponent {exponent!r}")
+    if not out.dtype.is_floating_point:
+        if a.dtype == torch.bool or not isinstance(exponent, int) or exponent < 0:
+            raise Unsupported(f"integer pow with exponent {exponent!r}")
+        fa = _broadcast_fn(a, size, out.dtype)
+        if exponent == 0:
+            one = Const(1, out.dtype)
+            return _Value(size, out.dtype, lambda idx: one)
+        return _Value(
+            size, out.dtype, lambda idx: _power(fa(idx), exponent, out.dtype), cost=a.cost + 4
+        )
+    dt = out.dtype
+    fa = _broadcast_fn(a, size, dt)
+    e = float(exponent)
+
+    def fn(idx: Sequence[sympy.Expr]) -> Expr:
+        v = fa(idx)
+        if e == 0:  # pow(x, 0) is 1, also for NaN
+            return Const(1.0, dt)
+        if e == 0.5:
+            return Op("sqrt", (v,), dt)
+        if e == -0.5:
+            return Op("rsqrt", (v,), dt)
+        if e.is_integer() and abs(e) <= MAX_POWER_PRODUCTS:
+            p = _power(v, int(abs(e)), dt)
+            return p if e > 0 else Op("div", (Const(1.0, dt), p), dt)
+        return Op("pow", (v, Const(e, dt)), dt)
+
+    return _Value(size, dt, fn, cost=a.cost + 4)
+
+
+@register(aten.pow.Tensor_Tensor, aten.pow.Scalar)
+def _pow_tensor(ctx: _Lowering, node: fx.Node, base: Any, exponent: Any) -> _Value:
+    out = _val(node)
+    if not out.dtype.is_floating_point:
+        raise Unsupported("integer pow with a tensor exponent")
+    if any(isinstance(v, (SymScalar, complex)) for v in (base, exponent)):
+        raise Unsupported("pow of a symbolic size or a complex number")
+    return _pointwise("pow", lambda o: o)(ctx, node, base, exponent)
+
+
+@register(aten.div.Tensor_mode, aten.div.Scalar_mode)
+def _div_mode(
+    ctx: _Lowering, node: fx.Node, a: Any, b: Any, *, rounding_mode: str | None = None
+) -> _Value:
+    out = _val(node)
+    if rounding_mode is None:
+        return _div(ctx, node, a, b)
+    if not out.dtype.is_floating_point:
+        name = "floordiv" if rounding_mode == "floor" else "truncdiv"
+        return _pointwise(name, lambda o: o)(ctx, node, a, b)
+    if rounding_mode == "floor":  # torch's is fmod-based (1 // 0.1 == 9): no exact template
+        raise Unsupported("floor division of floating-point values")
+    quotient = _pointwise("div", lambda o: o)(ctx, node, a, b)
+    return _Value(
+        quotient.size,
+        out.dtype,
+        lambda idx: Op("trunc", (quotient.fn(idx),), out.dtype),
+        cost=quotient.cost + 1,
     )
+
+
+@register(aten.remainder.Tensor, aten.remainder.Scalar, aten.fmod.Tensor, aten.fmod.Scalar)
+def _remainder(ctx: _Lowering, node: fx.Node, a: Any, b: Any) -> _Value:
+    if _val(node).dtype.is_floating_point:  # torch's are fmod-based: no exact template
+        raise Unsupported("remainder of floating-point values")
+    name = "remainder" if node.target in (aten.remainder.Tensor, aten.remainder.Scalar) else "fmod"
+    return _pointwise(name, lambda o: o)(ctx, node, a, b)
+
+
+@register(aten.__lshift__.Scalar, aten.__rshift__.Scalar)
+def _shift(ctx: _Lowering, node: fx.Node, a: _Value, amount: Any) -> _Value:
+    out = _val(node)
+    if out.dtype in (torch.bool, *FLOAT_TYPES) or not isinstance(amount, int):
+        raise Unsupported(f"shift of {out.dtype} by {amount!r}")
+    bits = torch.iinfo(out.dtype).bits
+    if node.target == aten.__lshift__.Scalar:
+        if not 0 <= amount < bits:  # torch: every bit shifted out
+            zero = Const(0, out.dtype)
+            return _Value(_shape(out), out.dtype, lambda idx: zero)
+        return _pointwise("lshift", lambda o: o)(ctx, node, a, amount)
+    amount = amount if 0 <= amount < bits else bits - 1  # torch: the sign fills every bit
+    return _pointwise("rshift", lambda o: o)(ctx, node, a, amount)
+
+
+@register(aten.floor.default, aten.ceil.default, aten.trunc.default, aten.round.default)
+def _rounding(ctx: _Lowering, node: fx.Node, a: _Value) -> _Value:
+    if not _val(node).dtype.is_floating_point:
+        return a  # integers are their own floor, ceil, trunc and round
+    return _pointwise(str(node.target).split(".")[1])(ctx, node, a)
+
+
+@register(aten.isnan.default, aten.isinf.default)
+def _isnan(ctx: _Lowering, node: fx.Node, a: _Value) -> _Value:
+    if not a.dtype.is_floating_point:
+        false = Const(False, torch.bool)
+        return _Value(_shape(_val(node)), torch.bool, lambda idx: false)
+    name = "isnan" if node.target == aten.isnan.default else "isinf"
+    return _pointwise(name, lambda o: a.dtype)(ctx, node, a)
+
+
+@register(aten.bitwise_not.default)
+def _bitwise_not(ctx: _Lowering, node: fx.Node, a: _Value) -> _Value:
+    if a.dtype == torch.bool:
+        return _pointwise("logical_not")(ctx, node, a)
+    return _pointwise("bitwise_not")(ctx, node, a)
 
 
 @register(aten.gelu.default)
@@ -766,25 +901,52 @@ def _getitem(ctx: _Lowering, node: fx.Node, parts: Any, i: int) -> _Value:
 # -- reductions --
 
 
-@register(aten.sum.dim_IntList, aten.sum.default, aten.amax.default, aten.amin.default)
+_REDUCE_KIND = {
+    aten.sum.dim_IntList: "sum",
+    aten.sum.default: "sum",
+    aten.amax.default: "max",
+    aten.amin.default: "min",
+    aten.prod.dim_int: "prod",
+    aten.prod.default: "prod",
+    aten.any.dim: "any",
+    aten.any.dims: "any",
+    aten.any.default: "any",
+    aten.all.dim: "all",
+    aten.all.dims: "all",
+    aten.all.default: "all",
+    aten.argmax.default: "argmax",
+    aten.argmin.default: "argmin",
+}
+# Heuristic: a scan keeps its whole row in registers (one pass), so rows are capped at the
+# length codegen reduces in registers (passes.codegen.PERSISTENT_RNUMEL; longer: ATen).
+MAX_SCAN_RNUMEL = 2048
+
+
+@register(*_REDUCE_KIND)
 def _reduce(
     ctx: _Lowering, node: fx.Node, a: _Value, dims: Any = None, keepdim: bool = False, **kwargs: Any
 ) -> Computed:
     out = _val(node)
     nd = len(a.size)
+    if isinstance(dims, int):
+        dims = [dims]
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
         dims = list(range(nd))
     dims = tuple(sorted({d % max(nd, 1) for d in dims})) if nd else ()
-    kind = {
-        aten.sum.dim_IntList: "sum",
-        aten.sum.default: "sum",
-        aten.amax.default: "max",
-        aten.amin.default: "min",
-    }[node.target]  # type: ignore[index]
+    kind = _REDUCE_KIND[node.target]  # type: ignore[index]
     if kind != "sum" and any(a.size[d] == 0 for d in dims):
-        raise Unsupported("max/min over an empty dim")
-    acc = out.dtype
-    fn = a.fn if a.dtype == acc else (lambda idx: Op("cast", (a.fn(idx),), acc))
+        raise Unsupported(f"{kind} over an empty dim")
+    if kind in ("argmax", "argmin"):
+        if a.dtype == torch.bool:
+            raise Unsupported(f"{kind} of bool values")
+        fn = a.fn  # compared in its own type; the result is an int64 index
+    elif kind in ("any", "all"):
+        fa = a.fn
+        zero = Const(0, a.dtype)
+        fn = lambda idx: Op("ne", (fa(idx), zero), torch.bool)  # noqa: E731
+    else:
+        acc = out.dtype
+        fn = a.fn if a.dtype == acc else (lambda idx: Op("cast", (a.fn(idx),), acc))
     red = ReductionInfo(a.size, dims, kind)
     shape, strides = _shape(out), _strides(out)
     stride = (
@@ -793,3 +955,29 @@ def _reduce(
         else contiguous_strides(shape)
     )
     return Computed(node.name, NodeKind.REDUCTION, shape, stride, out.dtype, fn, red, node)
+
+
+@register(aten.cumsum.default, aten.cumprod.default)
+def _scan(ctx: _Lowering, node: fx.Node, a: _Value, dim: int, *, dtype: Any = None) -> Computed:
+    """An inclusive scan along `dim`: a reduction-shaped member whose every element is stored
+    (rows x = the other dims, r = `dim`), computed in registers (see MAX_SCAN_RNUMEL)."""
+    out = _val(node)
+    if not a.size:
+        return _Value((), out.dtype, _broadcast_fn(a, (), out.dtype))  # type: ignore[return-value]
+    dim %= len(a.size)
+    n = a.size[dim]
+    if not is_static(n) or int(n) > MAX_SCAN_RNUMEL or int(n) == 0:
+        raise Unsupported(f"scan over a dim of size {n}")
+    kind = "cumsum" if node.target == aten.cumsum.default else "cumprod"
+    fn = a.fn if a.dtype == out.dtype else (lambda idx: Op("cast", (a.fn(idx),), out.dtype))
+    red = ReductionInfo(a.size, (dim,), kind)
+    shape, strides = _shape(out), _strides(out)
+    stride = (
+        strides
+        if node in ctx.outputs and _offset_is_zero(out) and _non_overlapping(shape, strides)
+        else contiguous_strides(shape)
+    )
+    return Computed(node.name, NodeKind.REDUCTION, shape, stride, out.dtype, fn, red, node)
+
+
+from aotc.passes import lowering_gather as _lowering_gather  # noqa: E402, F401 - registers ops

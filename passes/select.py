@@ -3,8 +3,10 @@
 Stage: `select_backend(module, backend, interpret) -> CompiledGraph | None`.
 Requires: a forward or backward stage graph; `backend` in "aten", "triton", "auto".
 Ensures: None means "run the graph as ATen calls" (runtime.launch.make_callable): for "aten",
-for "auto" unless the graph's tensors are on CUDA, for "triton" on CPU when Triton's interpreter
-is not active (logged). Graphs with symbolic sizes (dynamic=True) are lowered with sympy sizes
+for "auto" unless the graph's tensors are on CUDA, for "triton" when triton is not installed
+(logged). CPU graphs run their kernels in Triton's interpreter, CUDA graphs compile them; the
+choice is per kernel, never by import order (see Note [Interpreter-safe Triton] in
+passes.codegen). Graphs with symbolic sizes (dynamic=True) are lowered with sympy sizes
 (see Note [Symbolic sizes] in passes.loop_ir). Any failure of the Triton path is logged on
 `aotc.kernels` and falls back to ATen for the whole graph; failures of single kernels fall back
 per group (see passes.kernelize).
@@ -24,7 +26,8 @@ log = logging.getLogger("aotc.kernels")
 def select_backend(
     module: fx.GraphModule, backend: str, interpret: bool, decomposed: fx.GraphModule | None = None
 ) -> CompiledGraph | None:
-    """`decomposed`: the decomposed graph of `module` from a disk-cache entry (skips decompose)."""
+    """`interpret`: CompileOptions.triton_interpret (part of the cache key; the interpreter is
+    picked per kernel by its device). `decomposed`: the decomposed graph of `module` from a disk-cache entry (skips decompose)."""
     if backend == "aten":
         return None
     from aotc.passes.kernelize import graph_device, lower_graph
@@ -32,14 +35,6 @@ def select_backend(
     device = graph_device(module)
     on_cuda = device is not None and device.type == "cuda"
     if backend == "auto" and not on_cuda:
-        return None
-    if not on_cuda and not interpret:
-        log.warning(
-            "backend='triton' on %s tensors needs Triton's interpreter, which must be "
-            "switched on before triton is imported (TRITON_INTERPRET=1); running ATen "
-            "calls instead",
-            device,
-        )
         return None
     try:
         import triton  # noqa: F401

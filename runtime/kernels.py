@@ -54,6 +54,16 @@ class KernelSource:
     bytes_written: Any
     tiled: bool = False  # 2-D tiled pointwise: xnumel = columns, rnumel = rows
     symbols: tuple[str, ...] = ()  # size parameters after xnumel, rnumel (symbolic sizes)
+    # len == len(inputs) + len(outputs): the element type of each pointer parameter, in order
+    arg_dtypes: tuple[torch.dtype, ...] = ()
+    # A CPU kernel (run by Triton's interpreter): the same group's kernel generated for CUDA,
+    # the one a GPU would run (the two differ in places, see passes.codegen). None otherwise.
+    cuda: KernelSource | None = None
+
+    @property
+    def for_cuda(self) -> KernelSource:
+        """This kernel as a GPU runs it."""
+        return self.cuda if self.cuda is not None else self
 
     @cached_property
     def key(self) -> str:
@@ -92,6 +102,38 @@ Step = KernelStep | AtenStep
 
 
 @dataclass(frozen=True)
+class KernelFigures:
+    """How much of one graph runs as generated kernels, and the memory traffic they cause
+    (static, from the fusion plan; passes.kernel_figures). Byte counts are None when sizes are
+    symbolic."""
+
+    eligible_ops: int  # pointwise/reduction/indexing/scan nodes of the decomposed graph
+    kernel_ops: int  # how many of them run inside generated kernels
+    fallback_ops: tuple[tuple[str, int], ...]  # (ATen op, count) of the others, sorted
+    kernel_bytes: int | None  # read + written by the generated kernels
+    aten_bytes: int | None  # read + written by the ATen calls (views: 0)
+    min_bytes: int | None  # every graph input read once, every graph output written once
+    fusion_min_bytes: int | None  # what kernels must move given the ATen calls (see module)
+
+    @property
+    def coverage(self) -> float:
+        return self.kernel_ops / self.eligible_ops if self.eligible_ops else 1.0
+
+    def format(self) -> str:
+        fallback = ", ".join(f"{op} x{n}" for op, n in self.fallback_ops) or "none"
+        text = (
+            f"{self.kernel_ops}/{self.eligible_ops} pointwise/reduction ops in generated "
+            f"kernels ({self.coverage:.0%}); as ATen calls: {fallback}"
+        )
+        if self.kernel_bytes is not None and self.min_bytes:
+            text += (
+                f"; traffic: kernels {self.kernel_bytes} B + ATen {self.aten_bytes} B vs minimum "
+                f"{self.min_bytes} B ({(self.kernel_bytes + (self.aten_bytes or 0)) / self.min_bytes:.2f}x)"
+            )
+        return text
+
+
+@dataclass(frozen=True)
 class CompiledGraph:
     kernels: tuple[KernelSource, ...]  # generated kernels, in execution order
     steps: tuple[Step, ...]
@@ -105,6 +147,12 @@ class CompiledGraph:
     decomposed: Any = (
         None  # the decomposed fx graph the kernels come from (the disk cache keeps it)
     )
+    figures: KernelFigures | None = None
+
+    @property
+    def gpu_kernels(self) -> tuple[KernelSource, ...]:
+        """len == len(kernels): the kernels a GPU runs for the same groups."""
+        return tuple(k.for_cuda for k in self.kernels)
 
     @cached_property
     def callable(self) -> Callable[..., tuple[Any, ...]]:
@@ -120,22 +168,50 @@ _DIR: list[str] = []
 
 
 def load_kernel(kernel: KernelSource) -> Any:
-    """The jit function of `kernel`, compiled (imported) once per process."""
+    """The jit function of `kernel`, compiled (imported) once per process: a Triton interpreter
+    function for a CPU kernel, a compiler function for a CUDA one, whatever TRITON_INTERPRET
+    said when triton was imported (see Note [Interpreter-safe Triton] in passes.codegen)."""
     key = (kernel.key, kernel.device)
     if key in _KERNELS:
         return _KERNELS[key]
-    if not _DIR:
-        _DIR.append(tempfile.mkdtemp(prefix="aotc_kernels_"))
-    path = os.path.join(_DIR[0], f"{kernel.name}_{kernel.key}.py")
-    with open(path, "w") as f:
-        f.write(kernel.source)
-    spec = importlib.util.spec_from_file_location(f"aotc_kernel_{kernel.key}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = kernel_module(kernel.source, kernel.name, kernel.key)
+    bind_triton_functions(module, interpret=not kernel.device.startswith("cuda"))
     fn = getattr(module, kernel.name)
     _KERNELS[key] = fn
     return fn
+
+
+def kernel_module(source: str, name: str, key: str) -> Any:
+    """Import a kernel's source text as module `aotc_kernel_<key>` (from a file: Triton reads a
+    function's source with `inspect`)."""
+    if not _DIR:
+        _DIR.append(tempfile.mkdtemp(prefix="aotc_kernels_"))
+    path = os.path.join(_DIR[0], f"{name}_{key}.py")
+    with open(path, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location(f"aotc_kernel_{key}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def bind_triton_functions(module: Any, interpret: bool) -> None:
+    """Rebuild every `@triton.jit` function of a kernel module as an interpreter function
+    (`interpret`) or a compiler function, keeping its `do_not_specialize` list. `triton.jit`
+    picks one of the two from TRITON_INTERPRET when the module runs; the kernel's device must
+    decide instead. Helpers are rebuilt too: a kernel calls them through the module globals."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    for name, value in list(vars(module).items()):
+        if isinstance(value, JITFunction):
+            if interpret:
+                keep = list(value.do_not_specialize) or None
+                setattr(module, name, InterpretedFunction(value.fn, do_not_specialize=keep))
+        elif isinstance(value, InterpretedFunction) and not interpret:
+            keep = value.kwargs.get("do_not_specialize")
+            setattr(module, name, JITFunction(value.fn, do_not_specialize=keep))
 
 
 def _next_pow2(n: int) -> int:
@@ -174,11 +250,35 @@ def candidate_configs(
         xb = [first] + (
             [b for b in sorted({max(1, first // 4), 1}) if b < first] if on_cuda else []
         )
-        warps = 8 if r >= 2048 else 4 if r >= 256 else 2
-        return [(b, r, warps) for b in xb]
+        return [(b, r, _persistent_warps(b * r)) for b in xb]
     if not on_cuda:
         return [(min(8, _next_pow2(x)), 256, 4)]
     return [(1, 1024, 8), (4, 256, 4), (8, 128, 4)]
+
+
+def cuda_configs(kernel: KernelSource) -> list[tuple[int, int, int]]:
+    """Every configuration `launch` may use for `kernel` on CUDA, the default first: the
+    candidates at its sizes, or for symbolic sizes at every size (the candidates depend on the
+    sizes only through their next powers of two, up to the caps below)."""
+    if isinstance(kernel.xnumel, int) and isinstance(kernel.rnumel, int) and not kernel.symbols:
+        return candidate_configs(kernel, True)
+    out: list[tuple[int, int, int]] = []
+    for x in (1 << i for i in range(0, 25)):
+        for r in (1 << i for i in range(0, 25)):
+            for cfg in candidate_configs(kernel, True, x, r):
+                if cfg not in out:
+                    out.append(cfg)
+    return out
+
+
+# Heuristic: at most 16 elements of a persistent block per thread. Measured with the compile
+# check (runtime.cuda_check, sm_90 and sm_80): 64x64 blocks of softmax/LayerNorm kernels use
+# 220-255 registers at 2 warps (64 elements per thread; spills, 12% occupancy) and 57 at 8 warps.
+PERSISTENT_ELEMENTS_PER_THREAD = 16
+
+
+def _persistent_warps(elements: int) -> int:
+    return min(8, max(2, elements // (32 * PERSISTENT_ELEMENTS_PER_THREAD)))
 
 
 def launch(

@@ -23,10 +23,8 @@ import torch
 import torch.utils._pytree as pytree
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Triton reads TRITON_INTERPRET when imported: without CUDA, generated kernels run in its
-# interpreter (backend="triton" tests). Set before anything imports triton.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# No TRITON_INTERPRET here: aotc runs CPU kernels in Triton's interpreter whatever the
+# environment or import order (see Note [Interpreter-safe Triton] in passes/codegen.py).
 
 # The suite never writes to the user's real cache: one fresh cache directory per session (also
 # inherited by the subprocesses tests start). Tests that need their own directory pass cache_dir.
@@ -254,3 +252,48 @@ def assert_module_matches_eager(
 def _fresh_grad_mode():
     with torch.enable_grad():
         yield
+
+
+# ---- GPU compile check: every generated kernel compiles for sm_90 and sm_80 ------------------
+# (see tests/gpu_compile_check.py; AOTC_GPU_CHECK=0 turns it off)
+
+_GPU_CHECK = pytest.StashKey[Any]()
+
+
+def _current_test() -> str:
+    return os.environ.get("PYTEST_CURRENT_TEST", "outside a test").rsplit(" ", 1)[0]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from tests import gpu_compile_check
+
+    if not gpu_compile_check.enabled():
+        return
+    from aotc.passes.kernelize import KERNEL_LISTENERS
+
+    check = gpu_compile_check.GpuCompileCheck(_current_test)
+    KERNEL_LISTENERS.append(check.record)
+    config.stash[_GPU_CHECK] = [check, [], ""]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    state = session.config.stash.get(_GPU_CHECK, None)
+    if state is None:
+        return
+    from aotc.passes.kernelize import KERNEL_LISTENERS
+
+    KERNEL_LISTENERS.remove(state[0].record)
+    state[1], state[2] = state[0].finish()
+    if state[1] and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    state = terminalreporter.config.stash.get(_GPU_CHECK, None)
+    if state is None:
+        return
+    if state[1]:
+        terminalreporter.section("GPU compile check failures", red=True)
+        for report in state[1]:
+            terminalreporter.write_line(report)
+    terminalreporter.write_line(state[2])

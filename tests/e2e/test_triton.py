@@ -99,3 +99,65 @@ def test_looped_reductions_over_long_rows(device: str, caplog: pytest.LogCapture
     assert "ATen calls instead" not in caplog.text
     sources = [k.source for rec in aotc.inspect(compiled) for k in rec.kernels]
     assert any("for roffset in range(" in s for s in sources)
+
+
+@pytest.mark.parametrize(
+    "first,interpret",
+    [("triton", None), ("torch._dynamo", None), ("triton", "0")],
+    ids=["triton-first", "dynamo-first", "interpret-0"],
+)
+def test_backend_choice_does_not_depend_on_import_order(first: str, interpret: str | None) -> None:
+    """In a fresh process, importing triton or torch._dynamo (which imports triton) before aotc,
+    with TRITON_INTERPRET unset or 0, still runs CPU graphs as generated kernels (in Triton's
+    interpreter), with no warning, matching eager."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        f"import {first}\n"
+        "import logging, torch, aotc\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "def f(x, w):\n"
+        "    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w\n"
+        "c = aotc.compile(f, backend='triton', cache=False)\n"
+        "x, w = torch.randn(4, 33, requires_grad=True), torch.randn(33, requires_grad=True)\n"
+        "out = c(x, w)\n"
+        "torch.testing.assert_close(out, f(x, w))\n"
+        "out.sum().backward()\n"
+        "print([len(r.kernels) for r in aotc.inspect(c)])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret is not None:
+        env["TRITON_INTERPRET"] = interpret
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    counts = eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 - our own print
+    assert counts and all(n >= 1 for n in counts), out.stdout
+    assert "interpreter" not in out.stderr and "ATen calls" not in out.stderr, out.stderr
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda t: t.unbind(0)[2],
+        lambda t: t.select(0, 2),
+        lambda t: t[1:3],
+        lambda t: t.unfold(0, 2, 1)[1],
+        lambda t: t.split(1)[3],
+    ],
+    ids=["unbind", "select", "slice", "unfold", "split"],
+)
+def test_view_outputs_of_intermediates_keep_their_offset(view) -> None:
+    """An output that is a view of an intermediate at a storage offset (select/unbind row 2)
+    stays an ATen view of the kernel's result, so its values and aliasing are eager's."""
+    from tests.conftest import assert_matches_eager
+
+    def fn(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = a * 3
+        return view(t), t
+
+    assert_matches_eager(fn, lambda: torch.randn(4, 3, requires_grad=True), backend="triton")

@@ -110,7 +110,6 @@ def test_auto_is_cached_and_backends_have_distinct_entries(tmp_path):
 
 CHILD = textwrap.dedent("""
     import json, os, sys
-    os.environ.setdefault("TRITON_INTERPRET", "1")
     sys.path.insert(0, {root!r})
     import torch, aotc
     from tests.runtime.test_cache_triton import block, block_args
