@@ -32,6 +32,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from aotc.functional import (
     FlatProgram,
+    OverlappingWrites,
     fakeify,
     from_functional,
     functionalization,
@@ -72,18 +73,15 @@ def trace_joint(
         outs, _ = program(user_leaves)
         fwd = [outs[j] for j in plan.user_outs]
         fwd += [user_args[g] for g in plan.mutated_args]
-        bases: list[torch.Tensor | None] = [None] * plan.num_intermediate_bases
-        for j, info in enumerate(meta.outputs):
-            if info.kind is OutputKind.ALIAS_OF_INTERMEDIATE:
-                bases[info.base_intermediate] = outs[j]._base  # type: ignore[index,union-attr]
-        fwd += bases  # type: ignore[arg-type]
-        return fwd  # type: ignore[return-value]
+        fwd += [ref.resolve(outs) for ref in metadata.base_refs]
+        fwd += [ref.resolve(outs) for ref in metadata.root_value_refs]
+        return fwd
 
     def joint(*flat: torch.Tensor) -> tuple[list[object], list[object]]:
         primals = [to_functional(p) for p in flat[:num_primals]]
         tangents = [to_functional(t) for t in flat[num_primals:]]
         with functionalization():
-            with torch.set_grad_enabled(grad_enabled):
+            with torch.set_grad_enabled(grad_enabled), OverlappingWrites():
                 fwd = run_program(primals)
             grads: list[object] = [None] * num_primals
             if training:

@@ -55,9 +55,9 @@ def test_unknown_output_type_raises():
         aotc.compile(lambda x: (x * 2, Opaque()))(torch.randn(3))
 
 
-def test_new_leaf_requiring_grad_output_raises():
-    with pytest.raises(aotc.UnsupportedError, match="requires_grad=True"):
-        aotc.compile(lambda x: (x + 1, torch.zeros(3, requires_grad=True)))(torch.randn(3))
+def test_new_parameter_output_raises():
+    with pytest.raises(aotc.UnsupportedError, match="nn.Parameter created inside"):
+        aotc.compile(lambda x: (x + 1, torch.nn.Parameter(x * 2)))(torch.randn(3))
 
 
 def test_bad_options_name_the_option():
