@@ -373,8 +373,10 @@ def _build(
     stop = frozenset(saved) | frozenset(roles.tangents)
     bwd_nodes = _ancestors((v for v, _ in roles.grad_pairs), stop) - frozenset(saved)
     bwd_nodes -= set(roles.tangents)
-    fwd_nodes = _ancestors([*roles.fwd_values, *saved_nodes]) | set(roles.primals)
-    fwd_nodes |= {n for n in graph.nodes if is_random(n)}
+    # Random ops run in the forward even when nothing reads them (they advance the RNG), and
+    # with them the values they read (`torch.rand_like(a * 2)`).
+    random_nodes = [n for n in graph.nodes if is_random(n)]
+    fwd_nodes = _ancestors([*roles.fwd_values, *saved_nodes, *random_nodes]) | set(roles.primals)
     recomputed = [n for n in graph.nodes if n in bwd_nodes and n in fwd_nodes]
 
     fwd_graph = fx.Graph()

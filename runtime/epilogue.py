@@ -60,6 +60,7 @@ class MutationStep:
     new_value: int | None  # COPY: FwdOut of the updated value
     geometry: Geometry | None  # GEOMETRY: relative to the tensor's storage offset before
     no_grad: bool  # replay under no_grad (eager recorded no history for it)
+    via_view: bool = False  # COPY: write through a view of the arg taken before any reshape
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,25 +110,27 @@ def plan_epilogue(
     fwd_of_mut = {g: len(fwd_plan.user_outs) + k for k, g in enumerate(fwd_plan.mutated_args)}
     base0 = len(fwd_plan.user_outs) + len(fwd_plan.mutated_args)
     graph_of = dict(convention.leaf_to_graph)
-    geometry_of = {c.leaf: c for c in meta.leaf_changes if c.geometry is not None}
-    mutations: list[MutationStep] = []
+    reshaped = [c for c in meta.leaf_changes if c.geometry is not None]
+    # Every tensor's geometry first (eager's value of a plain arg is in its new geometry), then
+    # the data. A synthetic base keeps its geometry: if one of its members is the base object
+    # itself, the copy goes through a view taken before the reshapes.
+    mutations = [
+        MutationStep(StepKind.GEOMETRY, c.leaf, None, c.geometry, not c.with_grad) for c in reshaped
+    ]
     for g, info in enumerate(meta.inputs):
-        copy = []
         if info.mutation.has_data:
-            copy = [
+            synthetic = convention.graph_sources[g] is None
+            via_view = synthetic and any(graph_of[c.leaf] == g for c in reshaped)
+            mutations.append(
                 MutationStep(
-                    StepKind.COPY, g, fwd_of_mut[GraphArg(g)], None, info.hidden_from_autograd
+                    StepKind.COPY,
+                    g,
+                    fwd_of_mut[GraphArg(g)],
+                    None,
+                    info.hidden_from_autograd,
+                    via_view,
                 )
-            ]
-        reshape = [
-            MutationStep(StepKind.GEOMETRY, c.leaf, None, c.geometry, not c.with_grad)
-            for leaf, c in geometry_of.items()
-            if graph_of[leaf] == g
-        ]
-        # A plain arg's new value has its new geometry: reshape first. A synthetic base keeps
-        # its geometry; its members change theirs after it is written.
-        synthetic = convention.graph_sources[g] is None
-        mutations += copy + reshape if synthetic else reshape + copy
+            )
     fwd_of_user = {j: k for k, j in enumerate(fwd_plan.user_outs)}
     new_leaves = [fwd_of_user[UserOut(j)] for j, o in enumerate(meta.outputs) if o.new_leaf]
     steps = []
@@ -187,15 +190,25 @@ def apply_mutations(
         for t, n in ((leaves[a], n) for a, n in plan.versions)
         if not t.is_inference()  # type: ignore[union-attr]
     ]
+    dest = {
+        m.target: graph_args[m.target].as_strided(
+            graph_args[m.target].shape,
+            graph_args[m.target].stride(),
+            graph_args[m.target].storage_offset(),
+        )
+        for m in plan.mutations
+        if m.via_view
+    }
     for m in plan.mutations:
         with torch.set_grad_enabled(not m.no_grad):
             if m.kind is StepKind.COPY:
-                graph_args[m.target].copy_(fwd_outs[m.new_value])  # type: ignore[index]
+                target = dest.get(m.target, graph_args[m.target])
+                target.copy_(fwd_outs[m.new_value])  # type: ignore[index]
             else:
-                target = leaves[m.target]
+                leaf = leaves[m.target]
                 g = m.geometry
-                assert isinstance(target, torch.Tensor) and g is not None
-                target.as_strided_(g.size, g.stride, target.storage_offset() + g.offset)
+                assert isinstance(leaf, torch.Tensor) and g is not None
+                leaf.as_strided_(g.size, g.stride, leaf.storage_offset() + g.offset)
     if versions:
         _set_versions(tuple(t for t, _ in versions), tuple(v for _, v in versions))  # type: ignore[misc]
 
