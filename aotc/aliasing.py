@@ -117,6 +117,13 @@ def _geometry(t: torch.Tensor, relative_to: torch.Tensor) -> Geometry:
     )
 
 
+def _has_grad_fn(t: torch.Tensor) -> bool:
+    try:
+        return t.grad_fn is not None
+    except RuntimeError:  # a stale no_grad view (see _view_flags)
+        return False
+
+
 def _root_grad(t: torch.Tensor) -> RootGrad:
     if not t.requires_grad:
         return RootGrad.NONE
@@ -126,10 +133,16 @@ def _root_grad(t: torch.Tensor) -> RootGrad:
 def _view_flags(o: torch.Tensor) -> dict[str, bool]:
     if o._base is None:
         return {}
+    try:
+        grad_fn = o.grad_fn
+    except RuntimeError:  # made under no_grad, its base then written with grad on
+        return {"view_without_grad": True, "stale_view": True}
     return {
-        "view_without_grad": o.grad_fn is None,
+        "view_without_grad": grad_fn is None,
         "multi_output_view": o.requires_grad
         and torch._C._autograd._get_creation_meta(o) == _MULTI_OUTPUT,
+        # `requires_grad_()` on a view of a tensor that needs no grad: a leaf of its own
+        "new_leaf": o.requires_grad and o.grad_fn is None and not o._base.requires_grad,
     }
 
 
@@ -363,13 +376,13 @@ def _view_source(o: torch.Tensor, candidates: list[UserArg], leaves: list[object
     autograd graph, else the first one whose memory holds `o`'s, else the first."""
     if len(candidates) == 1:
         return candidates[0]
-    if o.grad_fn is not None:
+    if _has_grad_fn(o):
         by_node: dict[int, UserArg] = {}
         by_leaf: dict[int, UserArg] = {}
         for a in candidates:
             t = leaves[a]
             assert isinstance(t, torch.Tensor)
-            if t.grad_fn is not None:
+            if _has_grad_fn(t):
                 by_node.setdefault(id(t.grad_fn), a)
             elif t.requires_grad:
                 by_leaf.setdefault(id(t), a)
@@ -423,7 +436,7 @@ def _check_new_leaves(outs: list[object], result: OutputAnalysis) -> None:
     outputs' gradients accumulate into (see Note [Detached aliases])."""
     new_leaves: list[tuple[torch.Tensor, int]] = []
     for j, (o, info) in enumerate(zip(outs, result.infos)):
-        if info.kind is OutputKind.FRESH and info.new_leaf:
+        if info.new_leaf:
             new_leaves.append((o, j))  # type: ignore[arg-type]
     for idx in result.new_leaf_bases:
         new_leaves.append((result.bases[idx].resolve(outs), result.bases[idx].out))
@@ -436,7 +449,10 @@ def _check_new_leaves(outs: list[object], result: OutputAnalysis) -> None:
         others = [
             o
             for o in outs
-            if isinstance(o, torch.Tensor) and o is not leaf and _root(o) is not leaf
+            if isinstance(o, torch.Tensor)
+            and o is not leaf
+            and _root(o) is not leaf
+            and _has_grad_fn(o)  # other leaves accumulate into themselves
         ]
         for node in autograd_nodes(others):
             if getattr(node, "variable", None) is leaf:

@@ -145,8 +145,11 @@ def _pre_call_fakes(
             if example.requires_grad:
                 fresh.requires_grad_(True)
                 if not example.is_leaf:
+                    dest = torch.empty_strided(
+                        fake.shape, fake.stride(), dtype=fake.dtype, device=fake.device
+                    )
                     with torch.enable_grad():
-                        fresh = fresh.clone()
+                        fresh = dest.copy_(fresh)
         out[i] = fresh
     return out, None
 

@@ -75,8 +75,10 @@ def _user_frame(tb: traceback.StackSummary) -> str:
 
 
 @contextlib.contextmanager
-def user_errors(what: str) -> Iterator[None]:
-    """Turn tracing failures that mean 'unsupported program' into UnsupportedError."""
+def user_errors(what: str, eager_ran: bool = False) -> Iterator[None]:
+    """Turn tracing failures that mean 'unsupported program' into UnsupportedError.
+    `eager_ran`: the plain (eager-like) run of the program already succeeded, so a failure here
+    is aotc's own limitation, never eager's refusal."""
     try:
         yield
     except AotcError:
@@ -107,7 +109,7 @@ def user_errors(what: str) -> Iterator[None]:
                 f"{where}). Pass it as an argument (or register it as a module buffer)."
             ) from e
         if isinstance(e, RuntimeError) and where != "<unknown>":
-            raise UnsupportedError(_program_error(what, e, where)) from e
+            raise UnsupportedError(_program_error(what, e, where, eager_ran)) from e
         raise
 
 
@@ -132,7 +134,7 @@ _NEEDS_DATA = (
 )
 
 
-def _program_error(what: str, e: RuntimeError, where: str) -> str:
+def _program_error(what: str, e: RuntimeError, where: str, eager_ran: bool = False) -> str:
     """The user program raised while being traced: say where, keep torch's reason, and say what
     it means for this kind of failure (each hint true for the failures it is given for)."""
     text = str(e).strip()
@@ -162,6 +164,12 @@ def _program_error(what: str, e: RuntimeError, where: str) -> str:
             "program and cannot trace such operators. Register a functional variant that returns "
             "new tensors (and write them back outside), or call the operator outside the "
             "compiled function."
+        )
+    elif eager_ran:
+        hint = (
+            "The program runs in eager (aotc ran it on fake tensors first), but aotc's "
+            "functional trace of it fails: an aotc limitation. Call that part outside the "
+            "compiled function, and report it as an aotc bug."
         )
     elif "fake impl" in reason or "fake kernel" in reason or "Meta" in reason:
         hint = (
@@ -216,8 +224,10 @@ def fresh_fake(t: torch.Tensor, *, as_leaves: bool) -> torch.Tensor:
     if t.requires_grad:
         fake.requires_grad_(True)
         if not as_leaves and not t.is_leaf:
+            # A non-leaf with exactly these strides (a clone would make them contiguous).
+            out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
             with torch.enable_grad():
-                fake = fake.clone()
+                fake = out.copy_(fake)
     return fake
 
 

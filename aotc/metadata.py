@@ -100,21 +100,29 @@ class MetadataResult:
 
 
 @dataclass(frozen=True, slots=True)
-class _Before:
-    """A plain fake input's state before the program runs."""
+class _State:
+    """A plain fake user tensor's state, before or after the program."""
 
-    grad_fn: object
+    grad_fn: object  # of the tensor, or of its base for a view (see `_state`)
     requires_grad: bool
     is_leaf: bool
     geometry: Geometry
     version: int
 
 
-def _state(t: torch.Tensor) -> _Before:
-    return _Before(
-        t.grad_fn,
+def _state(t: torch.Tensor) -> _State:
+    """A view's autograd history is its base's: eager rebases the base when the view is
+    written, and regenerates a view's own grad_fn whenever its version moved (reading it then
+    can even raise), so the base is what says whether eager recorded history."""
+    root = t._base if t._base is not None else t
+    try:
+        is_leaf = t.is_leaf
+    except RuntimeError:  # a view whose grad_fn eager refuses to regenerate
+        is_leaf = False
+    return _State(
+        root.grad_fn,
         t.requires_grad,
-        t.is_leaf,
+        is_leaf,
         Geometry(tuple(t.shape), tuple(t.stride()), t.storage_offset()),
         t._version,
     )
@@ -130,23 +138,8 @@ def collect_metadata(
 ) -> MetadataResult:
     graph_args = apply_convention(convention, leaves)
     constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
-    # Run 1, functional: which inputs are mutated (see Note [Two metadata runs]).
-    with fake_mode:
-        fakes = fakeify(fake_mode, graph_args, as_leaves=False)
-        wrappers = [to_functional(f) for f in fakes]
-        rewrites = OverlappingWrites()
-        with (
-            user_errors("metadata pass"),
-            functionalization(),
-            torch.set_grad_enabled(grad_enabled),
-            rewrites,
-        ):
-            f_leaves = expand_graph_args(convention, wrappers, constants)
-            f_outs, out_spec = program(f_leaves)
-        for w in wrappers:
-            torch._sync(w)
-        kinds = [_mutation_of(w, arg_names, g) for g, w in enumerate(wrappers)]
-    # Run 2, plain fake tensors: eager's own view of outputs, aliasing, autograd and versions.
+    # Run 1, plain fake tensors: eager's own view of outputs, aliasing, autograd and versions
+    # (see Note [Two metadata runs]); first, so an error eager would raise is reported as such.
     # A symbolic compilation's fakes carry its ShapeEnv's symbols: stay in its mode.
     symbolic = any(isinstance(a, FakeTensor) for a in graph_args)
     eager_mode = fake_mode if symbolic else FakeTensorMode(allow_non_fake_inputs=False)
@@ -164,7 +157,25 @@ def collect_metadata(
             checks,
         ):
             p_outs, _ = program(p_leaves)
-        checks.check(rewrites.count)
+        checks.check()
+    # Run 2, functional: which inputs are data-mutated, and the values' fake metadata.
+    with fake_mode:
+        fakes = fakeify(fake_mode, graph_args, as_leaves=False)
+        wrappers = [to_functional(f) for f in fakes]
+        rewrites = OverlappingWrites()
+        with (
+            user_errors("metadata pass", eager_ran=True),
+            functionalization(),
+            torch.set_grad_enabled(grad_enabled),
+            rewrites,
+        ):
+            f_leaves = expand_graph_args(convention, wrappers, constants)
+            f_outs, out_spec = program(f_leaves)
+        for w in wrappers:
+            torch._sync(w)
+        kinds = [_mutation_of(w, arg_names, g) for g, w in enumerate(wrappers)]
+    checks.check(rewrites.count)
+    with eager_mode:
         inputs = tuple(
             _input_info(kind, before, p) for kind, before, p in zip(kinds, args_before, plain)
         )
@@ -181,6 +192,7 @@ def collect_metadata(
         num_intermediate_bases=len(analysis.bases),
         leaf_changes=changes,
         roots=roots,
+        new_leaf_bases=tuple(analysis.new_leaf_bases),
     )
     root_values = tuple(r.value for r in analysis.roots if r.grad is RootGrad.HISTORY)
     return MetadataResult(
@@ -206,9 +218,10 @@ def _mutation_of(w: torch.Tensor, arg_names: list[str], g: int) -> MutationKind:
     }[(data, metadata)]
 
 
-def _input_info(kind: MutationKind, before: _Before, plain: torch.Tensor) -> InputInfo:
+def _input_info(kind: MutationKind, before: _State, plain: torch.Tensor) -> InputInfo:
     """`plain` is the plain fake graph arg after the run."""
-    unchanged = plain.grad_fn is before.grad_fn and plain.requires_grad == before.requires_grad
+    after = _state(plain)
+    unchanged = after.grad_fn is before.grad_fn and after.requires_grad == before.requires_grad
     return InputInfo(
         mutation=kind,
         hidden_from_autograd=unchanged,
@@ -217,7 +230,7 @@ def _input_info(kind: MutationKind, before: _Before, plain: torch.Tensor) -> Inp
     )
 
 
-def _leaf_changes(p_leaves: list[object], before: dict[int, _Before]) -> tuple[LeafChange, ...]:
+def _leaf_changes(p_leaves: list[object], before: dict[int, _State]) -> tuple[LeafChange, ...]:
     """Geometry and version changes of each distinct user tensor (first occurrence)."""
     changes = []
     seen: set[int] = set()
@@ -232,9 +245,10 @@ def _leaf_changes(p_leaves: list[object], before: dict[int, _Before]) -> tuple[L
             g = now.geometry
             geometry = Geometry(g.size, g.stride, g.offset - old.geometry.offset)
         bumps = now.version - old.version
-        if geometry is not None or bumps:
-            with_grad = t.requires_grad and t.grad_fn is not old.grad_fn
-            changes.append(LeafChange(UserArg(i), geometry, bumps, with_grad))
+        made_to_require_grad = now.requires_grad and not old.requires_grad and now.is_leaf
+        if geometry is not None or bumps or made_to_require_grad:
+            with_grad = now.requires_grad and now.grad_fn is not old.grad_fn
+            changes.append(LeafChange(UserArg(i), geometry, bumps, with_grad, made_to_require_grad))
     return tuple(changes)
 
 

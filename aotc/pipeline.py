@@ -231,7 +231,8 @@ def _compile_signature(
             anchor=not any(
                 isinstance(a, torch.Tensor) and a.requires_grad
                 for a in apply_convention(convention, leaves)
-            ),
+            )
+            and not any(c.requires_grad for c in metadata.meta.leaf_changes),
         )
         detach = _statically_no_grad(joint, leaves, convention)
     epilogue = plan_epilogue(metadata.meta, metadata.fwd_plan, convention)

@@ -95,8 +95,12 @@ def symbolic_leaves(
 
 
 def _non_leaf(template: torch.Tensor) -> torch.Tensor:
+    """A non-leaf with the template's exact strides (a clone would make them contiguous)."""
+    out = torch.empty_strided(
+        template.shape, template.stride(), dtype=template.dtype, device=template.device
+    )
     with torch.enable_grad():
-        return template.clone()
+        return out.copy_(template)
 
 
 def guard_expression(mode: FakeTensorMode, fake_leaves: Sequence[object]) -> str | None:

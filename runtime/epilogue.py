@@ -76,6 +76,9 @@ class OutputStep:
     lazy_conj: bool = False  # ALIAS_OF_INPUT: reapply the conjugate bit after as_strided
     lazy_neg: bool = False  # ALIAS_OF_INPUT: reapply the negative bit after as_strided
     multi_output_view: bool = False  # eager's view came from unbind/split: forbid in-place
+    new_leaf: bool = False  # a view eager made a leaf with requires_grad_()
+    stale_view: bool = False  # eager's no_grad view whose base was written after: reading its
+    # grad_fn raises; one version bump after it is made gives it the same state
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +89,9 @@ class EpiloguePlan:
     versions: tuple[tuple[UserArg, int], ...] = ()  # eager's version bumps, per distinct tensor
     roots: tuple[DetachedRoot, ...] = ()  # detached aliases DETACHED outputs are built from
     new_leaves: tuple[int, ...] = ()  # FwdOuts that are leaves made inside: requires_grad_()
+    # User tensors the program turns into leaves that require grad (`x.requires_grad_()`): set
+    # before the graphs run, which were traced with them requiring grad.
+    make_require_grad: tuple[UserArg, ...] = ()
 
     def format(self) -> str:
         lines = ["# stage: epilogue"]
@@ -99,6 +105,7 @@ class EpiloguePlan:
         for k, r in enumerate(self.roots):
             lines.append(f"root {k}: {r.source.value} {r.index}.detach() grad={r.grad.value}")
         lines += [f"new leaf: fwd_out{k}" for k in self.new_leaves]
+        lines += [f"requires_grad_() before the call: user_arg{a}" for a in self.make_require_grad]
         for j, s in enumerate(self.outputs):
             lines.append(f"output {j}: {s.kind.value} source={s.source} base={s.base}")
         return "\n".join(lines)
@@ -133,6 +140,7 @@ def plan_epilogue(
             )
     fwd_of_user = {j: k for k, j in enumerate(fwd_plan.user_outs)}
     new_leaves = [fwd_of_user[UserOut(j)] for j, o in enumerate(meta.outputs) if o.new_leaf]
+    new_leaves += [base0 + b for b in meta.new_leaf_bases]
     steps = []
     for j, info in enumerate(meta.outputs):
         base: int | None = None
@@ -164,6 +172,8 @@ def plan_epilogue(
                 lazy_conj=info.lazy_conj,
                 lazy_neg=info.lazy_neg,
                 multi_output_view=info.multi_output_view,
+                new_leaf=info.new_leaf and info.kind is not OutputKind.FRESH,
+                stale_view=info.stale_view,
             )
         )
     late = (OutputKind.ALIAS_OF_OUTPUT, OutputKind.IS_OUTPUT)
@@ -176,6 +186,7 @@ def plan_epilogue(
         versions=tuple((c.leaf, c.version_bumps) for c in meta.leaf_changes if c.version_bumps),
         roots=meta.roots,
         new_leaves=tuple(new_leaves),
+        make_require_grad=tuple(c.leaf for c in meta.leaf_changes if c.requires_grad),
     )
 
 
@@ -286,6 +297,10 @@ def _view(base: torch.Tensor, g: Geometry, s: OutputStep) -> torch.Tensor:
 def _mark(view: torch.Tensor, s: OutputStep) -> torch.Tensor:
     if s.multi_output_view and view.requires_grad and view._base is not None:
         _set_creation_meta(view, _MULTI_OUTPUT)
+    if s.new_leaf:
+        view.requires_grad_()
+    if s.stale_view:
+        _set_versions((view,), (view._version + 1,))
     return view
 
 

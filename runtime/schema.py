@@ -108,6 +108,7 @@ class LeafChange:
     geometry: Geometry | None  # new geometry (t_, squeeze_, as_strided_ ...), else None
     version_bumps: int  # how much eager's `_version` of this tensor grows during the call
     with_grad: bool = False  # eager recorded autograd history for it (replay with grad on)
+    requires_grad: bool = False  # `requires_grad_()` made it a leaf that requires grad
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +140,8 @@ class OutputInfo:
     lazy_conj: bool = False  # the output carries the lazy conjugate bit (z.conj())
     lazy_neg: bool = False  # the output carries the lazy negative bit
     multi_output_view: bool = False  # a view from unbind/split/chunk: eager forbids writing it
-    new_leaf: bool = False  # FRESH: a leaf created inside that requires grad
+    new_leaf: bool = False  # a leaf created inside that requires grad (FRESH, or a view)
+    stale_view: bool = False  # a no_grad view whose base was then written with grad on
     base_root: int | None = None  # DETACHED: index into MutationAliasInfo.roots
 
 
@@ -152,6 +154,7 @@ class MutationAliasInfo:
     num_intermediate_bases: int  # extra forward outputs: bases of ALIAS_OF_INTERMEDIATE outputs
     leaf_changes: tuple[LeafChange, ...] = ()  # user tensors whose geometry or version changes
     roots: tuple[DetachedRoot, ...] = ()  # detached aliases the DETACHED outputs regenerate
+    new_leaf_bases: tuple[int, ...] = ()  # intermediate bases that are leaves made inside
 
     def format(self) -> str:
         lines = ["# stage: metadata"]

@@ -96,7 +96,7 @@ class CompiledEntry:
             self._diff = plan.autograd.diff_outs
         self._detach = frozenset(plan.detach_args)
         epilogue = plan.epilogue
-        self._mutates = bool(epilogue.mutations or epilogue.versions)
+        self._mutates = bool(epilogue.mutations or epilogue.versions or epilogue.make_require_grad)
         self._anchor = plan.autograd is not None and plan.autograd.anchor
         self._enable_grad = plan.enable_grad
         self._unflatten = _unflattener(plan.out_spec)
@@ -121,6 +121,8 @@ class CompiledEntry:
 
     def _run(self, leaves: list[object]) -> object:
         plan = self.plan
+        for a in plan.epilogue.make_require_grad:
+            leaves[a].requires_grad_()  # type: ignore[union-attr]
         args = apply_convention(plan.convention, leaves)
         if self._fn is not None:
             if self._detach:

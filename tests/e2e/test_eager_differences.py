@@ -308,7 +308,7 @@ def test_16_each_error_says_what_is_true_for_it():
         return x.add_(1)
 
     cases = [
-        (tolist, torch.randn(3), "reads tensor values into Python"),
+        (tolist, torch.randn(3), "`.tolist()`"),
         (numpy, torch.randn(3), "`.numpy()`"),
         (func_grad, torch.randn(3), "torch.func transforms"),
         (leaf_in_place, leaf(3), "Eager PyTorch raises the same error here"),
@@ -323,7 +323,11 @@ def test_16_each_error_says_what_is_true_for_it():
 
     lib = torch.library.Library("aotc_test13", "DEF")  # noqa: TOR901
     lib.define("bump(Tensor(a!) x) -> ()")
-    lib.impl("bump", lambda x: x.add_(1), "CompositeExplicitAutograd")
+
+    def bump(x: torch.Tensor) -> None:
+        x.add_(1)
+
+    lib.impl("bump", bump, "CompositeExplicitAutograd")
 
     def custom(x):
         torch.ops.aotc_test13.bump(x)
