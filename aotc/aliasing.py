@@ -135,7 +135,9 @@ def _view_flags(o: torch.Tensor) -> dict[str, bool]:
         return {}
     try:
         grad_fn = o.grad_fn
-    except RuntimeError:  # made under no_grad, its base then written with grad on
+    except RuntimeError:  # its base was written after it was made: reading grad_fn raises
+        if torch._C._autograd._get_creation_meta(o) == _MULTI_OUTPUT:
+            return {"multi_output_view": True, "stale_view": True}
         return {"view_without_grad": True, "stale_view": True}
     return {
         "view_without_grad": grad_fn is None,
@@ -263,6 +265,13 @@ def _in_group(
         return OutputInfo(
             OutputKind.FRESH, rg, dtype, new_leaf=rg and o.grad_fn is None and o.is_leaf
         )
+    if _leaf_view_on_path(o, []) is not None:
+        raise UnsupportedError(
+            f"output {j} is a view, taken with grad on, of a view of an intermediate made under "
+            "torch.no_grad(); eager's gradients through it stop at that inner view, which aotc "
+            "cannot reproduce. Return a .clone() of the inner view, or take both views in the "
+            "same grad mode."
+        )
     if not where.via_base:  # the primary is a returned output
         return OutputInfo(
             OutputKind.ALIAS_OF_OUTPUT, rg, dtype, base_out=where.out, **_view_flags(o)
@@ -359,6 +368,9 @@ def _alias_of_input(
             f"{o.dtype}); aotc cannot regenerate dtype-changing views of inputs. Return "
             ".clone() of it instead."
         )
+    via = _leaf_view_on_path(o, leaves)
+    if via is None and _has_grad_fn(o) and base.requires_grad and not _reaches(o, base):
+        via = o  # its gradient is dropped at a no_grad view on the way: any no_grad view will do
     return OutputInfo(
         OutputKind.ALIAS_OF_INPUT,
         o.requires_grad,
@@ -367,8 +379,47 @@ def _alias_of_input(
         geometry=_geometry(o, base),
         lazy_conj=o.is_conj() and not base.is_conj(),
         lazy_neg=o.is_neg() and not base.is_neg(),
+        via_geometry=_geometry(via, base) if via is not None else None,
         **_view_flags(o),
     )
+
+
+def _reaches(o: torch.Tensor, target: torch.Tensor) -> bool:
+    """Whether a gradient from `o` reaches `target` or its base (their grad_fns, or their
+    accumulators)."""
+    targets = [target, _root(target)]
+    goals = {id(t.grad_fn) for t in targets if _has_grad_fn(t)}
+    queue, visited = deque([o.grad_fn]), set()
+    while queue and len(visited) < _MAX_WALK:
+        node = queue.popleft()
+        if node is None or id(node) in visited:
+            continue
+        visited.add(id(node))
+        variable = getattr(node, "variable", None)
+        if id(node) in goals or any(variable is t for t in targets):
+            return True
+        queue.extend(fn for fn, _ in node.next_functions)
+    return len(visited) >= _MAX_WALK  # undecided: assume it does, as without this check
+
+
+def _leaf_view_on_path(o: torch.Tensor, leaves: list[object]) -> torch.Tensor | None:
+    """A view made under no_grad (a leaf that requires grad) that `o` was derived from with
+    grad on: eager's gradients through `o` stop there (`with torch.no_grad(): v = x[0]`, then
+    `return v.t()`)."""
+    if not _has_grad_fn(o):
+        return None
+    inputs = {id(t) for t in leaves}
+    queue, visited = deque([o.grad_fn]), set()
+    while queue and len(visited) < _MAX_WALK:
+        node = queue.popleft()
+        if node is None or id(node) in visited:
+            continue
+        visited.add(id(node))
+        variable = getattr(node, "variable", None)
+        if variable is not None and variable._base is not None and id(variable) not in inputs:
+            return variable
+        queue.extend(fn for fn, _ in node.next_functions)
+    return None
 
 
 def _view_source(o: torch.Tensor, candidates: list[UserArg], leaves: list[object]) -> UserArg:

@@ -98,7 +98,9 @@ def user_errors(what: str, eager_ran: bool = False) -> Iterator[None]:
             f"{what}: op {e.func} has no fake-tensor implementation (at {where}); aotc cannot "
             "trace it. Call it outside the compiled function."
         ) from e
-    except (RuntimeError, AssertionError) as e:
+    except (RuntimeError, AssertionError, ValueError) as e:
+        # ValueError: fake tensors' Python implementations (`view`) raise it where eager's
+        # kernels raise RuntimeError.
         text = str(e)
         where = _user_frame(traceback.extract_tb(sys.exc_info()[2]))
         if "FakeTensor" in text and ("non-Fake" in text or "convert all Tensors" in text):
@@ -108,7 +110,7 @@ def user_errors(what: str, eager_ran: bool = False) -> Iterator[None]:
                 f"from a closure, global or module attribute aotc can lift (in {found}, at "
                 f"{where}). Pass it as an argument (or register it as a module buffer)."
             ) from e
-        if isinstance(e, RuntimeError) and where != "<unknown>":
+        if isinstance(e, (RuntimeError, ValueError)) and where != "<unknown>":
             raise UnsupportedError(_program_error(what, e, where, eager_ran)) from e
         raise
 
@@ -134,7 +136,9 @@ _NEEDS_DATA = (
 )
 
 
-def _program_error(what: str, e: RuntimeError, where: str, eager_ran: bool = False) -> str:
+def _program_error(
+    what: str, e: RuntimeError | ValueError, where: str, eager_ran: bool = False
+) -> str:
     """The user program raised while being traced: say where, keep torch's reason, and say what
     it means for this kind of failure (each hint true for the failures it is given for)."""
     text = str(e).strip()
@@ -395,12 +399,20 @@ class OverlappingWrites(TorchFunctionMode):
     ops (see `EagerChecks`). Functionalization would propagate such a write back through the
     expand's inverse (a sum), which is wrong; so the write is done on a clone, and for every
     memory location the last written value (eager's sequential order) goes into the tensor with
-    the stride-0 dims narrowed to one element, which functionalization replays exactly. Only
-    without autograd (nothing involved requires grad); `count` says how many were rewritten."""
+    the stride-0 dims narrowed to one element, which functionalization replays exactly; `count`
+    says how many were rewritten.
 
-    def __init__(self) -> None:
+    With autograd recording such a write, eager's forward works but its backward through it
+    raises (CopySlices writes the gradient into the same overlapping view). `rewrite=False` (the
+    plain run) only notes the autograd nodes of such writes in `refused_nodes`; the metadata pass
+    then refuses the backward of every output whose gradient reaches one of them, as eager does.
+    """
+
+    def __init__(self, rewrite: bool = True) -> None:
         super().__init__()
+        self.rewrite = rewrite
         self.count = 0
+        self.refused_nodes: set[int] = set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -419,13 +431,12 @@ class OverlappingWrites(TorchFunctionMode):
         ]
         if not dims or torch._debug_has_internal_overlap(target) != 1:
             return func(*args, **kwargs)
-        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            raise UnsupportedError(
-                f"{name} writes into a tensor in which several elements share memory (an "
-                "expand()ed view) with autograd recording it; aotc cannot reproduce eager's "
-                "gradients for that. Write into a .clone() of it instead."
-            )
+        if not self.rewrite:
+            result = func(*args, **kwargs)
+            root = target._base if target._base is not None else target
+            if root.grad_fn is not None:
+                self.refused_nodes.add(id(root.grad_fn))
+            return result
         self.count += 1
         written = target.clone()
         func(written, *args[1:], **kwargs)

@@ -52,7 +52,7 @@ from aotc.functional import (
     to_functional,
     user_errors,
 )
-from aotc.runtime.autograd import STALE, SavedValues
+from aotc.runtime.autograd import STALE, SavedValues, autograd_nodes
 from aotc.runtime.convention import apply_convention, expand_graph_args
 from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.schema import (
@@ -149,12 +149,13 @@ def collect_metadata(
             p_leaves = expand_graph_args(convention, plain, constants)
         args_before = [_state(p) for p in plain]
         leaves_before = {id(t): _state(t) for t in p_leaves if isinstance(t, torch.Tensor)}
-        checks, saved = EagerChecks(), SavedValues()
+        checks, saved, overlaps = EagerChecks(), SavedValues(), OverlappingWrites(rewrite=False)
         with (
             user_errors("metadata pass"),
             torch.set_grad_enabled(grad_enabled),
             saved.hooks(),
             checks,
+            overlaps,
         ):
             p_outs, _ = program(p_leaves)
         checks.check()
@@ -184,7 +185,9 @@ def collect_metadata(
         fwd_plan, specs, plain_values, roots = _plan_fwd_outputs(
             analysis.infos, inputs, analysis.bases, analysis.roots, f_outs, p_outs, wrappers, plain
         )
-        refused = _backward_refusals(saved, plain_values, fwd_plan.needs_tangent)
+        refused = _backward_refusals(
+            saved, overlaps.refused_nodes, plain_values, fwd_plan.needs_tangent
+        )
     _check_detached_sources(roots, specs, plain_values)
     meta = MutationAliasInfo(
         inputs=inputs,
@@ -221,7 +224,8 @@ def _mutation_of(w: torch.Tensor, arg_names: list[str], g: int) -> MutationKind:
 def _input_info(kind: MutationKind, before: _State, plain: torch.Tensor) -> InputInfo:
     """`plain` is the plain fake graph arg after the run."""
     after = _state(plain)
-    unchanged = after.grad_fn is before.grad_fn and after.requires_grad == before.requires_grad
+    # (requires_grad alone may change: `x.requires_grad_()` makes a leaf without history)
+    unchanged = after.grad_fn is before.grad_fn
     return InputInfo(
         mutation=kind,
         hidden_from_autograd=unchanged,
@@ -325,16 +329,25 @@ def _check_detached_sources(
 
 
 def _backward_refusals(
-    saved: SavedValues, values: list[torch.Tensor], needs: tuple[bool, ...]
+    saved: SavedValues,
+    overlap_nodes: set[int],
+    values: list[torch.Tensor],
+    needs: tuple[bool, ...],
 ) -> tuple[tuple[FwdOut, str], ...]:
-    """Forward outputs whose backward eager would refuse because a value its autograd saved was
-    modified in place afterwards (Note [Backward eager would refuse]). Only when some saved value
-    is stale does it run a fake backward from each differentiable output to see which."""
-    if not saved.any_stale():
-        return ()
+    """Forward outputs whose backward eager would refuse (Note [Backward eager would refuse]):
+    because a value its autograd saved was modified in place afterwards (only when some saved
+    value is stale does it run a fake backward from each differentiable output to see which),
+    or because it reaches a write into an overlapping tensor (`OverlappingWrites`)."""
     refused = []
+    if overlap_nodes:
+        for k, (value, need) in enumerate(zip(values, needs)):
+            if need and any(id(n) in overlap_nodes for n in autograd_nodes([value])):
+                refused.append((FwdOut(k), _OVERLAP_BACKWARD))
+    if not saved.any_stale():
+        return tuple(refused)
+    done = {k for k, _ in refused}
     for k, (value, need) in enumerate(zip(values, needs)):
-        if not need:
+        if not need or k in done:
             continue
         try:
             torch.autograd.backward([value], [torch.ones_like(value)], retain_graph=True)
@@ -344,3 +357,9 @@ def _backward_refusals(
         except Exception:  # noqa: BLE001 a probe that fails otherwise refuses nothing
             continue
     return tuple(refused)
+
+
+_OVERLAP_BACKWARD = (
+    "unsupported operation: more than one element of the written-to tensor refers to a single "
+    "memory location (the backward of an in-place write into an expand()ed view)."
+)

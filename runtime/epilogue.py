@@ -79,6 +79,7 @@ class OutputStep:
     new_leaf: bool = False  # a view eager made a leaf with requires_grad_()
     stale_view: bool = False  # eager's no_grad view whose base was written after: reading its
     # grad_fn raises; one version bump after it is made gives it the same state
+    via_geometry: Geometry | None = None  # ALIAS_OF_INPUT: the no_grad view it was taken from
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +175,7 @@ def plan_epilogue(
                 multi_output_view=info.multi_output_view,
                 new_leaf=info.new_leaf and info.kind is not OutputKind.FRESH,
                 stale_view=info.stale_view,
+                via_geometry=info.via_geometry,
             )
         )
     late = (OutputKind.ALIAS_OF_OUTPUT, OutputKind.IS_OUTPUT)
@@ -224,8 +226,24 @@ def apply_mutations(
         _set_versions(tuple(t for t, _ in versions), tuple(v for _, v in versions))  # type: ignore[misc]
 
 
+def stale_input_views(plan: EpiloguePlan, leaves: list[object]) -> dict[int, torch.Tensor]:
+    """Outputs that are views of inputs eager's call made before writing those inputs (reading
+    their grad_fn then raises): made before `apply_mutations` writes the inputs, so they end in
+    the same state. Empty for nearly every plan."""
+    views = {}
+    for j, s in enumerate(plan.outputs):
+        if s.kind is OutputKind.ALIAS_OF_INPUT and s.stale_view:
+            base = leaves[s.source]  # type: ignore[index]
+            assert isinstance(base, torch.Tensor) and s.geometry is not None
+            views[j] = _view(base, s.geometry, s, bump=False)
+    return views
+
+
 def build_outputs(
-    plan: EpiloguePlan, leaves: list[object], fwd_outs: list[torch.Tensor]
+    plan: EpiloguePlan,
+    leaves: list[object],
+    fwd_outs: list[torch.Tensor],
+    early: dict[int, torch.Tensor] | None = None,
 ) -> list[object]:
     for k in plan.new_leaves:
         fwd_outs[k].requires_grad_()
@@ -241,7 +259,7 @@ def build_outputs(
             case OutputKind.ALIAS_OF_INPUT:
                 base = leaves[s.source]  # type: ignore[index]
                 assert isinstance(base, torch.Tensor) and s.geometry is not None
-                result[j] = _view(base, s.geometry, s)
+                result[j] = early[j] if early and j in early else _view(base, s.geometry, s)
             case OutputKind.ALIAS_OF_INTERMEDIATE:
                 result[j] = _view_like(fwd_outs[s.base], fwd_outs[s.source], s)  # type: ignore[index]
             case OutputKind.ALIAS_OF_OUTPUT:
@@ -284,22 +302,28 @@ def _materialize(
     return t
 
 
-def _view(base: torch.Tensor, g: Geometry, s: OutputStep) -> torch.Tensor:
+def _view(base: torch.Tensor, g: Geometry, s: OutputStep, bump: bool = True) -> torch.Tensor:
+    if s.via_geometry is not None:  # a leaf view made under no_grad, then the view of it
+        v = s.via_geometry
+        with torch.no_grad():
+            inner = base.as_strided(v.size, v.stride, base.storage_offset() + v.offset)
+        offset, base = base.storage_offset() + g.offset, inner
+        g = Geometry(g.size, g.stride, offset - inner.storage_offset())
     with torch.set_grad_enabled(s.track_grad):
         view = base.as_strided(g.size, g.stride, base.storage_offset() + g.offset)
         if s.lazy_conj:
             view = view.conj()
         if s.lazy_neg:
             view = view._neg_view()
-    return _mark(view, s)
+    return _mark(view, s, bump)
 
 
-def _mark(view: torch.Tensor, s: OutputStep) -> torch.Tensor:
+def _mark(view: torch.Tensor, s: OutputStep, bump: bool = True) -> torch.Tensor:
     if s.multi_output_view and view.requires_grad and view._base is not None:
         _set_creation_meta(view, _MULTI_OUTPUT)
     if s.new_leaf:
         view.requires_grad_()
-    if s.stale_view:
+    if s.stale_view and bump:  # a graph value's storage: no input sees this version
         _set_versions((view,), (view._version + 1,))
     return view
 

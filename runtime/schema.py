@@ -141,8 +141,11 @@ class OutputInfo:
     lazy_neg: bool = False  # the output carries the lazy negative bit
     multi_output_view: bool = False  # a view from unbind/split/chunk: eager forbids writing it
     new_leaf: bool = False  # a leaf created inside that requires grad (FRESH, or a view)
-    stale_view: bool = False  # a no_grad view whose base was then written with grad on
+    stale_view: bool = False  # a no_grad or multi-output view whose base was written after
     base_root: int | None = None  # DETACHED: index into MutationAliasInfo.roots
+    # ALIAS_OF_INPUT: eager derived the output, with grad, from a view of the input made under
+    # no_grad (a leaf): its geometry relative to base_arg, so gradients stop there as in eager
+    via_geometry: Geometry | None = None
 
 
 @dataclass(frozen=True, slots=True)

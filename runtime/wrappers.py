@@ -22,7 +22,12 @@ import torch.utils._pytree as pytree
 
 from aotc.runtime.autograd import GRAD_ANCHOR, AutogradPlan, make_autograd_function
 from aotc.runtime.convention import apply_convention
-from aotc.runtime.epilogue import EpiloguePlan, apply_mutations, build_outputs
+from aotc.runtime.epilogue import (
+    EpiloguePlan,
+    apply_mutations,
+    build_outputs,
+    stale_input_views,
+)
 from aotc.runtime.errors import GuardError, UnsupportedError
 from aotc.runtime.fastpath import make_fast_call
 from aotc.runtime.guards import explain_bad_leaves, signature_key
@@ -140,10 +145,12 @@ class CompiledEntry:
             fwd_outs = holder
         else:
             fwd_outs = self._fwd(*args)
+        early = None
         if self._mutates:
+            early = stale_input_views(plan.epilogue, leaves)
             graph_args = apply_convention(plan.convention, leaves)
             apply_mutations(plan.epilogue, leaves, graph_args, fwd_outs)
-        return self._unflatten(build_outputs(plan.epilogue, leaves, fwd_outs))
+        return self._unflatten(build_outputs(plan.epilogue, leaves, fwd_outs, early))
 
 
 class _NoChange:
