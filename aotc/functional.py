@@ -99,8 +99,8 @@ def user_errors(what: str, eager_ran: bool = False) -> Iterator[None]:
             "trace it. Call it outside the compiled function."
         ) from e
     except (RuntimeError, AssertionError, ValueError) as e:
-        # ValueError: fake tensors' Python implementations (`view`) raise it where eager's
-        # kernels raise RuntimeError.
+        # ValueError, AssertionError: fake tensors' Python implementations (`view`, `t_`) raise
+        # them where eager's kernels raise RuntimeError.
         text = str(e)
         where = _user_frame(traceback.extract_tb(sys.exc_info()[2]))
         if "FakeTensor" in text and ("non-Fake" in text or "convert all Tensors" in text):
@@ -110,7 +110,7 @@ def user_errors(what: str, eager_ran: bool = False) -> Iterator[None]:
                 f"from a closure, global or module attribute aotc can lift (in {found}, at "
                 f"{where}). Pass it as an argument (or register it as a module buffer)."
             ) from e
-        if isinstance(e, (RuntimeError, ValueError)) and where != "<unknown>":
+        if where != "<unknown>":  # raised for a line of the user's program
             raise UnsupportedError(_program_error(what, e, where, eager_ran)) from e
         raise
 
@@ -136,9 +136,7 @@ _NEEDS_DATA = (
 )
 
 
-def _program_error(
-    what: str, e: RuntimeError | ValueError, where: str, eager_ran: bool = False
-) -> str:
+def _program_error(what: str, e: Exception, where: str, eager_ran: bool = False) -> str:
     """The user program raised while being traced: say where, keep torch's reason, and say what
     it means for this kind of failure (each hint true for the failures it is given for)."""
     text = str(e).strip()
@@ -430,6 +428,8 @@ class OverlappingWrites(TorchFunctionMode):
             d for d, (n, st) in enumerate(zip(target.shape, target.stride())) if st == 0 and n > 1
         ]
         if not dims or torch._debug_has_internal_overlap(target) != 1:
+            if self.rewrite and not target.is_contiguous():
+                return _keep_strides(func, name, args, kwargs)
             return func(*args, **kwargs)
         if not self.rewrite:
             result = func(*args, **kwargs)
@@ -457,6 +457,27 @@ class OverlappingWrites(TorchFunctionMode):
             dest = dest.narrow(d, 0, 1)
         dest.copy_(value)
         return target
+
+
+def _keep_strides(
+    func: Callable[..., object], name: str, args: tuple[object, ...], kwargs: dict[str, object]
+) -> object:
+    """`t.op_(...)` on a non-contiguous `t` as `t.copy_(t.op(...))`: functionalization would give
+    `t` the strides of the out-of-place result (often contiguous), eager keeps t's, and later
+    stride-dependent ops (`.contiguous()`, `.reshape()`) and output layouts would differ; a
+    functional `copy` keeps the destination's layout."""
+    target = args[0]
+    assert isinstance(target, torch.Tensor)
+    if name == "zero_":
+        value: object = torch.zeros_like(target)
+    elif name == "fill_":
+        value = torch.full_like(target, args[1]) if len(args) > 1 else None  # type: ignore[arg-type]
+    else:
+        op = getattr(torch.Tensor, name[:-1], None)
+        value = op(*args, **kwargs) if op is not None else None
+    if not isinstance(value, torch.Tensor) or value.shape != target.shape:
+        return func(*args, **kwargs)
+    return target.copy_(value)
 
 
 _METADATA_IN_PLACE = frozenset(

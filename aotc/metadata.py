@@ -176,6 +176,7 @@ def collect_metadata(
             torch._sync(w)
         kinds = [_mutation_of(w, arg_names, g) for g, w in enumerate(wrappers)]
     checks.check(rewrites.count)
+    _check_same_program(wrappers, plain, f_outs, p_outs)
     with eager_mode:
         inputs = tuple(
             _input_info(kind, before, p) for kind, before, p in zip(kinds, args_before, plain)
@@ -201,6 +202,37 @@ def collect_metadata(
     return MetadataResult(
         meta, fwd_plan, specs, out_spec, refused, tuple(analysis.bases), root_values
     )
+
+
+def _check_same_program(
+    wrappers: list[torch.Tensor],
+    plain: list[torch.Tensor],
+    f_outs: list[object],
+    p_outs: list[object],
+) -> None:
+    """The functional run must have computed what the plain run did: same output shapes and
+    dtypes, same final input shapes. They part when the program asks for strides after an
+    in-place op: functionalization gives the written tensor the strides of the out-of-place
+    result, so `.contiguous()`, `.reshape()` or `.view()` can alias in one run and copy in the
+    other."""
+    pairs = list(zip(wrappers, plain)) + [
+        (f, p) for f, p in zip(f_outs, p_outs) if isinstance(p, torch.Tensor)
+    ]
+    for f, p in pairs:
+        if not isinstance(f, torch.Tensor) or (tuple(f.shape), f.dtype) != (
+            tuple(p.shape),
+            p.dtype,
+        ):
+            raise UnsupportedError(
+                "metadata pass: aotc's functional trace of the program parts from eager's (a "
+                "tensor is [{}] there, [{}] in eager): the program reads strides after an "
+                "in-place op on a non-contiguous tensor (e.g. `.contiguous()`, `.reshape()` or "
+                "`.view()` after `x.t().masked_fill_(...)`), where the functional graph's layout "
+                "differs from eager's. Call .contiguous() on the tensor before the in-place op, "
+                "or use .clone() instead of .contiguous().".format(
+                    ", ".join(map(str, getattr(f, "shape", ()))), ", ".join(map(str, p.shape))
+                )
+            )
 
 
 def _mutation_of(w: torch.Tensor, arg_names: list[str], g: int) -> MutationKind:

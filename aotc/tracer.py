@@ -171,7 +171,7 @@ def _flatten_output(module: torch.fx.GraphModule, view_bases: dict[int, list[int
         if not (isinstance(value, torch.fx.Node) and _is_view_node(value)):
             continue
         with graph.inserting_before(out):
-            if _is_static(value) and all(_is_static(flat[r]) for r in raws):  # type: ignore[arg-type]
+            if raws and _is_static(value) and all(_is_static(flat[r]) for r in raws):  # type: ignore[arg-type]
                 flat[k], moved = _fresh_copy(graph, value, [flat[r] for r in raws])  # type: ignore[misc]
                 for r, node in zip(raws, moved):
                     flat[r] = node
