@@ -145,6 +145,7 @@ def plan_epilogue(
     steps = []
     for j, info in enumerate(meta.outputs):
         base: int | None = None
+        source: int | None
         match info.kind:
             case OutputKind.FRESH:
                 source = fwd_of_user[UserOut(j)]

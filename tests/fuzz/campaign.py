@@ -15,6 +15,11 @@ import os
 
 # Triton reads this when imported: generated kernels run in its interpreter on CPU.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# A campaign never fills the user's compile cache.
+if "AOTC_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["AOTC_CACHE_DIR"] = tempfile.mkdtemp(prefix="aotc-fuzz-cache-")
 
 import argparse
 import collections

@@ -15,6 +15,7 @@ import pytest
 from tests.fuzz.campaign import run_program, shrink_failure
 from tests.fuzz.compare import Verdict
 from tests.fuzz.generate import generate
+from tests.fuzz.shrink import shrink
 
 # Heuristic: sizes of the two profiles, chosen so the default one stays under ~60 s on a loaded
 # 2-core CI machine (trace ~0.2 s, dynamo ~0.5 s, triton interpreter ~1 s per program).
@@ -64,3 +65,26 @@ def test_random_programs_match_eager(mode):
 def test_random_programs_match_eager_long(mode):
     counts = _check_seeds(mode, SLOW_SEEDS[mode])
     assert counts["refused"] <= len(SLOW_SEEDS[mode]) // 5, counts
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_programs_are_runnable_source_and_deterministic():
+    first, again = generate(7), generate(7)
+    assert first.source() == again.source()
+    namespace: dict[str, object] = {}
+    exec(compile(first.source(), "<program>", "exec"), namespace)  # noqa: S102
+    assert callable(namespace["f"]) and callable(namespace["make_inputs"])
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_shrinker_keeps_only_what_the_failure_needs():
+    """A stand-in failure (the program writes into an input with `mul_`): the shrunk program
+    keeps that statement and drops everything else it can."""
+    program = next(p for p in map(generate, range(200)) if _writes(p) and len(p.body) > 3)
+    small = shrink(program, _writes)
+    assert _writes(small)
+    assert len(small.body) == 1 and len(small.outputs) == 1 and not small.write_outputs
+
+
+def _writes(program) -> bool:
+    return any(".mul_(" in line for stmt in program.body for line in stmt)
