@@ -33,7 +33,13 @@ from aotc.runtime.convention import alias_groups
 from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.symbolic import SymbolicDispatcher
 from aotc.runtime.wrappers import CompiledEntry, Dispatcher
-from aotc.symbolic import check_static_geometry, guard_expression, symbolic_leaves, symbolic_mode
+from aotc.symbolic import (
+    check_static_geometry,
+    guard_expression,
+    static_guard_expression,
+    symbolic_leaves,
+    symbolic_mode,
+)
 
 Tensor = torch.Tensor
 _PLAIN_TENSOR = frozenset((Tensor,))
@@ -103,9 +109,14 @@ class CompiledFunction:
         mode = symbolic_mode()
         num_user = len(leaves) - len(self._accesses)
         fakes = symbolic_leaves(mode, leaves, [i < num_user for i in range(len(leaves))])
-        entry = self._compile(leaves, key, fakes, mode)
-        check_static_geometry(entry.plan.epilogue, self._name)
-        _refuse_mutated_aliases(entry, leaves, self._name)
+        try:
+            entry = self._compile(leaves, key, fakes, mode)
+            check_static_geometry(entry.plan.epilogue, self._name)
+            _refuse_mutated_aliases(entry, leaves, self._name)
+        except UnsupportedError as e:
+            # See Note [Static entries under dynamic=True] in aotc/symbolic.py
+            progress.info("aotc: %s: static entry for these sizes (%s)", self._name, e)
+            return self._compile(leaves, key), static_guard_expression(leaves)
         return entry, guard_expression(mode, fakes)
 
     def _compile(

@@ -63,6 +63,8 @@ def aotc_backend(
     fakes = _fake_inputs(gm, example_inputs, fake_mode)
     problem = _why_not_ahead(fakes, fake_mode)
     if problem is None:
+        fakes, problem = _pre_call_fakes(fakes, example_inputs, fake_mode)  # type: ignore[arg-type]
+    if problem is None:
         try:
             run = _compile_ahead(gm, fakes, fake_mode, opts)  # type: ignore[arg-type]
             stats["ahead"] += 1
@@ -118,6 +120,45 @@ def _fake_inputs(
             fake = mode.from_tensor(example)
         out.append(fake if fake is not None else example)
     return out
+
+
+def _pre_call_fakes(
+    fakes: list[object], examples: Sequence[Any], mode: FakeTensorMode
+) -> tuple[list[object], str | None]:
+    """Inputs as they are when the graph is called. Dynamo's example value of an input the graph
+    mutates holds its state after Dynamo traced the mutation (`a.mul_(w)` leaves it requiring
+    grad, with a stale grad_fn); aotc must see the state before. A mutated input (version > 0)
+    gets a fresh fake with its geometry and the real input's requires_grad and leafness; if its
+    geometry changed too (`t_()`), the graph falls back (see Note [Backend fallback])."""
+    out = list(fakes)
+    for i, (fake, example) in enumerate(zip(fakes, examples)):
+        if not isinstance(fake, FakeTensor) or fake._version == 0:
+            continue
+        if not isinstance(example, torch.Tensor) or isinstance(example, FakeTensor):
+            return out, f"input {i} is mutated by the graph and its value before is unknown"
+        hints = [_hint(v) for v in (*fake.shape, *fake.stride())]
+        if hints != [*example.shape, *example.stride()]:
+            return out, f"input {i}'s shape or strides are changed in place by the graph"
+        with mode:
+            fresh = torch.empty_strided(
+                fake.shape, fake.stride(), dtype=fake.dtype, device=fake.device
+            )
+            if example.requires_grad:
+                fresh.requires_grad_(True)
+                if not example.is_leaf:
+                    dest = torch.empty_strided(
+                        fake.shape, fake.stride(), dtype=fake.dtype, device=fake.device
+                    )
+                    with torch.enable_grad():
+                        fresh = dest.copy_(fresh)
+        out[i] = fresh
+    return out, None
+
+
+def _hint(value: object) -> object:
+    if isinstance(value, torch.SymInt):
+        return value.node.hint
+    return value
 
 
 def _why_not_ahead(fakes: Sequence[object], mode: FakeTensorMode | None) -> str | None:

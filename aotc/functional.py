@@ -14,6 +14,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -23,6 +24,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from aotc.runtime.errors import AotcError, UnsupportedError
@@ -73,8 +75,10 @@ def _user_frame(tb: traceback.StackSummary) -> str:
 
 
 @contextlib.contextmanager
-def user_errors(what: str) -> Iterator[None]:
-    """Turn tracing failures that mean 'unsupported program' into UnsupportedError."""
+def user_errors(what: str, eager_ran: bool = False) -> Iterator[None]:
+    """Turn tracing failures that mean 'unsupported program' into UnsupportedError.
+    `eager_ran`: the plain (eager-like) run of the program already succeeded, so a failure here
+    is aotc's own limitation, never eager's refusal."""
     try:
         yield
     except AotcError:
@@ -94,7 +98,9 @@ def user_errors(what: str) -> Iterator[None]:
             f"{what}: op {e.func} has no fake-tensor implementation (at {where}); aotc cannot "
             "trace it. Call it outside the compiled function."
         ) from e
-    except (RuntimeError, AssertionError) as e:
+    except (RuntimeError, AssertionError, ValueError) as e:
+        # ValueError, AssertionError: fake tensors' Python implementations (`view`, `t_`) raise
+        # them where eager's kernels raise RuntimeError.
         text = str(e)
         where = _user_frame(traceback.extract_tb(sys.exc_info()[2]))
         if "FakeTensor" in text and ("non-Fake" in text or "convert all Tensors" in text):
@@ -104,21 +110,68 @@ def user_errors(what: str) -> Iterator[None]:
                 f"from a closure, global or module attribute aotc can lift (in {found}, at "
                 f"{where}). Pass it as an argument (or register it as a module buffer)."
             ) from e
-        if isinstance(e, RuntimeError) and where != "<unknown>":
-            raise UnsupportedError(_program_error(what, e, where)) from e
+        if where != "<unknown>":  # raised for a line of the user's program
+            raise UnsupportedError(_program_error(what, e, where, eager_ran)) from e
         raise
 
 
-def _program_error(what: str, e: RuntimeError, where: str) -> str:
-    """The user program raised while being traced: eager raises the same for these inputs (a
-    device mismatch, an in-place op autograd forbids), so say where and keep torch's reason."""
-    reason = (
-        str(e).strip().splitlines()[0][:300].rstrip(".") if str(e).strip() else type(e).__name__
-    )
+# Errors the plain metadata run raises exactly where eager would: autograd's in-place and view
+# checks and eager's memory-overlap checks run unchanged on fake tensors.
+_EAGER_CHECKS = (
+    "a leaf Variable that requires grad",
+    "a view of a leaf Variable that requires grad",
+    "is a view and is being modified inplace",
+    "A view was created in no_grad mode",
+    "unsupported operation:",
+    "modified by an inplace operation",
+    "does not require grad and does not have a grad_fn",
+)
+# Errors that only fake tensors raise: the program reads tensor data into Python.
+_NEEDS_DATA = (
+    "unallocated storage",
+    "Cannot access data pointer",
+    "Cannot access storage",
+    "numpy() is not supported",
+    "Cannot copy out of meta tensor",
+)
+
+
+def _program_error(what: str, e: Exception, where: str, eager_ran: bool = False) -> str:
+    """The user program raised while being traced: say where, keep torch's reason, and say what
+    it means for this kind of failure (each hint true for the failures it is given for)."""
+    text = str(e).strip()
+    reason = text.splitlines()[0][:300].rstrip(".") if text else type(e).__name__
     if "device" in reason and ("same device" in reason or "expected device" in reason):
         hint = (
-            "Move every tensor the op reads to one device before the call (or with .to() "
-            "inside the function)."
+            "Eager raises this too. Move every tensor the op reads to one device before the "
+            "call (or with .to() inside the function)."
+        )
+    elif any(p in text for p in _NEEDS_DATA):
+        kind = "`.numpy()`" if "numpy" in text else "`.tolist()`, `.numpy()` or a data pointer"
+        hint = (
+            f"The line reads tensor values into Python ({kind}); aotc traces with fake tensors, "
+            "which hold no values, and compiles one graph per input signature. Keep such reads "
+            "outside the compiled function (on its inputs or results), or use tensor ops."
+        )
+    elif "torch.func" in text or "functorch" in text:
+        hint = (
+            "torch.func transforms (grad, vjp, jacrev, hessian) cannot run inside an "
+            "aotc-compiled function: aotc traces the function's autograd itself. Use "
+            "torch.autograd.grad inside the function, or apply the transform outside it."
+        )
+    elif "custom (non-ATen) operator" in text or "alias annotations" in text:
+        op = reason.split("annotations: ", 1)[-1].split(". ", 1)[0] if ": " in reason else "?"
+        hint = (
+            f"A custom operator mutates or aliases its inputs ({op}); aotc functionalizes the "
+            "program and cannot trace such operators. Register a functional variant that returns "
+            "new tensors (and write them back outside), or call the operator outside the "
+            "compiled function."
+        )
+    elif eager_ran:
+        hint = (
+            "The program runs in eager (aotc ran it on fake tensors first), but aotc's "
+            "functional trace of it fails: an aotc limitation. Call that part outside the "
+            "compiled function, and report it as an aotc bug."
         )
     elif "fake impl" in reason or "fake kernel" in reason or "Meta" in reason:
         hint = (
@@ -126,11 +179,16 @@ def _program_error(what: str, e: RuntimeError, where: str) -> str:
             "(torch.library.register_fake / `<op>.register_fake`), or call it outside the "
             "compiled function."
         )
+    elif any(p in text for p in _EAGER_CHECKS):
+        hint = (
+            "Eager PyTorch raises the same error here (an in-place op autograd forbids): use the "
+            "out-of-place op, or .clone() the tensor before modifying it."
+        )
     else:
         hint = (
-            "Eager PyTorch rejects such programs too (e.g. an in-place op autograd forbids): "
-            "use the out-of-place op or .clone() the tensor before modifying it. If eager "
-            "runs this line, call it outside the compiled function and report it."
+            "PyTorch raised this while aotc traced the function on fake tensors (no data). If "
+            "eager raises it too for these inputs, fix that line; if eager runs it, call that "
+            "part outside the compiled function and report it as an aotc bug."
         )
     return f"{what}: the program failed at {where}: {type(e).__name__}: {reason}. {hint}"
 
@@ -168,8 +226,10 @@ def fresh_fake(t: torch.Tensor, *, as_leaves: bool) -> torch.Tensor:
     if t.requires_grad:
         fake.requires_grad_(True)
         if not as_leaves and not t.is_leaf:
+            # A non-leaf with exactly these strides (a clone would make them contiguous).
+            out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
             with torch.enable_grad():
-                fake = fake.clone()
+                fake = out.copy_(fake)
     return fake
 
 
@@ -193,26 +253,42 @@ def compiling() -> Iterator[None]:
         torch.compiler._is_compiling_flag = old  # type: ignore[attr-defined]
 
 
-class OverlapCheck(TorchDispatchMode):
-    """Eager refuses in-place writes into a tensor whose elements share memory (an `expand`ed
-    view); fake tensors do not check. This mode notes the first such write during the plain
-    metadata run (raising inside a dispatch can abort from C++ callers) and `check()` raises it
-    afterwards with the user's line."""
+class EagerChecks(TorchDispatchMode):
+    """The plain metadata run's stand-in for what fake tensors do not do as eager does.
+
+    Writes into memory that overlaps itself (an `expand()`ed view) or one of the op's inputs:
+    eager refuses some (TensorIterator's overlap checks on `add_`, `copy_` ...) and accepts
+    others (`fill_`, `masked_fill_`, `index_put_`). Fake tensors check nothing, so a suspect
+    write is replayed on real CPU tensors with the same geometry and aliasing; eager's refusal is
+    noted and `check()` raises it afterwards with the user's line (raising inside a dispatch can
+    abort from C++ callers). Accepted self-overlapping writes are counted: the functional runs
+    must have rewritten each of them (see `OverlappingWrites`).
+
+    `squeeze_(dim)` of a symbolic dim crashes fake tensors (the process dies): it is done as
+    `as_strided_` to the out-of-place squeeze's geometry instead."""
 
     def __init__(self) -> None:
         super().__init__()
         self.problem: str | None = None
+        self.accepted_overlaps = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if func in _SQUEEZE_IN_PLACE and _is_symbolic(args[0]):
+            out = _SQUEEZE_IN_PLACE[func](*args, **kwargs)
+            return torch.ops.aten.as_strided_.default(
+                args[0], out.shape, out.stride(), out.storage_offset()
+            )
         if self.problem is None and func._schema.is_mutable:
             try:
-                self._check(func, args)
+                self._check(func, args, kwargs)
             except Exception:  # noqa: BLE001 best effort: a failing check must not fail a compile
                 self.problem = None
         return func(*args, **kwargs)
 
-    def _check(self, func: torch._ops.OpOverload, args: tuple[object, ...]) -> None:
+    def _check(
+        self, func: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> None:
         written = [
             value
             for arg, value in zip(func._schema.arguments, args)
@@ -222,33 +298,207 @@ class OverlapCheck(TorchDispatchMode):
         ]
         read = [a for a in args if isinstance(a, torch.Tensor) and all(a is not w for w in written)]
         for w in written:
-            if torch._debug_has_internal_overlap(w) == 1:
+            self_overlap = torch._debug_has_internal_overlap(w) == 1
+            partial = func._schema.name.endswith("_") and any(_partial_overlap(w, r) for r in read)
+            if not (self_overlap or partial):
+                continue
+            eager = _eager_error(func, args, kwargs)
+            if eager is not None:
+                self.problem = self._message(func, eager)
+            elif partial:
                 self.problem = self._message(
                     func,
-                    "writes into a tensor in which several elements share memory (e.g. "
-                    "an expand()ed view)",
-                    "more than one element of the written-to tensor "
-                    "refers to a single memory location",
+                    None,
+                    "writes into a tensor that partially overlaps one of its inputs, which eager "
+                    "accepts for this op but aotc's functional graph cannot reproduce (it reads "
+                    "the inputs before any write)",
                 )
-            elif func._schema.name.endswith("_") and any(_partial_overlap(w, r) for r in read):
-                self.problem = self._message(
-                    func,
-                    "writes into a tensor that partially overlaps one of its inputs",
-                    "some elements of the input tensor and the written-to tensor refer to a "
-                    "single memory location",
-                )
+            else:
+                self.accepted_overlaps += 1
 
     @staticmethod
-    def _message(func: object, what: str, eager: str) -> str:
+    def _message(func: object, eager: str | None, what: str = "") -> str:
         where = _user_frame(traceback.extract_stack())
+        if eager is not None:
+            reason = eager.strip().splitlines()[0].rstrip(".")
+            return (
+                f"metadata pass: the program failed at {where}: {func} raises "
+                f"'{reason}' in eager PyTorch too. .clone() the tensor before modifying it."
+            )
         return (
-            f"metadata pass: the program failed at {where}: {func} {what}; eager PyTorch raises "
-            f"'unsupported operation: {eager}' here too. .clone() the tensor before modifying it."
+            f"metadata pass: the program at {where}: {func} {what}. .clone() the tensor before "
+            "modifying it."
         )
 
-    def check(self) -> None:
+    def check(self, rewritten: int | None = None) -> None:
+        """Raise the noted problem; `rewritten`: self-overlapping writes the functional run
+        rewrote (fewer than eager accepted: a write aotc could not replay)."""
         if self.problem is not None:
             raise UnsupportedError(self.problem)
+        if rewritten is not None and rewritten < self.accepted_overlaps:
+            raise UnsupportedError(
+                "metadata pass: the program writes into a tensor in which several elements share "
+                "memory (an expand()ed view) through an operation aotc cannot replay "
+                "(e.g. indexing assignment or an out= argument). Write into a .clone(), or "
+                "call the method (`t.fill_`, `t.masked_fill_`, `t.index_put_`) on it directly."
+            )
+
+
+_SQUEEZE_IN_PLACE = {
+    torch.ops.aten.squeeze_.dim: torch.ops.aten.squeeze.dim,
+    torch.ops.aten.squeeze_.dims: torch.ops.aten.squeeze.dims,
+}
+
+
+def _is_symbolic(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in t.shape)
+
+
+class _NoReplay(Exception):
+    pass
+
+
+def _eager_error(
+    func: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dict[str, object]
+) -> str | None:
+    """eager's error for this call, found by running it on zero-filled real CPU tensors with the
+    same geometry and storage sharing; None if eager accepts it (or it cannot be replayed)."""
+    storages: dict[StorageWeakRef, torch.Tensor] = {}
+
+    def real(t: object) -> object:
+        if not isinstance(t, torch.Tensor):
+            return t
+        values = (*t.shape, *t.stride(), t.storage_offset())
+        if any(isinstance(v, torch.SymInt) for v in values) or t.layout is not torch.strided:
+            raise _NoReplay
+        ref = StorageWeakRef(t.untyped_storage())
+        numel = t.untyped_storage().nbytes() // max(t.element_size(), 1)
+        base = storages.get(ref)
+        if base is None:
+            base = storages[ref] = torch.zeros(numel, dtype=t.dtype)
+        elif base.dtype != t.dtype:
+            raise _NoReplay
+        return base.as_strided(t.shape, t.stride(), t.storage_offset())
+
+    try:
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            real_args, real_kwargs = pytree.tree_map(real, (args, kwargs))
+            func(*real_args, **real_kwargs)
+    except _NoReplay:
+        return None
+    except RuntimeError as e:
+        return str(e) if "unsupported operation" in str(e) else None
+    return None
+
+
+class OverlappingWrites(TorchFunctionMode):
+    """The functional runs' rewrite of in-place methods that write into a tensor whose elements
+    share memory through stride-0 dims (`x.expand(3, 4).fill_(1)`), which eager accepts for some
+    ops (see `EagerChecks`). Functionalization would propagate such a write back through the
+    expand's inverse (a sum), which is wrong; so the write is done on a clone, and for every
+    memory location the last written value (eager's sequential order) goes into the tensor with
+    the stride-0 dims narrowed to one element, which functionalization replays exactly; `count`
+    says how many were rewritten.
+
+    With autograd recording such a write, eager's forward works but its backward through it
+    raises (CopySlices writes the gradient into the same overlapping view). `rewrite=False` (the
+    plain run) only notes the autograd nodes of such writes in `refused_nodes`; the metadata pass
+    then refuses the backward of every output whose gradient reaches one of them, as eager does.
+    """
+
+    def __init__(self, rewrite: bool = True) -> None:
+        super().__init__()
+        self.rewrite = rewrite
+        self.count = 0
+        self.refused_nodes: set[int] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if (
+            not name.endswith("_")
+            or name.startswith("_")
+            or not args
+            or not isinstance(args[0], torch.Tensor)
+            or name in _METADATA_IN_PLACE
+        ):
+            return func(*args, **kwargs)
+        target = args[0]
+        dims = [
+            d for d, (n, st) in enumerate(zip(target.shape, target.stride())) if st == 0 and n > 1
+        ]
+        if not dims or torch._debug_has_internal_overlap(target) != 1:
+            if self.rewrite and not target.is_contiguous():
+                return _keep_strides(func, name, args, kwargs)
+            return func(*args, **kwargs)
+        if not self.rewrite:
+            result = func(*args, **kwargs)
+            root = target._base if target._base is not None else target
+            if root.grad_fn is not None:
+                self.refused_nodes.add(id(root.grad_fn))
+            return result
+        self.count += 1
+        written = target.clone()
+        func(written, *args[1:], **kwargs)
+        old = target.expand_as(written)
+        changed = written != old
+        if written.is_floating_point() or written.is_complex():
+            changed = changed & ~(written.isnan() & old.isnan())
+        value = written
+        for d in reversed(dims):
+            position = torch.arange(written.shape[d], device=written.device).view(
+                [-1 if k == d else 1 for k in range(written.dim())]
+            )
+            last = (changed * position).amax(d, keepdim=True)
+            value = value.gather(d, last.expand([1 if k == d else -1 for k in range(value.dim())]))
+            changed = changed.any(d, keepdim=True)
+        dest = target
+        for d in dims:
+            dest = dest.narrow(d, 0, 1)
+        dest.copy_(value)
+        return target
+
+
+def _keep_strides(
+    func: Callable[..., object], name: str, args: tuple[object, ...], kwargs: dict[str, object]
+) -> object:
+    """`t.op_(...)` on a non-contiguous `t` as `t.copy_(t.op(...))`: functionalization would give
+    `t` the strides of the out-of-place result (often contiguous), eager keeps t's, and later
+    stride-dependent ops (`.contiguous()`, `.reshape()`) and output layouts would differ; a
+    functional `copy` keeps the destination's layout."""
+    target = args[0]
+    assert isinstance(target, torch.Tensor)
+    if name == "zero_":
+        value: object = torch.zeros_like(target)
+    elif name == "fill_":
+        value = torch.full_like(target, args[1]) if len(args) > 1 else None  # type: ignore[arg-type]
+    else:
+        op = getattr(torch.Tensor, name[:-1], None)
+        value = op(*args, **kwargs) if op is not None else None
+    if not isinstance(value, torch.Tensor) or value.shape != target.shape:
+        return func(*args, **kwargs)
+    return target.copy_(value)
+
+
+_METADATA_IN_PLACE = frozenset(
+    {
+        "t_",
+        "transpose_",
+        "squeeze_",
+        "unsqueeze_",
+        "as_strided_",
+        "swapdims_",
+        "swapaxes_",
+        "resize_",
+        "resize_as_",
+        "set_",
+        "requires_grad_",
+        "retain_grad",
+        "share_memory_",
+        "detach_",
+        "record_stream",
+    }
+)
 
 
 def _partial_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

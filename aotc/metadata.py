@@ -2,8 +2,10 @@
 
 Stage: `collect_metadata(program, leaves, convention, fake_mode, grad_enabled) -> MetadataResult`.
 Requires: `leaves` are the real user leaves of one call; `convention` maps them to graph args.
-Ensures: one `InputInfo` per graph arg, one `OutputInfo` per output leaf, and the fake metadata
-of every forward output (for making tangents), all from one run on fake functional tensors.
+Ensures: one `InputInfo` per graph arg, one `OutputInfo` per output leaf, a `LeafChange` per user
+tensor whose geometry or version the call changes, the detached roots outputs are regenerated
+from, and the fake metadata of every forward output (for making tangents), all from two runs on
+fake tensors.
 
 Worked example:
 
@@ -16,28 +18,21 @@ Worked example:
     output 0: alias_of_input base=user_arg0 requires_grad=True dtype=torch.float32
     output 1: fresh requires_grad=True dtype=torch.float32
     intermediate bases: 0
+    user_arg1: version +1
 
-See Note [Output aliasing] for how outputs are classified.
+See Note [Output aliasing] in aotc/aliasing.py for how outputs are classified.
 
 Note [Two metadata runs]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 The program runs twice here, both times on fake tensors. The functional run answers which inputs
-are mutated and how (data, metadata, under no_grad): functionalization records that exactly.
-But a functional wrapper's strides after a data mutation are those of the out-of-place result
-(`x.add_(1)` on a strided slice yields a contiguous value), so geometry, aliasing and
-requires_grad of outputs come from a plain run, which behaves as eager does, metadata included.
-
-Note [Output aliasing]
-~~~~~~~~~~~~~~~~~~~~~~
-Checked in this order, on the outputs of the plain fake run:
-  1. the output *is* a user input object               -> IS_INPUT
-  2. it is the same object as an earlier output        -> IS_OUTPUT
-  3. it shares storage with a graph arg                -> ALIAS_OF_INPUT (geometry recorded
-     relative to the user leaf, so the runtime regenerates it with one as_strided)
-  4. its autograd `._base` is another (fresh) output   -> ALIAS_OF_OUTPUT
-  5. it has some other `._base`                        -> ALIAS_OF_INTERMEDIATE (the base becomes
-     an extra forward output so the view can be regenerated off it with its own autograd edge)
-  6. otherwise                                         -> FRESH
+are data-mutated: functionalization records that exactly, and gives the values' fake metadata
+for tangents. Everything eager can observe comes from a plain run, which behaves as eager does:
+output geometry, aliasing and autograd flags; each user tensor's geometry and `_version` after
+the call (metadata mutations and version bumps are per tensor, so a view passed next to its base
+keeps its own `t_()`); whether a data mutation changed the input's autograd history at all (it
+does not under no_grad, through a `detach()`ed alias, or with values that need no grad: then the
+runtime replays it under no_grad, see `InputInfo.hidden_from_autograd`); and the errors eager's
+backward would raise (Note [Backward eager would refuse] in runtime/autograd.py).
 """
 
 from __future__ import annotations
@@ -46,29 +41,35 @@ from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.multiprocessing.reductions import StorageWeakRef
 
+from aotc.aliasing import RootRef, ValueRef, classify_outputs
 from aotc.functional import (
+    EagerChecks,
     FlatProgram,
-    OverlapCheck,
+    OverlappingWrites,
     fakeify,
     functionalization,
     to_functional,
     user_errors,
 )
-from aotc.runtime.autograd import stale_saved_value, version_checked_saves
+from aotc.runtime.autograd import STALE, SavedValues, autograd_nodes
 from aotc.runtime.convention import apply_convention, expand_graph_args
 from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.schema import (
     CallingConvention,
+    DetachedRoot,
+    FwdOut,
     FwdOutputPlan,
     Geometry,
     GraphArg,
     InputInfo,
+    LeafChange,
     MutationAliasInfo,
     MutationKind,
     OutputInfo,
     OutputKind,
+    RootGrad,
+    RootSource,
     UserArg,
     UserOut,
 )
@@ -90,9 +91,41 @@ class MetadataResult:
     fwd_plan: FwdOutputPlan
     fwd_specs: tuple[TensorSpec, ...]  # len == fwd_plan.num_outputs; FwdOut space
     out_spec: object  # pytree spec of the user's return value
-    # Why eager's backward would fail (a value its autograd saved was modified in place
-    # afterwards), or None. See Note [Backward eager would refuse] in runtime/autograd.py.
-    backward_error: str | None = None
+    # Forward outputs whose backward eager would refuse, with eager's reason. See Note [Backward
+    # eager would refuse] in runtime/autograd.py.
+    refused: tuple[tuple[FwdOut, str], ...] = ()
+    # How the joint trace reaches each intermediate base and each HISTORY root's value.
+    base_refs: tuple[ValueRef, ...] = ()  # len == fwd_plan.num_intermediate_bases
+    root_value_refs: tuple[ValueRef, ...] = ()  # len == fwd_plan.num_root_values
+
+
+@dataclass(frozen=True, slots=True)
+class _State:
+    """A plain fake user tensor's state, before or after the program."""
+
+    grad_fn: object  # of the tensor, or of its base for a view (see `_state`)
+    requires_grad: bool
+    is_leaf: bool
+    geometry: Geometry
+    version: int
+
+
+def _state(t: torch.Tensor) -> _State:
+    """A view's autograd history is its base's: eager rebases the base when the view is
+    written, and regenerates a view's own grad_fn whenever its version moved (reading it then
+    can even raise), so the base is what says whether eager recorded history."""
+    root = t._base if t._base is not None else t
+    try:
+        is_leaf = t.is_leaf
+    except RuntimeError:  # a view whose grad_fn eager refuses to regenerate
+        is_leaf = False
+    return _State(
+        root.grad_fn,
+        t.requires_grad,
+        is_leaf,
+        Geometry(tuple(t.shape), tuple(t.stride()), t.storage_offset()),
+        t._version,
+    )
 
 
 def collect_metadata(
@@ -105,49 +138,105 @@ def collect_metadata(
 ) -> MetadataResult:
     graph_args = apply_convention(convention, leaves)
     constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
-    # Run 1, functional: which inputs are mutated, and how (see Note [Two metadata runs]).
-    with fake_mode:
-        fakes = fakeify(fake_mode, graph_args, as_leaves=False)
-        wrappers = [to_functional(f) for f in fakes]
-        with (
-            user_errors("metadata pass"),
-            functionalization(),
-            torch.set_grad_enabled(grad_enabled),
-        ):
-            f_leaves = expand_graph_args(convention, wrappers, constants)
-            f_outs, out_spec = program(f_leaves)
-        for w in wrappers:
-            torch._sync(w)
-        mutations = [_mutation_of(w, arg_names, g) for g, w in enumerate(wrappers)]
-    # Run 2, plain fake tensors: eager's own view of outputs, aliasing and geometry.
+    # Run 1, plain fake tensors: eager's own view of outputs, aliasing, autograd and versions
+    # (see Note [Two metadata runs]); first, so an error eager would raise is reported as such.
     # A symbolic compilation's fakes carry its ShapeEnv's symbols: stay in its mode.
     symbolic = any(isinstance(a, FakeTensor) for a in graph_args)
     eager_mode = fake_mode if symbolic else FakeTensorMode(allow_non_fake_inputs=False)
     with eager_mode:
         plain = fakeify(eager_mode, graph_args, as_leaves=False)
-        before = [(p.storage_offset(), p.requires_grad, p.is_leaf, p) for p in plain]
-        overlap = OverlapCheck()
+        with torch.set_grad_enabled(grad_enabled):
+            p_leaves = expand_graph_args(convention, plain, constants)
+        args_before = [_state(p) for p in plain]
+        leaves_before = {id(t): _state(t) for t in p_leaves if isinstance(t, torch.Tensor)}
+        checks, saved, overlaps = EagerChecks(), SavedValues(), OverlappingWrites(rewrite=False)
         with (
             user_errors("metadata pass"),
             torch.set_grad_enabled(grad_enabled),
-            version_checked_saves(),
-            overlap,
+            saved.hooks(),
+            checks,
+            overlaps,
         ):
-            p_leaves = expand_graph_args(convention, plain, constants)
             p_outs, _ = program(p_leaves)
-        overlap.check()
-        inputs = tuple(_input_info(kind, *state) for kind, state in zip(mutations, before))
-        outputs, base_outs = _classify_outputs(p_outs, p_leaves, convention)
-        backward_error = stale_saved_value([*p_outs, *p_leaves]) if grad_enabled else None
-    f_bases = [f_outs[j]._base for j in base_outs]  # type: ignore[union-attr]
-    fwd_plan, specs = _plan_fwd_outputs(outputs, inputs, f_outs, wrappers, f_bases)
-    meta = MutationAliasInfo(inputs=inputs, outputs=outputs, num_intermediate_bases=len(f_bases))
-    return MetadataResult(meta, fwd_plan, specs, out_spec, backward_error)
+        checks.check()
+    # Run 2, functional: which inputs are data-mutated, and the values' fake metadata.
+    with fake_mode:
+        fakes = fakeify(fake_mode, graph_args, as_leaves=False)
+        wrappers = [to_functional(f) for f in fakes]
+        rewrites = OverlappingWrites()
+        with (
+            user_errors("metadata pass", eager_ran=True),
+            functionalization(),
+            torch.set_grad_enabled(grad_enabled),
+            rewrites,
+        ):
+            f_leaves = expand_graph_args(convention, wrappers, constants)
+            f_outs, out_spec = program(f_leaves)
+        for w in wrappers:
+            torch._sync(w)
+        kinds = [_mutation_of(w, arg_names, g) for g, w in enumerate(wrappers)]
+    checks.check(rewrites.count)
+    _check_same_program(wrappers, plain, f_outs, p_outs)
+    with eager_mode:
+        inputs = tuple(
+            _input_info(kind, before, p) for kind, before, p in zip(kinds, args_before, plain)
+        )
+        changes = _leaf_changes(p_leaves, leaves_before)
+        analysis = classify_outputs(p_outs, p_leaves)
+        fwd_plan, specs, plain_values, roots = _plan_fwd_outputs(
+            analysis.infos, inputs, analysis.bases, analysis.roots, f_outs, p_outs, wrappers, plain
+        )
+        refused = _backward_refusals(
+            saved, overlaps.refused_nodes, plain_values, fwd_plan.needs_tangent
+        )
+    _check_detached_sources(roots, specs, plain_values)
+    meta = MutationAliasInfo(
+        inputs=inputs,
+        outputs=tuple(analysis.infos),
+        num_intermediate_bases=len(analysis.bases),
+        leaf_changes=changes,
+        roots=roots,
+        new_leaf_bases=tuple(analysis.new_leaf_bases),
+    )
+    root_values = tuple(r.value for r in analysis.roots if r.grad is RootGrad.HISTORY)
+    return MetadataResult(
+        meta, fwd_plan, specs, out_spec, refused, tuple(analysis.bases), root_values
+    )
 
 
-def _mutation_of(w: torch.Tensor, arg_names: list[str], g: int) -> tuple[MutationKind, bool]:
-    """Mutation kind of one functional graph arg, and whether every data mutation was under
-    no_grad."""
+def _check_same_program(
+    wrappers: list[torch.Tensor],
+    plain: list[torch.Tensor],
+    f_outs: list[object],
+    p_outs: list[object],
+) -> None:
+    """The functional run must have computed what the plain run did: same output shapes and
+    dtypes, same final input shapes. They part when the program asks for strides after an
+    in-place op: functionalization gives the written tensor the strides of the out-of-place
+    result, so `.contiguous()`, `.reshape()` or `.view()` can alias in one run and copy in the
+    other."""
+    pairs = list(zip(wrappers, plain)) + [
+        (f, p) for f, p in zip(f_outs, p_outs) if isinstance(p, torch.Tensor)
+    ]
+    for f, p in pairs:
+        if not isinstance(f, torch.Tensor) or (tuple(f.shape), f.dtype) != (
+            tuple(p.shape),
+            p.dtype,
+        ):
+            raise UnsupportedError(
+                "metadata pass: aotc's functional trace of the program parts from eager's (a "
+                "tensor is [{}] there, [{}] in eager): the program reads strides after an "
+                "in-place op on a non-contiguous tensor (e.g. `.contiguous()`, `.reshape()` or "
+                "`.view()` after `x.t().masked_fill_(...)`), where the functional graph's layout "
+                "differs from eager's. Call .contiguous() on the tensor before the in-place op, "
+                "or use .clone() instead of .contiguous().".format(
+                    ", ".join(map(str, getattr(f, "shape", ()))), ", ".join(map(str, p.shape))
+                )
+            )
+
+
+def _mutation_of(w: torch.Tensor, arg_names: list[str], g: int) -> MutationKind:
+    """Mutation kind of one functional graph arg."""
     data = torch._functionalize_has_data_mutation(w)
     metadata = torch._functionalize_has_metadata_mutation(w)
     if torch._functionalize_was_storage_changed(w):
@@ -156,170 +245,153 @@ def _mutation_of(w: torch.Tensor, arg_names: list[str], g: int) -> tuple[Mutatio
             f"the program swaps or resizes the storage of input {name!r} (set_ / resize_). "
             "aotc cannot replay storage changes on inputs; do this outside the compiled function."
         )
-    kind = {
+    return {
         (False, False): MutationKind.NONE,
         (False, True): MutationKind.METADATA_ONLY,
         (True, False): MutationKind.DATA,
         (True, True): MutationKind.DATA_AND_METADATA,
     }[(data, metadata)]
-    no_grad = data and torch._functionalize_are_all_mutations_under_no_grad_or_inference_mode(w)
-    return kind, no_grad
 
 
-def _input_info(
-    mutation: tuple[MutationKind, bool],
-    offset_before: int,
-    requires_grad: bool,
-    is_leaf: bool,
-    plain: torch.Tensor,
-) -> InputInfo:
-    """`plain` is the plain fake input after the run; the other fields are from before it."""
-    kind, no_grad = mutation
-    geometry = None
-    if kind.has_metadata:
-        geometry = Geometry(
-            tuple(plain.shape), tuple(plain.stride()), plain.storage_offset() - offset_before
-        )
+def _input_info(kind: MutationKind, before: _State, plain: torch.Tensor) -> InputInfo:
+    """`plain` is the plain fake graph arg after the run."""
+    after = _state(plain)
+    # (requires_grad alone may change: `x.requires_grad_()` makes a leaf without history)
+    unchanged = after.grad_fn is before.grad_fn
     return InputInfo(
         mutation=kind,
-        mutated_under_no_grad=no_grad,
-        requires_grad=requires_grad,
-        is_leaf=is_leaf,
-        new_geometry=geometry,
+        hidden_from_autograd=unchanged,
+        requires_grad=before.requires_grad,
+        is_leaf=before.is_leaf,
     )
 
 
-def _classify_outputs(
-    outs: list[object],
-    user_leaves: list[object],
-    convention: CallingConvention,
-) -> tuple[tuple[OutputInfo, ...], list[UserOut]]:
-    """See Note [Output aliasing]. Returns the infos and, per intermediate base, one output
-    whose `._base` it is."""
-    leaf_of_id = {
-        id(t): UserArg(i) for i, t in enumerate(user_leaves) if isinstance(t, torch.Tensor)
-    }
-    storage_leaf: dict[StorageWeakRef, UserArg] = {}
-    for leaf, _g in convention.leaf_to_graph:
-        storage_leaf.setdefault(StorageWeakRef(user_leaves[leaf].untyped_storage()), leaf)  # type: ignore[union-attr]
-    out_of_id: dict[int, UserOut] = {}
-    bases: list[torch.Tensor] = []
-    infos: list[OutputInfo] = []
-    for j, o in enumerate(outs):
-        if not isinstance(o, torch.Tensor):
-            _check_constant(o, j)
-            infos.append(OutputInfo(OutputKind.NOT_TENSOR, False, None, constant=o))
+def _leaf_changes(p_leaves: list[object], before: dict[int, _State]) -> tuple[LeafChange, ...]:
+    """Geometry and version changes of each distinct user tensor (first occurrence)."""
+    changes = []
+    seen: set[int] = set()
+    for i, t in enumerate(p_leaves):
+        if not isinstance(t, torch.Tensor) or id(t) in seen:
             continue
-        if o.requires_grad and o.is_leaf and o._base is None and id(o) not in leaf_of_id:
-            raise UnsupportedError(
-                f"output {j} is a tensor created inside the compiled function with "
-                "requires_grad=True. aotc cannot return new leaf tensors; create it outside and "
-                "pass it as an argument."
-            )
-        rg, dtype = o.requires_grad, o.dtype
-        storage = StorageWeakRef(o.untyped_storage())
-        if id(o) in leaf_of_id:
-            infos.append(OutputInfo(OutputKind.IS_INPUT, rg, dtype, base_arg=leaf_of_id[id(o)]))
-        elif id(o) in out_of_id:
-            infos.append(OutputInfo(OutputKind.IS_OUTPUT, rg, dtype, base_out=out_of_id[id(o)]))
-        elif storage in storage_leaf:
-            leaf = storage_leaf[storage]
-            base = user_leaves[leaf]
-            assert isinstance(base, torch.Tensor)
-            if base.dtype != o.dtype:
-                raise UnsupportedError(
-                    f"output {j} is a view of input {leaf} with another dtype ({base.dtype} -> "
-                    f"{o.dtype}); aotc cannot regenerate dtype-changing views of inputs. Return "
-                    ".clone() of it instead."
-                )
-            geometry = Geometry(
-                tuple(o.shape), tuple(o.stride()), o.storage_offset() - base.storage_offset()
-            )
-            infos.append(
-                OutputInfo(
-                    OutputKind.ALIAS_OF_INPUT,
-                    rg,
-                    dtype,
-                    base_arg=leaf,
-                    geometry=geometry,
-                    view_without_grad=o.grad_fn is None,
-                    lazy_conj=o.is_conj() and not base.is_conj(),
-                    lazy_neg=o.is_neg() and not base.is_neg(),
-                )
-            )
-        elif o._base is not None and id(o._base) in out_of_id:
-            infos.append(
-                OutputInfo(OutputKind.ALIAS_OF_OUTPUT, rg, dtype, base_out=out_of_id[id(o._base)])
-            )
-        elif o._base is not None:
-            idx = next((k for k, b in enumerate(bases) if b is o._base), None)
-            if idx is None:
-                idx = len(bases)
-                bases.append(o._base)
-            infos.append(
-                OutputInfo(OutputKind.ALIAS_OF_INTERMEDIATE, rg, dtype, base_intermediate=idx)
-            )
-        else:
-            infos.append(OutputInfo(OutputKind.FRESH, rg, dtype))
-            out_of_id[id(o)] = UserOut(j)
-    # A fresh output that is the base of an earlier alias: reclassify that alias.
-    fixed = []
-    for o, info in zip(outs, infos):
-        if info.kind is OutputKind.ALIAS_OF_INTERMEDIATE and id(o._base) in out_of_id:  # type: ignore[union-attr]
-            info = OutputInfo(
-                OutputKind.ALIAS_OF_OUTPUT,
-                info.requires_grad,
-                info.dtype,
-                base_out=out_of_id[id(o._base)],  # type: ignore[union-attr]
-            )
-        fixed.append(info)
-    used = sorted({i.base_intermediate for i in fixed if i.base_intermediate is not None})
-    remap = {old: new for new, old in enumerate(used)}
-    first_user = {}
-    for j, i in enumerate(fixed):
-        if i.base_intermediate is not None:
-            first_user.setdefault(i.base_intermediate, UserOut(j))
-    fixed = [
-        OutputInfo(i.kind, i.requires_grad, i.dtype, base_intermediate=remap[i.base_intermediate])
-        if i.base_intermediate is not None
-        else i
-        for i in fixed
-    ]
-    return tuple(fixed), [first_user[k] for k in used]
-
-
-def _check_constant(value: object, j: int) -> None:
-    if value is None or isinstance(
-        value, (int, float, bool, str, complex, torch.dtype, torch.device)
-    ):
-        return
-    raise UnsupportedError(
-        f"output {j} has type {type(value).__name__}, which aotc cannot return from a compiled "
-        "function. Return tensors, Python numbers/strings/None, or tuples/lists/dicts of them."
-    )
+        seen.add(id(t))
+        old = before[id(t)]
+        now = _state(t)
+        geometry = None
+        if now.geometry != old.geometry:
+            g = now.geometry
+            geometry = Geometry(g.size, g.stride, g.offset - old.geometry.offset)
+        bumps = now.version - old.version
+        made_to_require_grad = now.requires_grad and not old.requires_grad and now.is_leaf
+        if geometry is not None or bumps or made_to_require_grad:
+            with_grad = now.requires_grad and now.grad_fn is not old.grad_fn
+            changes.append(LeafChange(UserArg(i), geometry, bumps, with_grad, made_to_require_grad))
+    return tuple(changes)
 
 
 def _plan_fwd_outputs(
-    outputs: tuple[OutputInfo, ...],
+    outputs: list[OutputInfo],
     inputs: tuple[InputInfo, ...],
-    outs: list[object],
+    bases: list[ValueRef],
+    root_refs: list[RootRef],
+    f_outs: list[object],
+    p_outs: list[object],
     wrappers: list[torch.Tensor],
-    bases: list[torch.Tensor],
-) -> tuple[FwdOutputPlan, tuple[TensorSpec, ...]]:
+    plain: list[torch.Tensor],
+) -> tuple[FwdOutputPlan, tuple[TensorSpec, ...], list[torch.Tensor], tuple[DetachedRoot, ...]]:
+    """FwdOut order: in-graph user outputs, mutated args, intermediate bases, root values. Also
+    the plain-run tensor of each forward output and the detached roots in FwdOut terms."""
     in_graph = (OutputKind.FRESH, OutputKind.ALIAS_OF_INTERMEDIATE, OutputKind.ALIAS_OF_OUTPUT)
     user_outs = tuple(UserOut(j) for j, o in enumerate(outputs) if o.kind in in_graph)
     mutated = tuple(GraphArg(g) for g, i in enumerate(inputs) if i.mutation.has_data)
-    tensors: list[torch.Tensor] = [outs[j] for j in user_outs]  # type: ignore[misc]
+    history = [r for r in root_refs if r.grad is RootGrad.HISTORY]
+    tensors: list[torch.Tensor] = [f_outs[j] for j in user_outs]  # type: ignore[misc]
     tensors += [wrappers[g] for g in mutated]
-    tensors += bases
-    needs = [outputs[j].kind is OutputKind.FRESH and outputs[j].requires_grad for j in user_outs]
-    needs += [wrappers[g].requires_grad and not inputs[g].mutated_under_no_grad for g in mutated]
-    needs += [b.requires_grad for b in bases]
+    tensors += [b.resolve(f_outs) for b in bases]
+    tensors += [r.value.resolve(f_outs) for r in history]
+    values: list[torch.Tensor] = [p_outs[j] for j in user_outs]  # type: ignore[misc]
+    values += [plain[g] for g in mutated]
+    values += [b.resolve(p_outs) for b in bases]
+    values += [r.value.resolve(p_outs) for r in history]
+    needs = [
+        outputs[j].kind is OutputKind.FRESH and outputs[j].requires_grad and not outputs[j].new_leaf
+        for j in user_outs
+    ]
+    needs += [plain[g].requires_grad and not inputs[g].hidden_from_autograd for g in mutated]
+    needs += [b.requires_grad and b.grad_fn is not None for b in values[len(needs) :]]
     specs = tuple(TensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in tensors)
     plan = FwdOutputPlan(
         user_outs=user_outs,
         mutated_args=mutated,
         num_intermediate_bases=len(bases),
         needs_tangent=tuple(needs),
+        num_root_values=len(history),
     )
-    return plan, specs
+    fwd_of_user = {j: FwdOut(k) for k, j in enumerate(user_outs)}
+    base0 = len(user_outs) + len(mutated)
+    value0 = base0 + len(bases)
+    roots = []
+    for r in root_refs:
+        if r.source_arg is not None:
+            source, index = RootSource.INPUT, int(r.source_arg)
+        elif r.source_out is not None:
+            source, index = RootSource.VALUE, int(fwd_of_user[r.source_out])
+        else:
+            assert r.source_base is not None
+            source, index = RootSource.VALUE, base0 + r.source_base
+        value = FwdOut(value0 + history.index(r)) if r.grad is RootGrad.HISTORY else None
+        roots.append(DetachedRoot(source, index, r.geometry, r.grad, value))
+    return plan, specs, values, tuple(roots)
+
+
+def _check_detached_sources(
+    roots: tuple[DetachedRoot, ...], specs: tuple[TensorSpec, ...], values: list[torch.Tensor]
+) -> None:
+    """A detached root on a graph value is placed by eager's geometry relative to that value:
+    the graph must lay the value out as eager does."""
+    for root in roots:
+        if root.source is RootSource.VALUE:
+            spec, eager = specs[root.index], values[root.index]
+            if (spec.shape, spec.stride) != (tuple(eager.shape), tuple(eager.stride())):
+                raise UnsupportedError(
+                    "an output is a detached alias (`.detach()`) of a value that the compiled "
+                    f"graph lays out as {list(spec.shape)} stride {spec.stride}, eager as "
+                    f"{list(eager.shape)} stride {eager.stride()}; aotc cannot place the alias. "
+                    "Return a .clone() of it instead."
+                )
+
+
+def _backward_refusals(
+    saved: SavedValues,
+    overlap_nodes: set[int],
+    values: list[torch.Tensor],
+    needs: tuple[bool, ...],
+) -> tuple[tuple[FwdOut, str], ...]:
+    """Forward outputs whose backward eager would refuse (Note [Backward eager would refuse]):
+    because a value its autograd saved was modified in place afterwards (only when some saved
+    value is stale does it run a fake backward from each differentiable output to see which),
+    or because it reaches a write into an overlapping tensor (`OverlappingWrites`)."""
+    refused = []
+    if overlap_nodes:
+        for k, (value, need) in enumerate(zip(values, needs)):
+            if need and any(id(n) in overlap_nodes for n in autograd_nodes([value])):
+                refused.append((FwdOut(k), _OVERLAP_BACKWARD))
+    if not saved.any_stale():
+        return tuple(refused)
+    done = {k for k, _ in refused}
+    for k, (value, need) in enumerate(zip(values, needs)):
+        if not need or k in done:
+            continue
+        try:
+            torch.autograd.backward([value], [torch.ones_like(value)], retain_graph=True)
+        except RuntimeError as e:
+            if STALE in str(e):
+                refused.append((FwdOut(k), str(e).split(" Hint:", 1)[0]))
+        except Exception:  # noqa: BLE001 a probe that fails otherwise refuses nothing
+            continue
+    return tuple(refused)
+
+
+_OVERLAP_BACKWARD = (
+    "unsupported operation: more than one element of the written-to tensor refers to a single "
+    "memory location (the backward of an in-place write into an expand()ed view)."
+)

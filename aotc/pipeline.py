@@ -35,15 +35,15 @@ from aotc.functional import FlatProgram, compiling
 from aotc.metadata import MetadataResult, collect_metadata
 from aotc.options import CompileOptions, full_tracebacks
 from aotc.passes.cleanup import cleanup
-from aotc.passes.descriptors import GradOutput
-from aotc.passes.ir import JointGraph, primal_names
+from aotc.passes.descriptors import GradOutput, TangentInput
+from aotc.passes.ir import JointGraph, StageGraph, primal_names
 from aotc.passes.lint import lint_graph
 from aotc.passes.partition import PartitionResult, partition
 from aotc.passes.recompute import executor_for
 from aotc.passes.select import select_backend
 from aotc.runtime.autograd import AutogradPlan
 from aotc.runtime.cache import DeferredField
-from aotc.runtime.convention import alias_groups, plan_convention
+from aotc.runtime.convention import alias_groups, apply_convention, plan_convention
 from aotc.runtime.epilogue import EpiloguePlan, plan_epilogue
 from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.kernels import CompiledGraph, KernelSource
@@ -303,7 +303,8 @@ def _compile_signature(
         metadata = collect_metadata(program, leaves, convention, fake_mode, grad_enabled, names)
     lap("metadata")
 
-    training = grad_enabled and any(metadata.fwd_plan.needs_tangent)
+    # Also under no_grad: outputs computed inside torch.enable_grad() require grad as in eager.
+    training = any(metadata.fwd_plan.needs_tangent)
     joint = trace_joint(program, leaves, convention, metadata, fake_mode, grad_enabled, training)
     lap("trace")
     if options.check_invariants:
@@ -314,11 +315,7 @@ def _compile_signature(
     autograd_plan: AutogradPlan | None = None
     detach: tuple[GraphArg, ...] = ()
     if training:
-        mutated = frozenset(
-            GraphArg(g)
-            for g, info in enumerate(metadata.meta.inputs)
-            if info.mutation.value != "none"
-        )
+        mutated = _changed_args(metadata.meta, convention)
         cleaned = cleanup(joint)
         executor = executor_for(options.backend, options.triton_interpret, _graph_device(joint))
         part = partition(
@@ -334,16 +331,23 @@ def _compile_signature(
             lint_graph(part.forward, "forward")
             lint_graph(part.backward, "backward")
         grad_args = tuple(d.arg for d in part.backward.outputs if isinstance(d, GradOutput))
+        diff_outs = tuple(
+            FwdOut(k) for k, needs in enumerate(metadata.fwd_plan.needs_tangent) if needs
+        )
         autograd_plan = AutogradPlan(
             num_graph_args=len(convention.graph_sources),
             num_fwd_outs=metadata.fwd_plan.num_outputs,
-            diff_outs=tuple(
-                FwdOut(k) for k, needs in enumerate(metadata.fwd_plan.needs_tangent) if needs
-            ),
+            diff_outs=diff_outs,
             num_saved=len(part.saved),
             grad_args=grad_args,
             num_saved_symints=part.num_saved_symints,
-            backward_error=metadata.backward_error,
+            refused=tuple((diff_outs.index(k), why) for k, why in metadata.refused),
+            grad_deps=_grad_dependencies(part.backward, diff_outs),
+            anchor=not any(
+                isinstance(a, torch.Tensor) and a.requires_grad
+                for a in apply_convention(convention, leaves)
+            )
+            and not any(c.requires_grad for c in metadata.meta.leaf_changes),
         )
         detach = _statically_no_grad(joint, leaves, convention)
     epilogue = plan_epilogue(metadata.meta, metadata.fwd_plan, convention)
@@ -354,6 +358,7 @@ def _compile_signature(
         autograd=autograd_plan,
         detach_args=detach,
         out_spec=metadata.out_spec,  # type: ignore[arg-type]
+        enable_grad=training and not grad_enabled,
     )
     fwd_module = part.forward.module if part is not None else joint.module
     bwd_module = part.backward.module if part is not None else None
@@ -504,13 +509,46 @@ def _log_record(record: CompiledRecord, fwd: fx.GraphModule, bwd: fx.GraphModule
 def _mutated_alias_groups(
     leaves: Sequence[object], convention: CallingConvention, metadata: MetadataResult
 ) -> list[list[UserArg]]:
-    """Alias groups of user leaves in which some member's graph arg is mutated."""
+    """Alias groups of user leaves in which some member's data is mutated (a metadata mutation
+    is per tensor and needs no synthetic base)."""
     graph_of = dict(convention.leaf_to_graph)
     groups = []
     for group in alias_groups(leaves):
-        if any(metadata.meta.inputs[graph_of[m]].mutation.value != "none" for m in group):
+        if any(metadata.meta.inputs[graph_of[m]].mutation.has_data for m in group):
             groups.append(group)
     return groups
+
+
+def _changed_args(meta: MutationAliasInfo, convention: CallingConvention) -> frozenset[GraphArg]:
+    """Graph args the epilogue writes, reshapes or re-versions after the forward."""
+    graph_of = dict(convention.leaf_to_graph)
+    changed = {GraphArg(g) for g, info in enumerate(meta.inputs) if info.mutation.value != "none"}
+    changed |= {graph_of[c.leaf] for c in meta.leaf_changes}
+    return frozenset(changed)
+
+
+def _grad_dependencies(
+    backward: StageGraph, diff_outs: tuple[FwdOut, ...]
+) -> tuple[tuple[int, ...], ...] | None:
+    """Per gradient the backward returns: the positions in `diff_outs` whose cotangents it is
+    computed from; None when each depends on all (see Note [None gradients] in
+    runtime/autograd.py)."""
+    position = {k: pos for pos, k in enumerate(diff_outs)}
+    deps: dict[fx.Node, frozenset[int]] = {}
+    for node, desc in zip(backward.placeholders(), backward.inputs, strict=True):
+        deps[node] = (
+            frozenset({position[desc.out]}) if isinstance(desc, TangentInput) else frozenset()
+        )
+    for node in backward.module.graph.nodes:
+        if node.op not in ("placeholder", "output"):
+            deps[node] = frozenset().union(*(deps[a] for a in node.all_input_nodes))
+    result = tuple(
+        tuple(sorted(deps[v])) if isinstance(v, fx.Node) else ()
+        for v, desc in zip(backward.output_values(), backward.outputs, strict=True)
+        if isinstance(desc, GradOutput)
+    )
+    every = tuple(range(len(diff_outs)))
+    return None if all(d == every for d in result) else result
 
 
 def _statically_no_grad(

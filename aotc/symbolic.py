@@ -95,8 +95,12 @@ def symbolic_leaves(
 
 
 def _non_leaf(template: torch.Tensor) -> torch.Tensor:
+    """A non-leaf with the template's exact strides (a clone would make them contiguous)."""
+    out = torch.empty_strided(
+        template.shape, template.stride(), dtype=template.dtype, device=template.device
+    )
     with torch.enable_grad():
-        return template.clone()
+        return out.copy_(template)
 
 
 def guard_expression(mode: FakeTensorMode, fake_leaves: Sequence[object]) -> str | None:
@@ -106,6 +110,28 @@ def guard_expression(mode: FakeTensorMode, fake_leaves: Sequence[object]) -> str
     assert shape_env is not None
     tensors = [t for t in fake_leaves if isinstance(t, torch.Tensor)]
     return shape_env.produce_guards_expression(tensors, ignore_static=False)
+
+
+def static_guard_expression(leaves: Sequence[object]) -> str:
+    """A guard over `L['t<k>']` that admits exactly these sizes and strides: the guard of a
+    static entry among symbolic ones (Note [Static entries under dynamic=True])."""
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    parts = [
+        f"L['t{k}'].size() == {tuple(t.shape)!r} and L['t{k}'].stride() == {tuple(t.stride())!r}"
+        for k, t in enumerate(tensors)
+    ]
+    return " and ".join(parts) or "True"
+
+
+# Note [Static entries under dynamic=True]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Some programs cannot be compiled with symbolic sizes although eager runs them: outputs that
+# are views of inputs or inputs reshaped in place (`a.squeeze_(0)`) with symbolic geometry,
+# mutations through storage-sharing inputs, a size returned as an output (`x.shape[0]`). For
+# those, `aotc.compile(dynamic=True)` compiles a static entry for the call's exact sizes and
+# strides (guarded by `static_guard_expression`) instead of raising: the program works as in
+# eager, and only such programs pay a compile per size. A program that a static compile refuses
+# too raises that error.
 
 
 def check_static_geometry(plan: EpiloguePlan, name: str) -> None:

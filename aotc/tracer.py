@@ -32,6 +32,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from aotc.functional import (
     FlatProgram,
+    OverlappingWrites,
     fakeify,
     from_functional,
     functionalization,
@@ -43,7 +44,14 @@ from aotc.passes.descriptors import FwdOutput, GradOutput, PrimalInput, TangentI
 from aotc.passes.ir import JointGraph
 from aotc.provenance import Recorder, recording
 from aotc.runtime.convention import apply_convention, expand_graph_args
-from aotc.runtime.schema import CallingConvention, FwdOut, GraphArg, OutputKind
+from aotc.runtime.schema import (
+    CallingConvention,
+    FwdOut,
+    FwdOutputPlan,
+    GraphArg,
+    MutationAliasInfo,
+    OutputKind,
+)
 
 
 def trace_joint(
@@ -74,18 +82,15 @@ def trace_joint(
         outs, _ = program(user_leaves)
         fwd = [outs[j] for j in plan.user_outs]
         fwd += [user_args[g] for g in plan.mutated_args]
-        bases: list[torch.Tensor | None] = [None] * plan.num_intermediate_bases
-        for j, info in enumerate(meta.outputs):
-            if info.kind is OutputKind.ALIAS_OF_INTERMEDIATE:
-                bases[info.base_intermediate] = outs[j]._base  # type: ignore[index,union-attr]
-        fwd += bases  # type: ignore[arg-type]
-        return fwd  # type: ignore[return-value]
+        fwd += [ref.resolve(outs) for ref in metadata.base_refs]
+        fwd += [ref.resolve(outs) for ref in metadata.root_value_refs]
+        return fwd
 
     def joint(*flat: torch.Tensor) -> tuple[list[object], list[object]]:
         primals = [to_functional(p) for p in flat[:num_primals]]
         tangents = [to_functional(t) for t in flat[num_primals:]]
         with functionalization():
-            with torch.set_grad_enabled(grad_enabled):
+            with torch.set_grad_enabled(grad_enabled), OverlappingWrites():
                 fwd = run_program(primals)
             grads: list[object] = [None] * num_primals
             if training:
@@ -101,11 +106,15 @@ def trace_joint(
         unwrapped = [from_functional(t) for t in fwd]
         return (unwrapped, [from_functional(g) for g in grads]) if training else (unwrapped, [])
 
+    graph_of = dict(convention.leaf_to_graph)
+    made_to_require_grad = {graph_of[c.leaf] for c in meta.leaf_changes if c.requires_grad}
     with fake_mode:
         primals = fakeify(fake_mode, graph_args, as_leaves=True)
-        if not training:
-            for p in primals:
+        for g, p in enumerate(primals):
+            if not training:
                 p.requires_grad_(False)
+            elif g in made_to_require_grad:
+                p.requires_grad_(True)  # the call sets it first (EpiloguePlan.make_require_grad)
         tangents = (
             [
                 torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=s.device)
@@ -115,7 +124,7 @@ def trace_joint(
             if training
             else []
         )
-        with user_errors("joint trace"), recording():
+        with user_errors("joint trace", eager_ran=True), recording():
             module = make_fx(joint, record_stack_traces=True)(*primals, *tangents)
         recorder.annotate(module)
 
@@ -123,34 +132,110 @@ def trace_joint(
     inputs += tuple(TangentInput(k) for k in tangent_outs) if training else ()
     outputs = tuple(FwdOutput(FwdOut(k)) for k in range(plan.num_outputs))
     outputs += tuple(GradOutput(GraphArg(g)) for g in range(num_primals)) if training else ()
-    fresh = [k for k, j in enumerate(plan.user_outs) if meta.outputs[j].kind is OutputKind.FRESH]
-    _flatten_output(module, fresh)
+    _flatten_output(module, _view_bases(meta, plan))
     return JointGraph(module=module, inputs=inputs, outputs=outputs)
 
 
-def _flatten_output(module: torch.fx.GraphModule, fresh: list[int]) -> None:
+def _view_bases(meta: MutationAliasInfo, plan: FwdOutputPlan) -> dict[int, list[int]]:
+    """Forward outputs the runtime regenerates views from (fresh outputs and intermediate
+    bases), each with the forward outputs that are the graph's own views of it."""
+    fwd_of_user = {j: k for k, j in enumerate(plan.user_outs)}
+    base0 = len(plan.user_outs) + len(plan.mutated_args)
+    bases: dict[int, list[int]] = {}
+    for j, k in fwd_of_user.items():
+        info = meta.outputs[j]
+        if info.kind is OutputKind.FRESH:
+            bases.setdefault(k, [])
+    for b in range(plan.num_intermediate_bases):
+        bases.setdefault(base0 + b, [])
+    for j, k in fwd_of_user.items():
+        info = meta.outputs[j]
+        if info.kind is OutputKind.ALIAS_OF_OUTPUT:
+            assert info.base_out is not None
+            bases[fwd_of_user[info.base_out]].append(k)
+        elif info.kind is OutputKind.ALIAS_OF_INTERMEDIATE:
+            assert info.base_intermediate is not None
+            bases[base0 + info.base_intermediate].append(k)
+    return bases
+
+
+def _flatten_output(module: torch.fx.GraphModule, view_bases: dict[int, list[int]]) -> None:
     """make_fx returns ((fwd...), (grads...)); the stages want one flat tuple of values.
 
-    A fresh user output (fwd positions `fresh`) that the graph computes as a view of an
-    intermediate (`y = x * 2; y.unsqueeze_(0); return y`) is cloned: eager returns a tensor that
-    is no view, and a view returned from the autograd node could not be mutated in place.
+    See Note [Forward outputs that are views].
     """
     graph = module.graph
     out = next(n for n in reversed(graph.nodes) if n.op == "output")
     flat: list[object] = []
     for part in out.args[0]:
         flat.extend(part)
-    for k in fresh:
+    for k, raws in view_bases.items():
         value = flat[k]
-        if isinstance(value, torch.fx.Node) and _is_view_node(value):
-            with graph.inserting_before(out):
+        if not (isinstance(value, torch.fx.Node) and _is_view_node(value)):
+            continue
+        with graph.inserting_before(out):
+            if raws and _is_static(value) and all(_is_static(flat[r]) for r in raws):  # type: ignore[arg-type]
+                flat[k], moved = _fresh_copy(graph, value, [flat[r] for r in raws])  # type: ignore[misc]
+                for r, node in zip(raws, moved):
+                    flat[r] = node
+            else:
                 clone = graph.call_function(torch.ops.aten.clone.default, (value,))
-            clone.meta = dict(value.meta)
-            flat[k] = clone
+                clone.meta = dict(value.meta)
+                flat[k] = clone
     out.args = (tuple(flat),)
-    graph.eliminate_dead_code()
+    # Random ops stay even if unused (they advance the RNG): fx treats them as pure inside a
+    # Dynamo compilation (Inductor's convention) unless told otherwise.
+    graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure(impure_random=True))
     module.graph._codegen = torch.fx.graph.CodeGen()
     module.recompile()
+
+
+# Note [Forward outputs that are views]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A forward output the runtime regenerates views from (a fresh user output, or the base of
+# outputs that are views of an intermediate) may be a view node in the graph: `y = x * 2;
+# y.t_(); return y.view(-1)` makes the base `t(mul)`. Returned from the autograd node, a view
+# becomes a view created in a custom Function, and every view of it inherits that: eager lets
+# the caller write `out.add_(1)`, autograd would refuse. So such an output is returned as a
+# fresh tensor with the same sizes and strides (`empty_strided` + `copy`), and the graph's own
+# views of it that the epilogue reads geometry from are re-taken off that copy with `as_strided`
+# at the same offsets relative to it. (With symbolic sizes it is a `clone`, as before.)
+
+
+def _is_static(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return False
+    values = (*val.shape, *val.stride(), val.storage_offset())
+    return not any(isinstance(v, torch.SymInt) for v in values)
+
+
+def _fresh_copy(
+    graph: torch.fx.Graph, value: torch.fx.Node, raws: list[torch.fx.Node]
+) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
+    aten = torch.ops.aten
+    val = value.meta["val"]
+    empty = graph.call_function(
+        aten.empty_strided.default,
+        (list(val.shape), list(val.stride())),
+        {"dtype": val.dtype, "device": val.device},
+    )
+    copy = graph.call_function(aten.copy.default, (empty, value))
+    with val.fake_mode:
+        fresh = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+    empty.meta = {**value.meta, "val": fresh}
+    copy.meta = {**value.meta, "val": fresh}
+    moved = []
+    for raw in raws:
+        rv = raw.meta["val"]
+        offset = rv.storage_offset() - val.storage_offset()
+        node = graph.call_function(
+            aten.as_strided.default, (copy, list(rv.shape), list(rv.stride()), offset)
+        )
+        with val.fake_mode:
+            node.meta = {**raw.meta, "val": fresh.as_strided(rv.shape, rv.stride(), offset)}
+        moved.append(node)
+    return copy, moved
 
 
 def _is_view_node(node: torch.fx.Node) -> bool:

@@ -158,7 +158,8 @@ def decompose(module: fx.GraphModule) -> fx.GraphModule:
             decomposition_table=table,
             tracing_mode="real",
         )(*args)
-    traced.graph.eliminate_dead_code()
+    # Random ops stay even if unused (fx treats them as pure inside a Dynamo compilation).
+    traced.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure(impure_random=True))
     traced.recompile()
     return traced
 

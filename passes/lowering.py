@@ -357,9 +357,14 @@ class _Lowering:
 
 
 def is_view_node(node: fx.Node) -> bool:
-    if node.target is operator.getitem:
-        return isinstance(node.args[0], fx.Node) and node.args[0].target in VIEW_OPS
-    return node.target in VIEW_OPS
+    """A view op, or an element of a multi-output view op (`unbind(x)[2]`, a split part): as a
+    graph output it must stay an ATen view, or its storage offset would be lost."""
+    target = node.target
+    if target is operator.getitem:
+        if not isinstance(node.args[0], fx.Node):
+            return False
+        target = node.args[0].target
+    return target in VIEW_OPS or (isinstance(target, torch._ops.OpOverload) and target.is_view)
 
 
 def _non_overlapping(size: Sequence[Size], stride: Sequence[Size]) -> bool:

@@ -492,8 +492,9 @@ def _sides(roles: _Roles, saved: set[fx.Node]) -> tuple[set[fx.Node], set[fx.Nod
     stop = frozenset(saved) | frozenset(roles.tangents)
     bwd_nodes = _ancestors((v for v, _ in roles.grad_pairs), stop) - frozenset(saved)
     bwd_nodes -= set(roles.tangents)
-    fwd_nodes = _ancestors([*roles.fwd_values, *saved]) | set(roles.primals)
-    fwd_nodes |= roles.random
+    # Random ops run in the forward even when nothing reads them (they advance the RNG), and
+    # with them the values they read (`torch.rand_like(a * 2)`).
+    fwd_nodes = _ancestors([*roles.fwd_values, *saved, *roles.random]) | set(roles.primals)
     return fwd_nodes, bwd_nodes
 
 

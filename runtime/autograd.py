@@ -37,7 +37,20 @@ class AutogradPlan:
     num_saved: int  # saved tensors, then saved sizes (ints)
     grad_args: tuple[GraphArg, ...]  # graph args the backward returns gradients for, in order
     num_saved_symints: int = 0  # the last saved values are sizes: kept on ctx as ints
-    backward_error: str | None = None  # see Note [Backward eager would refuse]
+    # Positions in diff_outs whose backward eager refuses, with eager's reason. See Note
+    # [Backward eager would refuse].
+    refused: tuple[tuple[int, str], ...] = ()
+    # Per grad_args entry: the positions in diff_outs its gradient depends on; None when every
+    # gradient depends on every differentiable output. See Note [None gradients].
+    grad_deps: tuple[tuple[int, ...], ...] | None = None
+    # Apply takes one more argument, a shared leaf that requires grad, so that the outputs
+    # require grad although no graph arg does (they depend on leaves made inside the call).
+    anchor: bool = False
+
+
+# One leaf requiring grad that anchored calls pass to autograd (Note [Grad anchor]). The backward
+# returns None for it, so nothing ever accumulates into it.
+GRAD_ANCHOR = torch.empty(0, requires_grad=True)
 
 
 def make_autograd_function(
@@ -48,16 +61,20 @@ def make_autograd_function(
 ) -> type[torch.autograd.Function]:
     n_out = plan.num_fwd_outs
     diff = plan.diff_outs
-    n_result = 1 + plan.num_graph_args
+    n_args = plan.num_graph_args
+    n_result = 1 + n_args + (1 if plan.anchor else 0)
     n_tensors = n_out + plan.num_saved - plan.num_saved_symints
     has_sizes = plan.num_saved_symints > 0
     # See Note [Per-plan forward and backward]
     pick_diff = _picker(diff, n_out)
     any_autocast = torch._C._is_any_autocast_enabled
     grad_enabled = torch.is_grad_enabled
+    anchored = plan.anchor
+    # See Note [None gradients]: which grads arrived decides which gradients exist.
+    track = plan.grad_deps is not None or bool(plan.refused)
 
     def forward(ctx, holder: list, *args: torch.Tensor):  # type: ignore[no-untyped-def]
-        outs = fwd(*args)
+        outs = fwd(*args[:n_args]) if anchored else fwd(*args)
         # Every saved tensor goes through save_for_backward, so saved-tensor hooks
         # (saved_tensors_hooks, save_on_cpu) around the call see exactly these values.
         if has_sizes:
@@ -66,17 +83,16 @@ def make_autograd_function(
         else:
             ctx.save_for_backward(*outs[n_out:n_tensors])
         holder.extend(outs[:n_out])
+        if track:
+            ctx.set_materialize_grads(False)
+            ctx.aotc_like = [(outs[k].shape, outs[k].dtype, outs[k].device) for k in diff]
         return pick_diff(outs)
 
-    refused = plan.backward_error
+    refused = plan.refused
+    deps = plan.grad_deps
     place = _placer(tuple(1 + g for g in plan.grad_args), n_result)
 
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[no-untyped-def]
-        if refused is not None:
-            raise UnsupportedError(
-                f"backward through aotc-compiled {name}: {refused} Eager PyTorch refuses this "
-                "backward too. Use the out-of-place op, or .clone() the value before modifying it."
-            )
+    def run_backward(ctx, grads: tuple) -> tuple:  # type: ignore[no-untyped-def]
         if grad_enabled():
             raise UnsupportedError(
                 f"double backward (create_graph=True) through aotc-compiled {name} is not "
@@ -89,8 +105,30 @@ def make_autograd_function(
         # The backward graph carries its dtypes already (Note [Graphs run without autocast]).
         if any_autocast():
             with torch._C._DisableAutocast():
-                return place(bwd(*saved, *grads))
-        return place(bwd(*saved, *grads))
+                return bwd(*saved, *grads)
+        return bwd(*saved, *grads)
+
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[no-untyped-def]
+        if not track:
+            return place(run_backward(ctx, grads))
+        present = [g is not None for g in grads]
+        for pos, reason in refused:
+            if present[pos]:
+                raise UnsupportedError(
+                    f"backward through aotc-compiled {name}: {reason} Eager PyTorch refuses this "
+                    "backward too. Use the out-of-place op, or .clone() the value before "
+                    "modifying it."
+                )
+        grads = tuple(
+            g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+            for g, (shape, dtype, device) in zip(grads, ctx.aotc_like)
+        )
+        computed = run_backward(ctx, grads)
+        if deps is not None:
+            computed = tuple(
+                c if any(present[p] for p in dep) else None for c, dep in zip(computed, deps)
+            )
+        return place(computed)
 
     return type(
         f"AotcFunction_{name}",
@@ -144,34 +182,62 @@ def _placer(slots: tuple[int, ...], n_result: int) -> Callable[[tuple], tuple]:
 # `y = x.sin(); x.mul_(2); y.backward(...)` fails in eager: sin saved x, and x changed before the
 # backward (its version counter moved). The functional graph has no such problem (it saved the old
 # value), so aotc would silently compute gradients where eager raises. The metadata pass runs the
-# program on plain fake tensors with autograd, exactly as eager records it; `stale_saved_value`
-# then unpacks every saved value of that autograd graph, which performs eager's version check.
-# If one fails, the entry's backward raises the same kind of error (forward-only use is fine,
-# as in eager). Unlike eager, it raises for a backward through any output of the compiled call.
+# program on plain fake tensors with autograd, exactly as eager records it, under saved-tensor
+# hooks (`SavedValues`) that note each saved value with its version and keep eager's check on
+# unpack. When some saved value went stale, a fake backward from each differentiable forward
+# output shows which of them eager's backward refuses (a stale value on a path it takes, also
+# inside CopySlices nodes that a graph walk cannot see). The entry's backward raises the same
+# error when a gradient arrives for one of those outputs (forward-only use is fine, as in eager).
+
+# Note [None gradients]
+# ~~~~~~~~~~~~~~~~~~~~~
+# Eager leaves `x.grad` None when the backward never reaches x, e.g. when x feeds only outputs the
+# loss does not use; optimizers skip such parameters. autograd.Function would hand the backward
+# zeros for unused outputs and return zero gradients. So when some gradient depends on only some
+# of the differentiable outputs (read off the backward graph: `grad_deps`), the forward asks for
+# unmaterialized gradients, the backward fills absent ones with zeros for the graph, and returns
+# None for each gradient none of whose outputs received one.
+
+# Note [Grad anchor]
+# ~~~~~~~~~~~~~~~~~~
+# `v = a.detach().requires_grad_(); return v * 2` gives an output that requires grad although no
+# input does (it depends on a leaf made inside the call). autograd.Function marks outputs as
+# requiring grad only if an input does, so such calls pass one extra argument, GRAD_ANCHOR, a
+# process-wide empty leaf that requires grad; the backward returns None for it.
 
 
-_STALE = "modified by an inplace operation"
-
-
-def _pack(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    return t, t._version
+STALE = "modified by an inplace operation"
 
 
 def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
     t, version = packed
     if t._version != version:
         raise RuntimeError(
-            f"one of the variables needed for gradient computation has been {_STALE}: "
+            f"one of the variables needed for gradient computation has been {STALE}: "
             f"[{t.dtype}{list(t.shape)}] is at version {t._version}; expected version {version} "
             "instead."
         )
     return t
 
 
-def version_checked_saves() -> object:
-    """Saved-tensor hooks that keep eager's version check (the compile runs under identity hooks
-    that would skip it): use around the run that `stale_saved_value` inspects."""
-    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+class SavedValues:
+    """Saved-tensor hooks for the plain metadata run: note every value autograd saves with its
+    version, and keep eager's version check on unpack (the compile runs under identity hooks
+    that would skip it). See Note [Backward eager would refuse]."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[torch.Tensor, int]] = []
+
+    def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        packed = (t, t._version)
+        self._saved.append(packed)
+        return packed
+
+    def hooks(self) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def any_stale(self) -> bool:
+        return any(t._version != version for t, version in self._saved)
 
 
 def autograd_nodes(roots: Iterable[object]) -> Iterator[Any]:
@@ -185,18 +251,3 @@ def autograd_nodes(roots: Iterable[object]) -> Iterator[Any]:
         visited.add(id(node))
         yield node
         stack.extend(fn for fn, _ in node.next_functions)
-
-
-def stale_saved_value(roots: list[object]) -> str | None:
-    """eager's error message if some value saved by the autograd graph reachable from `roots`
-    was modified in place after being saved, else None."""
-    for node in autograd_nodes(roots):
-        for attr in dir(node):
-            if attr.startswith("_saved_"):
-                try:
-                    getattr(node, attr)
-                except RuntimeError as e:
-                    if _STALE in str(e):
-                        return str(e).split(" Hint:", 1)[0]
-                    raise
-    return None

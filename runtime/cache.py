@@ -12,8 +12,13 @@ Note [Cache entry format]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 One file per entry, `<dir>/<key>.json`:
 
-    line 1: {"format": "aotc-cache", "version": 2, "key": "<key>", "sha256": "<digest of line 2>"}
+    line 1: {"format": "aotc-cache", "version": 3, "key": "<key>",
+             "sha256": "<digest of the key, a newline and line 2>"}
     line 2: the body: {"record": ..., "plan": ..., "graphs": [...], "kernels": [...]}
+
+The checksum covers the key the entry is stored under together with the body, so a body is
+bound to its key: an entry copied from another program's file with only its header's key field
+changed (same signature, other graphs) fails the check instead of serving wrong graphs.
 
 Everything is JSON. Records are `{"R": "<registered class name>", "f": {field: value}}`; enums
 `{"E": "<name>", "v": value}`; tuples `{"T": [...]}`; dtypes, devices, layouts and memory formats
@@ -61,7 +66,7 @@ from aotc.runtime.errors import CacheError
 from aotc.runtime.schema import NODE_SOURCE_KEY, NodeSource
 
 FORMAT = "aotc-cache"
-FORMAT_VERSION = 2  # 2: node values keep their storage offset and device
+FORMAT_VERSION = 3  # 2: node values keep their storage offset and device; 3: keyed checksum
 _SUFFIX = ".json"
 
 _RECORDS: dict[str, type] = {}
@@ -125,8 +130,8 @@ def _verify(data: bytes, key: str) -> dict[str, Any]:
         raise CacheError(f"format version {header.get('version')!r}, expected {FORMAT_VERSION}")
     if header.get("key") != key:
         raise CacheError("entry belongs to another key")
-    if hashlib.sha256(body).hexdigest() != header.get("sha256"):
-        raise CacheError("checksum mismatch (truncated or modified)")
+    if checksum(key, body) != header.get("sha256"):
+        raise CacheError("checksum mismatch (truncated, modified, or the body of another key)")
     try:
         value = json.loads(body)
     except ValueError as e:
@@ -134,6 +139,11 @@ def _verify(data: bytes, key: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise CacheError("body is not an object")
     return value
+
+
+def checksum(key: str, body: bytes) -> str:
+    """The digest that binds an entry's body to its key (see Note [Cache entry format])."""
+    return hashlib.sha256(key.encode() + b"\n" + body).hexdigest()
 
 
 def write_entry(cache_dir: str, key: str, body: dict[str, Any], max_bytes: int) -> str:
@@ -144,7 +154,7 @@ def write_entry(cache_dir: str, key: str, body: dict[str, Any], max_bytes: int) 
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "key": key,
-        "sha256": hashlib.sha256(payload).hexdigest(),
+        "sha256": checksum(key, payload),
     }
     data = json.dumps(header, sort_keys=True).encode() + b"\n" + payload
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=_SUFFIX, dir=cache_dir)

@@ -1,74 +1,112 @@
 """Epilogue: make the call's side effects and aliases look exactly like eager.
 
 Stage: `plan_epilogue(meta, fwd_plan, convention) -> EpiloguePlan` at compile time;
-`apply_epilogue(plan, leaves, graph_args, fwd_outs) -> user output leaves` every call.
+`apply_mutations(plan, leaves, graph_args, fwd_outs)` and
+`build_outputs(plan, leaves, fwd_outs) -> user output leaves` every call.
 
 Requires: `fwd_outs` are the forward graph's outputs (FwdOut order), the differentiable ones as
-returned by the autograd node. Ensures: inputs mutated by the program are updated in place
-(metadata replayed with as_strided_, data copied with copy_, under no_grad when every mutation
-was), and each output is the right object: a fresh tensor, the input itself, or a real view
-regenerated off the user's input or off a differentiable intermediate base.
+returned by the autograd node. Ensures: inputs mutated by the program are updated in place (data
+copied with copy_, geometry replayed with as_strided_ on each user tensor that changed it, with
+grad on exactly when eager recorded history for it), every changed input's `_version` ends where
+eager's does, and each output is the right object: a fresh tensor, the input itself, a real view
+regenerated off the user's input or off a differentiable intermediate base, or a detached alias
+(see Note [Detached aliases] in aotc/aliasing.py), with eager's requires_grad, leafness and view
+creation meta.
 
 Worked example (f(x) = (x.mul_(2), x.t()), x a non-leaf requiring grad):
 
-    mutations: copy graph_arg0 <- fwd_out0
-    output 0: is_input user_arg0
-    output 1: view of user_arg0 as_strided((4, 3), (1, 4), +0)
+    mutation: copy graph_arg0 <- fwd_out0
+    version: user_arg0 +1
+    output 0: is_input source=0 base=None
+    output 1: alias_of_input source=0 base=None
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
 
 from aotc.runtime.schema import (
     CallingConvention,
+    DetachedRoot,
     FwdOutputPlan,
     Geometry,
     GraphArg,
     MutationAliasInfo,
     OutputKind,
+    RootGrad,
+    RootSource,
+    UserArg,
     UserOut,
 )
+
+_MULTI_OUTPUT = torch._C._autograd.CreationMeta.MULTI_OUTPUT_NODE
+_set_creation_meta = torch._C._autograd._set_creation_meta
+_set_versions = torch._C._autograd._unsafe_set_version_counter
+_preserve_version = torch.autograd._unsafe_preserve_version_counter
+
+
+class StepKind(enum.Enum):
+    COPY = "copy"  # graph arg .copy_(its new value)
+    GEOMETRY = "geometry"  # user tensor .as_strided_(its new geometry)
 
 
 @dataclass(frozen=True, slots=True)
 class MutationStep:
-    arg: GraphArg
-    new_value: int | None  # FwdOut of the updated value for data mutations, else None
-    geometry: Geometry | None  # new geometry for metadata mutations, else None
-    no_grad: bool  # replay under no_grad (every mutation happened under no_grad)
+    kind: StepKind
+    target: int  # GraphArg (COPY) or UserArg (GEOMETRY)
+    new_value: int | None  # COPY: FwdOut of the updated value
+    geometry: Geometry | None  # GEOMETRY: relative to the tensor's storage offset before
+    no_grad: bool  # replay under no_grad (eager recorded no history for it)
+    via_view: bool = False  # COPY: write through a view of the arg taken before any reshape
 
 
 @dataclass(frozen=True, slots=True)
 class OutputStep:
     kind: OutputKind
     requires_grad: bool
-    source: int | None  # FwdOut (in-graph kinds), UserArg (input kinds) or UserOut (output kinds)
-    base: int | None  # ALIAS_OF_INTERMEDIATE: FwdOut of the base
-    geometry: Geometry | None  # ALIAS_OF_INPUT
+    # FwdOut (in-graph kinds), UserArg (input kinds), UserOut (output kinds), root (DETACHED)
+    source: int | None
+    base: int | None  # ALIAS_OF_INTERMEDIATE: FwdOut of the base; ALIAS_OF_OUTPUT: UserOut
+    geometry: Geometry | None  # ALIAS_OF_INPUT; DETACHED: the view of the root, None: the root
     constant: object
     track_grad: bool  # regenerate the view with autograd tracking (eager's view had it)
     lazy_conj: bool = False  # ALIAS_OF_INPUT: reapply the conjugate bit after as_strided
     lazy_neg: bool = False  # ALIAS_OF_INPUT: reapply the negative bit after as_strided
+    multi_output_view: bool = False  # eager's view came from unbind/split: forbid in-place
+    new_leaf: bool = False  # a view eager made a leaf with requires_grad_()
+    stale_view: bool = False  # eager's no_grad view whose base was written after: reading its
+    # grad_fn raises; one version bump after it is made gives it the same state
+    via_geometry: Geometry | None = None  # ALIAS_OF_INPUT: the no_grad view it was taken from
 
 
 @dataclass(frozen=True, slots=True)
 class EpiloguePlan:
-    mutations: tuple[MutationStep, ...]  # in GraphArg order
+    mutations: tuple[MutationStep, ...]  # in execution order
     outputs: tuple[OutputStep, ...]  # len == num user outputs; UserOut space
     order: tuple[UserOut, ...]  # outputs computed first, then aliases of outputs
+    versions: tuple[tuple[UserArg, int], ...] = ()  # eager's version bumps, per distinct tensor
+    roots: tuple[DetachedRoot, ...] = ()  # detached aliases DETACHED outputs are built from
+    new_leaves: tuple[int, ...] = ()  # FwdOuts that are leaves made inside: requires_grad_()
+    # User tensors the program turns into leaves that require grad (`x.requires_grad_()`): set
+    # before the graphs run, which were traced with them requiring grad.
+    make_require_grad: tuple[UserArg, ...] = ()
 
     def format(self) -> str:
         lines = ["# stage: epilogue"]
         for m in self.mutations:
-            what = []
-            if m.geometry is not None:
-                what.append(f"as_strided_ graph_arg{m.arg} {m.geometry}")
-            if m.new_value is not None:
-                what.append(f"copy graph_arg{m.arg} <- fwd_out{m.new_value}")
-            lines.append("mutation: " + "; ".join(what) + (" (no_grad)" if m.no_grad else ""))
+            if m.kind is StepKind.COPY:
+                what = f"copy graph_arg{m.target} <- fwd_out{m.new_value}"
+            else:
+                what = f"as_strided_ user_arg{m.target} {m.geometry}"
+            lines.append("mutation: " + what + (" (no_grad)" if m.no_grad else ""))
+        lines += [f"version: user_arg{a} +{n}" for a, n in self.versions]
+        for k, r in enumerate(self.roots):
+            lines.append(f"root {k}: {r.source.value} {r.index}.detach() grad={r.grad.value}")
+        lines += [f"new leaf: fwd_out{k}" for k in self.new_leaves]
+        lines += [f"requires_grad_() before the call: user_arg{a}" for a in self.make_require_grad]
         for j, s in enumerate(self.outputs):
             lines.append(f"output {j}: {s.kind.value} source={s.source} base={s.base}")
         return "\n".join(lines)
@@ -77,36 +115,53 @@ class EpiloguePlan:
 def plan_epilogue(
     meta: MutationAliasInfo, fwd_plan: FwdOutputPlan, convention: CallingConvention
 ) -> EpiloguePlan:
-    del convention  # output bases are in UserArg space already
     fwd_of_mut = {g: len(fwd_plan.user_outs) + k for k, g in enumerate(fwd_plan.mutated_args)}
     base0 = len(fwd_plan.user_outs) + len(fwd_plan.mutated_args)
-    mutations = tuple(
-        MutationStep(
-            arg=GraphArg(g),
-            new_value=fwd_of_mut.get(GraphArg(g)),
-            geometry=info.new_geometry,
-            no_grad=info.mutated_under_no_grad,
-        )
-        for g, info in enumerate(meta.inputs)
-        if info.mutation is not info.mutation.NONE
-    )
+    graph_of = dict(convention.leaf_to_graph)
+    reshaped = [c for c in meta.leaf_changes if c.geometry is not None]
+    # Every tensor's geometry first (eager's value of a plain arg is in its new geometry), then
+    # the data. A synthetic base keeps its geometry: if one of its members is the base object
+    # itself, the copy goes through a view taken before the reshapes.
+    mutations = [
+        MutationStep(StepKind.GEOMETRY, c.leaf, None, c.geometry, not c.with_grad) for c in reshaped
+    ]
+    for g, info in enumerate(meta.inputs):
+        if info.mutation.has_data:
+            synthetic = convention.graph_sources[g] is None
+            via_view = synthetic and any(graph_of[c.leaf] == g for c in reshaped)
+            mutations.append(
+                MutationStep(
+                    StepKind.COPY,
+                    g,
+                    fwd_of_mut[GraphArg(g)],
+                    None,
+                    info.hidden_from_autograd,
+                    via_view,
+                )
+            )
     fwd_of_user = {j: k for k, j in enumerate(fwd_plan.user_outs)}
+    new_leaves = [fwd_of_user[UserOut(j)] for j, o in enumerate(meta.outputs) if o.new_leaf]
+    new_leaves += [base0 + b for b in meta.new_leaf_bases]
     steps = []
     for j, info in enumerate(meta.outputs):
+        base: int | None = None
+        source: int | None
         match info.kind:
-            case OutputKind.FRESH | OutputKind.ALIAS_OF_OUTPUT:
-                source, base = fwd_of_user[UserOut(j)], None
+            case OutputKind.FRESH:
+                source = fwd_of_user[UserOut(j)]
+            case OutputKind.ALIAS_OF_OUTPUT:
+                source, base = fwd_of_user[UserOut(j)], info.base_out
             case OutputKind.ALIAS_OF_INTERMEDIATE:
                 assert info.base_intermediate is not None
                 source, base = fwd_of_user[UserOut(j)], base0 + info.base_intermediate
             case OutputKind.IS_INPUT | OutputKind.ALIAS_OF_INPUT:
-                source, base = info.base_arg, None
+                source = info.base_arg
             case OutputKind.IS_OUTPUT:
-                source, base = info.base_out, None
+                source = info.base_out
+            case OutputKind.DETACHED:
+                source = info.base_root
             case OutputKind.NOT_TENSOR:
-                source, base = None, None
-        if info.kind is OutputKind.ALIAS_OF_OUTPUT:
-            base = info.base_out  # UserOut of the base output
+                source = None
         steps.append(
             OutputStep(
                 info.kind,
@@ -118,31 +173,83 @@ def plan_epilogue(
                 track_grad=info.requires_grad and not info.view_without_grad,
                 lazy_conj=info.lazy_conj,
                 lazy_neg=info.lazy_neg,
+                multi_output_view=info.multi_output_view,
+                new_leaf=info.new_leaf and info.kind is not OutputKind.FRESH,
+                stale_view=info.stale_view,
+                via_geometry=info.via_geometry,
             )
         )
     late = (OutputKind.ALIAS_OF_OUTPUT, OutputKind.IS_OUTPUT)
     order = tuple(UserOut(j) for j, s in enumerate(steps) if s.kind not in late)
     order += tuple(UserOut(j) for j, s in enumerate(steps) if s.kind in late)
-    return EpiloguePlan(mutations=mutations, outputs=tuple(steps), order=order)
+    return EpiloguePlan(
+        mutations=tuple(mutations),
+        outputs=tuple(steps),
+        order=order,
+        versions=tuple((c.leaf, c.version_bumps) for c in meta.leaf_changes if c.version_bumps),
+        roots=meta.roots,
+        new_leaves=tuple(new_leaves),
+        make_require_grad=tuple(c.leaf for c in meta.leaf_changes if c.requires_grad),
+    )
 
 
 def apply_mutations(
-    plan: EpiloguePlan, graph_args: list[torch.Tensor], fwd_outs: list[torch.Tensor]
+    plan: EpiloguePlan,
+    leaves: list[object],
+    graph_args: list[torch.Tensor],
+    fwd_outs: list[torch.Tensor],
 ) -> None:
+    versions = [
+        (t, t._version + n)
+        for t, n in ((leaves[a], n) for a, n in plan.versions)
+        if not t.is_inference()  # type: ignore[union-attr]
+    ]
+    dest = {
+        m.target: graph_args[m.target].as_strided(
+            graph_args[m.target].shape,
+            graph_args[m.target].stride(),
+            graph_args[m.target].storage_offset(),
+        )
+        for m in plan.mutations
+        if m.via_view
+    }
     for m in plan.mutations:
-        target = graph_args[m.arg]
-        with torch.no_grad() if m.no_grad else _nullcontext:
-            if m.geometry is not None:
+        with torch.set_grad_enabled(not m.no_grad):
+            if m.kind is StepKind.COPY:
+                target = dest.get(m.target, graph_args[m.target])
+                target.copy_(fwd_outs[m.new_value])  # type: ignore[index]
+            else:
+                leaf = leaves[m.target]
                 g = m.geometry
-                target.as_strided_(g.size, g.stride, target.storage_offset() + g.offset)
-            if m.new_value is not None:
-                target.copy_(fwd_outs[m.new_value])
+                assert isinstance(leaf, torch.Tensor) and g is not None
+                leaf.as_strided_(g.size, g.stride, leaf.storage_offset() + g.offset)
+    if versions:
+        _set_versions(tuple(t for t, _ in versions), tuple(v for _, v in versions))  # type: ignore[misc]
+
+
+def stale_input_views(plan: EpiloguePlan, leaves: list[object]) -> dict[int, torch.Tensor]:
+    """Outputs that are views of inputs eager's call made before writing those inputs (reading
+    their grad_fn then raises): made before `apply_mutations` writes the inputs, so they end in
+    the same state. Empty for nearly every plan."""
+    views = {}
+    for j, s in enumerate(plan.outputs):
+        if s.kind is OutputKind.ALIAS_OF_INPUT and s.stale_view:
+            base = leaves[s.source]  # type: ignore[index]
+            assert isinstance(base, torch.Tensor) and s.geometry is not None
+            views[j] = _view(base, s.geometry, s, bump=False)
+    return views
 
 
 def build_outputs(
-    plan: EpiloguePlan, leaves: list[object], fwd_outs: list[torch.Tensor]
+    plan: EpiloguePlan,
+    leaves: list[object],
+    fwd_outs: list[torch.Tensor],
+    early: dict[int, torch.Tensor] | None = None,
 ) -> list[object]:
+    for k in plan.new_leaves:
+        fwd_outs[k].requires_grad_()
     result: list[object] = [None] * len(plan.outputs)
+    roots: list[torch.Tensor | None] = [None] * len(plan.roots)
     for j in plan.order:
         s = plan.outputs[j]
         match s.kind:
@@ -152,31 +259,79 @@ def build_outputs(
                 result[j] = leaves[s.source]  # type: ignore[index]
             case OutputKind.ALIAS_OF_INPUT:
                 base = leaves[s.source]  # type: ignore[index]
-                g = s.geometry
-                assert isinstance(base, torch.Tensor) and g is not None
-                with _grad_for(s.track_grad):
-                    view = base.as_strided(g.size, g.stride, base.storage_offset() + g.offset)
-                    if s.lazy_conj:
-                        view = view.conj()
-                    if s.lazy_neg:
-                        view = view._neg_view()
-                    result[j] = view
+                assert isinstance(base, torch.Tensor) and s.geometry is not None
+                result[j] = early[j] if early and j in early else _view(base, s.geometry, s)
             case OutputKind.ALIAS_OF_INTERMEDIATE:
-                result[j] = _view_like(fwd_outs[s.base], fwd_outs[s.source], s.track_grad)  # type: ignore[index]
+                result[j] = _view_like(fwd_outs[s.base], fwd_outs[s.source], s)  # type: ignore[index]
             case OutputKind.ALIAS_OF_OUTPUT:
                 base_out = result[s.base]  # type: ignore[index]
                 assert isinstance(base_out, torch.Tensor)
-                result[j] = _view_like(base_out, fwd_outs[s.source], s.track_grad)  # type: ignore[index]
+                result[j] = _view_like(base_out, fwd_outs[s.source], s)  # type: ignore[index]
             case OutputKind.IS_OUTPUT:
                 result[j] = result[s.source]  # type: ignore[index]
+            case OutputKind.DETACHED:
+                assert s.source is not None
+                root = roots[s.source]
+                if root is None:
+                    root = roots[s.source] = _materialize(plan.roots[s.source], leaves, fwd_outs)
+                result[j] = root if s.geometry is None else _view(root, s.geometry, s)
             case OutputKind.NOT_TENSOR:
                 result[j] = s.constant
     return result
 
 
-def _view_like(base: torch.Tensor, raw: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+def _materialize(
+    root: DetachedRoot, leaves: list[object], fwd_outs: list[torch.Tensor]
+) -> torch.Tensor:
+    """The detached alias of one call (see Note [Detached aliases] in aotc/aliasing.py)."""
+    src = leaves[root.index] if root.source is RootSource.INPUT else fwd_outs[root.index]
+    assert isinstance(src, torch.Tensor)
+    t = src.detach()
+    g = root.geometry
+    if (tuple(t.shape), tuple(t.stride()), 0) != (g.size, g.stride, g.offset):
+        with _preserve_version(t):
+            t.as_strided_(g.size, g.stride, src.storage_offset() + g.offset)
+    match root.grad:
+        case RootGrad.NONE:
+            pass
+        case RootGrad.NEW_LEAF:
+            t.requires_grad_()
+        case RootGrad.HISTORY:
+            assert root.history is not None
+            with torch.enable_grad(), _preserve_version(t):
+                t.copy_(fwd_outs[root.history])
+    return t
+
+
+def _view(base: torch.Tensor, g: Geometry, s: OutputStep, bump: bool = True) -> torch.Tensor:
+    if s.via_geometry is not None:  # a leaf view made under no_grad, then the view of it
+        v = s.via_geometry
+        with torch.no_grad():
+            inner = base.as_strided(v.size, v.stride, base.storage_offset() + v.offset)
+        offset, base = base.storage_offset() + g.offset, inner
+        g = Geometry(g.size, g.stride, offset - inner.storage_offset())
+    with torch.set_grad_enabled(s.track_grad):
+        view = base.as_strided(g.size, g.stride, base.storage_offset() + g.offset)
+        if s.lazy_conj:
+            view = view.conj()
+        if s.lazy_neg:
+            view = view._neg_view()
+    return _mark(view, s, bump)
+
+
+def _mark(view: torch.Tensor, s: OutputStep, bump: bool = True) -> torch.Tensor:
+    if s.multi_output_view and view.requires_grad and view._base is not None:
+        _set_creation_meta(view, _MULTI_OUTPUT)
+    if s.new_leaf:
+        view.requires_grad_()
+    if s.stale_view and bump:  # a graph value's storage: no input sees this version
+        _set_versions((view,), (view._version + 1,))
+    return view
+
+
+def _view_like(base: torch.Tensor, raw: torch.Tensor, s: OutputStep) -> torch.Tensor:
     """A real view of `base` with the geometry `raw` (the graph's own view of it) has."""
-    with _grad_for(requires_grad):
+    with torch.set_grad_enabled(s.track_grad):
         if raw.dtype != base.dtype:  # view_as_real / view(dtype) of the base
             if base.is_complex() and not raw.is_complex():
                 base = torch.view_as_real(base.resolve_conj())
@@ -187,19 +342,4 @@ def _view_like(base: torch.Tensor, raw: torch.Tensor, requires_grad: bool) -> to
             view = view.conj()
         if raw.is_neg() and not view.is_neg():
             view = view._neg_view()
-        return view
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_nullcontext = _Null()
-
-
-def _grad_for(requires_grad: bool) -> object:
-    return _nullcontext if requires_grad else torch.no_grad()
+    return _mark(view, s)

@@ -48,7 +48,9 @@ def make_fast_call(
     general: Callable[[list[object]], object],
 ) -> Callable[[list[object]], object] | None:
     conv, epi = plan.convention, plan.epilogue
-    if conv.synthetic_bases or epi.mutations or plan.detach_args:
+    if conv.synthetic_bases or epi.mutations or epi.versions or epi.new_leaves or plan.detach_args:
+        return None
+    if plan.enable_grad or (plan.autograd is not None and plan.autograd.anchor):
         return None
     if any(s.kind not in _DIRECT_OUTPUTS for s in epi.outputs):
         return None

@@ -15,7 +15,8 @@ A call goes through four numbered lists:
     user outputs  UserOut    every leaf of the user function's flattened return value
     fwd outputs   FwdOut     what the forward graph returns before its saved values:
                              fresh user outputs, then updated mutated inputs, then
-                             intermediate bases (see `FwdOutputPlan`)
+                             intermediate bases, then values of detached aliases with
+                             history (see `FwdOutputPlan`)
 
 Example: f(x, x, b[0], b[1]) where b[0] is mutated. UserArg 0..3; dedupe maps UserArg 1 to
 UserArg 0; a synthetic base `b` replaces UserArgs 2 and 3; so GraphArgs are (x, b).
@@ -58,6 +59,23 @@ class OutputKind(enum.Enum):
     ALIAS_OF_OUTPUT = "alias_of_output"  # a view of another (fresh) user output
     IS_OUTPUT = "is_output"  # the same object as an earlier user output
     NOT_TENSOR = "not_tensor"  # a Python constant (int, float, bool, None, str)
+    # a detached alias (`x.detach()`, `y.detach().requires_grad_()`) or a view of one: shares
+    # storage with an input or a graph value but not its autograd history. See Note [Detached
+    # aliases] in aotc/aliasing.py.
+    DETACHED = "detached"
+
+
+class RootGrad(enum.Enum):
+    """The autograd state of a detached alias at the end of the call."""
+
+    NONE = "none"  # no history, does not require grad (`x.detach()`)
+    NEW_LEAF = "new_leaf"  # a new leaf that requires grad (`x.detach().requires_grad_()`)
+    HISTORY = "history"  # history the call gave it (`d = x.detach(); d.mul_(w)`)
+
+
+class RootSource(enum.Enum):
+    INPUT = "input"  # a user input (UserArg)
+    VALUE = "value"  # a forward output of the graph (FwdOut)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,10 +92,36 @@ class InputInfo:
     """Facts about one graph argument (a tensor the graphs take)."""
 
     mutation: MutationKind
-    mutated_under_no_grad: bool  # every data mutation happened under no_grad/inference mode
+    # The data mutations left the input's autograd history as it was (eager: every write under
+    # no_grad, through a detach()ed alias, or of values without grad): replayed under no_grad.
+    hidden_from_autograd: bool
     requires_grad: bool
     is_leaf: bool
-    new_geometry: Geometry | None  # geometry after a metadata mutation, else None
+
+
+@dataclass(frozen=True, slots=True)
+class LeafChange:
+    """What a call does to one user input tensor besides writing its data (one per distinct
+    tensor object, first occurrence): new geometry, and eager's version counter bumps."""
+
+    leaf: UserArg
+    geometry: Geometry | None  # new geometry (t_, squeeze_, as_strided_ ...), else None
+    version_bumps: int  # how much eager's `_version` of this tensor grows during the call
+    with_grad: bool = False  # eager recorded autograd history for it (replay with grad on)
+    requires_grad: bool = False  # `requires_grad_()` made it a leaf that requires grad
+
+
+@dataclass(frozen=True, slots=True)
+class DetachedRoot:
+    """A tensor the call makes that shares storage (and version counter) with an input or with a
+    graph value, without sharing its autograd history. See Note [Detached aliases] in
+    aotc/aliasing.py."""
+
+    source: RootSource
+    index: int  # UserArg (INPUT) or FwdOut (VALUE) whose storage it shares
+    geometry: Geometry  # relative to the source's storage offset
+    grad: RootGrad
+    history: int | None = None  # HISTORY: the FwdOut holding its value and history
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +139,13 @@ class OutputInfo:
     view_without_grad: bool = False  # a view eager made without autograd tracking (no_grad)
     lazy_conj: bool = False  # the output carries the lazy conjugate bit (z.conj())
     lazy_neg: bool = False  # the output carries the lazy negative bit
+    multi_output_view: bool = False  # a view from unbind/split/chunk: eager forbids writing it
+    new_leaf: bool = False  # a leaf created inside that requires grad (FRESH, or a view)
+    stale_view: bool = False  # a no_grad or multi-output view whose base was written after
+    base_root: int | None = None  # DETACHED: index into MutationAliasInfo.roots
+    # ALIAS_OF_INPUT: eager derived the output, with grad, from a view of the input made under
+    # no_grad (a leaf): its geometry relative to base_arg, so gradients stop there as in eager
+    via_geometry: Geometry | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,13 +155,15 @@ class MutationAliasInfo:
     inputs: tuple[InputInfo, ...]  # len == num graph args; GraphArg space
     outputs: tuple[OutputInfo, ...]  # len == num user outputs; UserOut space
     num_intermediate_bases: int  # extra forward outputs: bases of ALIAS_OF_INTERMEDIATE outputs
+    leaf_changes: tuple[LeafChange, ...] = ()  # user tensors whose geometry or version changes
+    roots: tuple[DetachedRoot, ...] = ()  # detached aliases the DETACHED outputs regenerate
+    new_leaf_bases: tuple[int, ...] = ()  # intermediate bases that are leaves made inside
 
     def format(self) -> str:
         lines = ["# stage: metadata"]
         for i, inp in enumerate(self.inputs):
-            extra = (
-                " (under no_grad)" if inp.mutated_under_no_grad and inp.mutation.has_data else ""
-            )
+            hidden = inp.hidden_from_autograd and inp.mutation.has_data and inp.requires_grad
+            extra = " (hidden from autograd)" if hidden else ""
             lines.append(
                 f"input  {i}: mutation={inp.mutation.value}{extra} requires_grad={inp.requires_grad}"
                 f" leaf={inp.is_leaf}"
@@ -123,11 +176,21 @@ class MutationAliasInfo:
                 base = f" base=user_out{out.base_out}"
             elif out.base_intermediate is not None:
                 base = f" base=intermediate{out.base_intermediate}"
+            elif out.base_root is not None:
+                base = f" base=root{out.base_root}"
             lines.append(
                 f"output {j}: {out.kind.value}{base} requires_grad={out.requires_grad}"
                 f" dtype={out.dtype}"
             )
         lines.append(f"intermediate bases: {self.num_intermediate_bases}")
+        for change in self.leaf_changes:
+            geometry = f" geometry={change.geometry}" if change.geometry is not None else ""
+            lines.append(f"user_arg{change.leaf}: version +{change.version_bumps}{geometry}")
+        for k, root in enumerate(self.roots):
+            lines.append(
+                f"root {k}: detached alias of {root.source.value} {root.index} "
+                f"grad={root.grad.value}"
+            )
         return "\n".join(lines)
 
 
@@ -184,14 +247,20 @@ class CallingConvention:
 class FwdOutputPlan:
     """What the forward graph returns, in FwdOut order, and which outputs get tangents."""
 
-    user_outs: tuple[UserOut, ...]  # FRESH and ALIAS_OF_INTERMEDIATE user outputs
+    user_outs: tuple[UserOut, ...]  # FRESH, ALIAS_OF_INTERMEDIATE, ALIAS_OF_OUTPUT user outputs
     mutated_args: tuple[GraphArg, ...]  # graph args with data mutations: their new values
     num_intermediate_bases: int
     needs_tangent: tuple[bool, ...]  # len == num fwd outputs; True: differentiable output
+    num_root_values: int = 0  # last: values of detached aliases with history (RootGrad.HISTORY)
 
     @property
     def num_outputs(self) -> int:
-        return len(self.user_outs) + len(self.mutated_args) + self.num_intermediate_bases
+        return (
+            len(self.user_outs)
+            + len(self.mutated_args)
+            + self.num_intermediate_bases
+            + self.num_root_values
+        )
 
 
 NODE_SOURCE_KEY = "aotc_source"  # node.meta[NODE_SOURCE_KEY]: NodeSource

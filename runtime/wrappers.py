@@ -20,9 +20,14 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 
-from aotc.runtime.autograd import AutogradPlan, make_autograd_function
+from aotc.runtime.autograd import GRAD_ANCHOR, AutogradPlan, make_autograd_function
 from aotc.runtime.convention import apply_convention
-from aotc.runtime.epilogue import EpiloguePlan, apply_mutations, build_outputs
+from aotc.runtime.epilogue import (
+    EpiloguePlan,
+    apply_mutations,
+    build_outputs,
+    stale_input_views,
+)
 from aotc.runtime.errors import GuardError, UnsupportedError
 from aotc.runtime.fastpath import make_fast_call
 from aotc.runtime.guards import explain_bad_leaves, signature_check, signature_key
@@ -35,6 +40,9 @@ log = logging.getLogger("aotc.recompiles")
 # own lock, always in that order; reentrant for a compiled function called while tracing another.
 COMPILE_LOCK = threading.RLock()
 
+# Calls of entries that mutate their inputs run one at a time (see Note [Concurrent mutations]).
+MUTATION_LOCK = threading.RLock()
+
 
 @dataclass(frozen=True, slots=True)
 class RuntimePlan:
@@ -46,6 +54,9 @@ class RuntimePlan:
     autograd: AutogradPlan | None  # None: an inference entry (forward graph only)
     detach_args: tuple[GraphArg, ...]  # require grad but statically get no gradient
     out_spec: pytree.TreeSpec
+    # Compiled under no_grad for a program that enables grad inside: the autograd node runs
+    # with grad on, so outputs computed under torch.enable_grad() require grad as in eager.
+    enable_grad: bool = False
 
 
 class CompiledEntry:
@@ -64,6 +75,8 @@ class CompiledEntry:
         "_diff",
         "_unflatten",
         "_mutates",
+        "_anchor",
+        "_enable_grad",
     )
 
     def __init__(
@@ -75,6 +88,8 @@ class CompiledEntry:
     ) -> None:
         self.plan = plan
         self.record = record
+        if plan.autograd is None:
+            fwd = _without_grad(fwd)  # an inference entry's outputs never require grad
         self._fwd = fwd
         self._fn = None
         self._apply = None
@@ -87,12 +102,23 @@ class CompiledEntry:
             _direct_backward(self._fn)
             self._diff = plan.autograd.diff_outs
         self._detach = frozenset(plan.detach_args)
-        self._mutates = bool(plan.epilogue.mutations)
+        epilogue = plan.epilogue
+        self._mutates = bool(epilogue.mutations or epilogue.versions or epilogue.make_require_grad)
+        self._anchor = plan.autograd is not None and plan.autograd.anchor
+        self._enable_grad = plan.enable_grad
         self._unflatten = _unflattener(plan.out_spec)
-        self.call = make_fast_call(plan, fwd, self._apply, self._call_general) or self._call_general
+        if self._mutates:
+            self.call = self._call_locked
+        else:
+            fast = make_fast_call(plan, fwd, self._apply, self._call_general)
+            self.call = fast or self._call_general
         # `run` is `call` itself, not a method calling it: one frame less for callers that hold
         # `entry.run` (the torch.compile backend's per-call closure).
         self.run: Callable[[list[object]], object] = self.call
+
+    def _call_locked(self, leaves: list[object]) -> object:
+        with MUTATION_LOCK:
+            return self._call_general(leaves)
 
     def _call_general(self, leaves: list[object]) -> object:
         if torch._C._is_any_autocast_enabled():  # See Note [Graphs run without autocast]
@@ -102,23 +128,73 @@ class CompiledEntry:
 
     def _run(self, leaves: list[object]) -> object:
         plan = self.plan
+        for a in plan.epilogue.make_require_grad:
+            leaves[a].requires_grad_()  # type: ignore[union-attr]
         args = apply_convention(plan.convention, leaves)
         if self._fn is not None:
             if self._detach:
                 args = [a.detach() if i in self._detach else a for i, a in enumerate(args)]
+            if self._anchor:
+                args = [*args, GRAD_ANCHOR]
             holder: list[torch.Tensor] = []
-            if torch._C._are_functorch_transforms_active():
-                diff = self._fn.apply(holder, *args)
-            else:
-                diff = self._apply(holder, *args)
+            with torch.enable_grad() if self._enable_grad else _NO_CHANGE:
+                if torch._C._are_functorch_transforms_active():
+                    diff = self._fn.apply(holder, *args)
+                else:
+                    diff = self._apply(holder, *args)
             for pos, k in enumerate(self._diff):
                 holder[k] = diff[pos]
             fwd_outs = holder
         else:
             fwd_outs = self._fwd(*args)
+        early = None
         if self._mutates:
-            apply_mutations(plan.epilogue, apply_convention(plan.convention, leaves), fwd_outs)
-        return self._unflatten(build_outputs(plan.epilogue, leaves, fwd_outs))
+            early = stale_input_views(plan.epilogue, leaves)
+            graph_args = apply_convention(plan.convention, leaves)
+            apply_mutations(plan.epilogue, leaves, graph_args, fwd_outs)
+        return self._unflatten(build_outputs(plan.epilogue, leaves, fwd_outs, early))
+
+
+class _NoChange:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_CHANGE = _NoChange()
+
+
+def _without_grad(
+    fwd: Callable[..., tuple[torch.Tensor, ...]],
+) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """Run an inference entry's forward with grad off: its graph ops would otherwise record
+    autograd history for inputs that require grad (the entry was compiled because no output
+    needs a gradient, e.g. all computed under torch.no_grad())."""
+    is_enabled, set_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
+
+    def run(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not is_enabled():
+            return fwd(*args)
+        set_enabled(False)
+        try:
+            return fwd(*args)
+        finally:
+            set_enabled(True)
+
+    run.__aotc_source__ = getattr(fwd, "__aotc_source__", None)  # type: ignore[attr-defined]
+    return run
+
+
+# Note [Concurrent mutations]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A call that mutates an input reads it (graph args), computes the new value, then writes it back
+# in the epilogue. Two threads calling a module that does `self.steps.add_(1)` would both read the
+# old value and one update would be lost, where eager's in-place kernels, each run whole under the
+# GIL, lose none. So entries with input mutations run their whole call under one process-wide
+# lock (reentrant, for a compiled function called inside another's call). Entries that mutate
+# nothing take no lock: their per-call path is unchanged.
 
 
 # Note [Graphs run without autocast]

@@ -4,7 +4,7 @@
 seed, runs `fn` eagerly on one and through aotc on the other (several times, so the cached entry is
 exercised too), backpropagates the same random cotangent through both, and compares outputs,
 gradients, the inputs after the call (mutations), aliasing between outputs and inputs, requires_grad
-flags, shapes and strides.
+flags, leafness and grad_fn presence, shapes, strides and the inputs' version counters.
 """
 
 from __future__ import annotations
@@ -108,6 +108,7 @@ def run_and_capture(
         if t.requires_grad and not t.is_leaf:
             t.retain_grad()
     grad_fns = [t.grad_fn for t in arg_tensors]
+    versions = [t._version for t in arg_tensors]
     out = fn(*args, **kwargs)
     # retain_grad() on a non-leaf input that the call mutates is a known divergence (see README,
     # "Known differences"): compare retained grads only for inputs the call did not mutate.
@@ -124,8 +125,13 @@ def run_and_capture(
                 t.stride() if t.layout is torch.strided else None,
                 t.requires_grad,
                 t.grad_fn is None,
+                t._version - v,
             )
-            for t in arg_tensors
+            for t, v in zip(arg_tensors, versions)
+        ],
+        "out_flags": [
+            (o.is_leaf, o.grad_fn is not None) if isinstance(o, torch.Tensor) else None
+            for o in flat_out
         ],
     }
     diff = [o for o in flat_out if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -177,6 +183,10 @@ def assert_matches_eager(
                 _assert_tensor_equal(g, w, f"run {run} output {j}", rtol, atol)
             else:
                 assert g == w, f"output {j}: {g!r} != eager {w!r}"
+        assert got["out_flags"] == want["out_flags"], (
+            f"run {run} outputs' (is_leaf, has grad_fn) differ:\n aotc  {got['out_flags']}\n"
+            f" eager {want['out_flags']}"
+        )
         assert got["alias"] == want["alias"], (
             f"run {run} aliasing differs:\n aotc  {got['alias']}\n eager {want['alias']}"
         )

@@ -99,16 +99,6 @@ def custom_op_without_fake(x):
     return opaque_op(x) * 2
 
 
-def _mul_first_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    a.mul_(2)
-    return a + b
-
-
-def _halves_of_one_base() -> tuple[torch.Tensor, torch.Tensor]:
-    base = torch.randn(8)
-    return base[:4], base[4:]
-
-
 CASES = {
     "double_backward": Case(
         double_backward,
@@ -215,14 +205,6 @@ CASES = {
         aotc.UnsupportedError,
         ("argument 0", "sparse"),
         ("to_dense",),
-    ),
-    "dynamic_aliased_mutation": Case(
-        _mul_first_add,
-        _halves_of_one_base,
-        aotc.UnsupportedError,
-        ("_mul_first_add", "dynamic=True", "share storage"),
-        (".clone()", "without dynamic"),
-        options={"dynamic": True},
     ),
 }
 

@@ -36,6 +36,11 @@ def test_metadata_golden():
         "output 0: fresh requires_grad=True dtype=torch.float32\n"
         "output 1: alias_of_output base=user_out0 requires_grad=True dtype=torch.float32\n"
         "output 2: alias_of_input base=user_arg0 requires_grad=True dtype=torch.float32\n"
-        "intermediate bases: 0"
+        "intermediate bases: 0\n"
+        "user_arg1: version +1"
     )
-    assert record.epilogue.format().splitlines()[1] == "mutation: copy graph_arg1 <- fwd_out2"
+    # buf's history is unchanged by add_(1) (nothing requires grad): replayed under no_grad
+    assert record.epilogue.format().splitlines()[1:3] == [
+        "mutation: copy graph_arg1 <- fwd_out2 (no_grad)",
+        "version: user_arg1 +1",
+    ]

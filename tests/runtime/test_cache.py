@@ -193,7 +193,7 @@ def _rewrite_body(path: str, edit) -> None:
         head, _, body = f.read().partition(b"\n")
     new = json.dumps(edit(json.loads(body))).encode()
     header = json.loads(head)
-    header["sha256"] = __import__("hashlib").sha256(new).hexdigest()
+    header["sha256"] = store.checksum(header["key"], new)
     with open(path, "wb") as f:
         f.write(json.dumps(header).encode() + b"\n" + new)
 
@@ -261,6 +261,33 @@ def test_corrupt_entry_is_rebuilt(tmp_path, corruption):
     # Rebuilt: the entry verifies again and the next compile hits it.
     compiled, out, want = _compile_once(d)
     assert "cache_load" in stages(compiled)
+    torch.testing.assert_close(out, want)
+
+
+def test_forged_entry_from_another_function_is_rejected(tmp_path):
+    """An entry copied from another program with the same signature, with only its header's key
+    changed, is not a hit: the checksum binds the body to its key."""
+    d = str(tmp_path)
+
+    def other(x, w1, w2):
+        return torch.relu(x @ w1) @ w2 * 3
+
+    args = mlp_args()
+    aotc.compile(mlp, cache_dir=d)(*args)
+    (mlp_entry,) = entries(d)
+    aotc.compile(other, cache_dir=d)(*args)
+    (other_entry,) = set(entries(d)) - {mlp_entry}
+    with open(os.path.join(d, other_entry), "rb") as f:
+        head, _, body = f.read().partition(b"\n")
+    header = json.loads(head)
+    header["key"] = mlp_entry.removesuffix(".json")
+    with open(os.path.join(d, mlp_entry), "wb") as f:
+        f.write(json.dumps(header).encode() + b"\n" + body)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled, out, want = _compile_once(d)
+    assert any("checksum mismatch" in str(w.message) for w in caught)
+    assert "cache_load" not in stages(compiled)
     torch.testing.assert_close(out, want)
 
 

@@ -95,3 +95,36 @@ def test_module_from_threads_under_no_grad_and_grad():
 
     run_threads(body)
     assert len(aotc.inspect(compiled)) == 2  # one grad-enabled, one no_grad signature
+
+
+class Counter(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.lin = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps.add_(1)
+        return self.lin(x).relu()
+
+
+def test_concurrent_calls_keep_every_buffer_update():
+    """8 threads x 5 calls of a module that counts its calls: eager ends at 40, and so must aotc
+    (issue #13: updates were lost). Entries that mutate nothing take no lock."""
+    module = Counter()
+    compiled = aotc.compile(module)
+    compiled(torch.randn(4, 32))  # compile once
+    module.steps.zero_()
+
+    def five_calls(i: int) -> None:
+        for _ in range(5):
+            compiled(torch.randn(4, 32))
+
+    run_threads(five_calls)
+    assert int(module.steps) == THREADS * 5
+    (entry,) = compiled._compiled._dispatch.entries
+    assert entry.call == entry._call_locked
+    pure = aotc.compile(step)
+    pure(*inputs(0))
+    (pure_entry,) = pure._dispatch.entries
+    assert pure_entry.call != pure_entry._call_locked

@@ -1,0 +1,516 @@
+"""Output aliasing: how each output of the user program relates to its inputs, to the other
+outputs and to intermediates, exactly as eager sees it.
+
+Stage helper of the metadata pass: `classify_outputs(outs, leaves) -> OutputAnalysis`.
+Requires: `outs` and `leaves` are the outputs and the user leaves of the *plain* fake run (fake
+tensors with eager's autograd: views know their `._base`, storages are shared as in eager).
+Ensures: one `OutputInfo` per output; the intermediate bases and detached roots the runtime
+regenerates outputs from, each named by how the joint trace reaches it from an output
+(`ValueRef`), so the trace can return its functional value.
+
+Note [Output aliasing]
+~~~~~~~~~~~~~~~~~~~~~~
+Every tensor output `o` has a *root*: `o._base` if it is a view, else `o` itself. Checked in this
+order:
+  1. `o` is a user input object                           -> IS_INPUT
+  2. `o` is an earlier output object                      -> IS_OUTPUT
+  3. `o` shares storage with an input, and its root is that input's root (the input itself or
+     the input's own `._base`)                            -> ALIAS_OF_INPUT: regenerated as a view
+     of the input it was derived from (found on its autograd graph; gradients then flow through
+     that input's own history, as in eager), geometry relative to that input
+  4. `o` shares storage with an input, root elsewhere     -> DETACHED (Note [Detached aliases])
+  5. `o`'s storage is new: the outputs on that storage form a group with one *primary* root
+     (preferring a returned root with history: `y` over `y.detach()`); the primary itself is
+     FRESH (or, when it is not returned, an intermediate base); views of it are ALIAS_OF_OUTPUT /
+     ALIAS_OF_INTERMEDIATE (regenerated off the base's graph value with their own autograd
+     edge); other roots on the storage are DETACHED aliases of it.
+Every view output also records whether eager tracked it (`view_without_grad`: made under
+no_grad) and whether it came from a multi-output view op (`multi_output_view`: eager refuses
+in-place writes to it; the regenerated view carries the same creation meta).
+
+Note [Detached aliases]
+~~~~~~~~~~~~~~~~~~~~~~~
+`x.detach()` shares x's storage and version counter but is a new tensor: not a view (`_base` is
+None), a leaf, no grad. Eager users rely on that: `out = f(w)` returning `w.detach()` may be
+written in place even when w is a leaf that requires grad, and `w.detach().requires_grad_()` is a
+new leaf whose gradients never reach `w`. A functional graph has no such objects, so the runtime
+makes them per call (`DetachedRoot`): `source.detach()`, moved to the root's geometry without a
+version bump, then, by `RootGrad`, left alone (NONE), made a new leaf (NEW_LEAF), or given the
+history the call gave it (HISTORY: `d = x.detach(); d.mul_(w)`), by copying its graph value into
+it with grad on, which writes the same values and links its autograd edge. Outputs that are the
+root or views of it are built from that one object, so they share storage, version counter and
+`._base` as in eager.
+
+    def f(w):                  # w: leaf, requires grad
+        v = w.detach().requires_grad_()
+        return v.t()           # eager: w.grad stays None after backward
+
+    root 0: detached alias of input 0 grad=new_leaf
+    output 0: detached base=root0     (a view of root 0 with grad: backward stops at the root)
+
+A leaf created inside (`torch.zeros(3, requires_grad=True)`, or a NEW_LEAF root) that other
+outputs' gradients would accumulate into cannot be matched (the runtime's copy is a different
+leaf from the one the graph used): that raises UnsupportedError.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from aotc.runtime.autograd import autograd_nodes
+from aotc.runtime.errors import UnsupportedError
+from aotc.runtime.schema import Geometry, OutputInfo, OutputKind, RootGrad, UserArg, UserOut
+
+_MULTI_OUTPUT = torch._C._autograd.CreationMeta.MULTI_OUTPUT_NODE
+# Heuristic: the autograd walk that finds which aliased input a view output came from stops
+# after this many nodes (views of inputs sit a few nodes from the input).
+_MAX_WALK = 2000
+
+
+@dataclass(frozen=True, slots=True)
+class ValueRef:
+    """A tensor of the program's run reached from an output: `outs[out]`, or its `._base`."""
+
+    out: UserOut
+    via_base: bool
+
+    def resolve(self, outs: list[object]) -> torch.Tensor:
+        t = outs[self.out]
+        assert isinstance(t, torch.Tensor)
+        if self.via_base:
+            assert t._base is not None
+            return t._base
+        return t
+
+
+@dataclass(frozen=True, slots=True)
+class RootRef:
+    """A detached root before forward-output numbers exist (see `DetachedRoot`)."""
+
+    source_arg: UserArg | None  # the input whose storage it shares, or
+    source_out: UserOut | None  # the FRESH output that is its storage's primary, or
+    source_base: int | None  # the intermediate base that is its storage's primary
+    geometry: Geometry  # relative to the source's storage offset
+    grad: RootGrad
+    value: ValueRef  # where the root itself is (HISTORY: its value becomes a forward output)
+
+
+@dataclass
+class OutputAnalysis:
+    infos: list[OutputInfo]  # len == num outputs; UserOut space
+    bases: list[ValueRef]  # intermediate bases, by index
+    roots: list[RootRef]  # detached roots, by index
+    new_leaf_bases: list[int] = field(default_factory=list)  # bases that are new leaves
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    return t._base if t._base is not None else t
+
+
+def _geometry(t: torch.Tensor, relative_to: torch.Tensor) -> Geometry:
+    return Geometry(
+        tuple(t.shape), tuple(t.stride()), t.storage_offset() - relative_to.storage_offset()
+    )
+
+
+def _has_grad_fn(t: torch.Tensor) -> bool:
+    try:
+        return t.grad_fn is not None
+    except RuntimeError:  # a stale no_grad view (see _view_flags)
+        return False
+
+
+def _root_grad(t: torch.Tensor) -> RootGrad:
+    if not t.requires_grad:
+        return RootGrad.NONE
+    return RootGrad.NEW_LEAF if t.grad_fn is None else RootGrad.HISTORY
+
+
+def _view_flags(o: torch.Tensor) -> dict[str, bool]:
+    if o._base is None:
+        return {}
+    try:
+        grad_fn = o.grad_fn
+    except RuntimeError:  # its base was written after it was made: reading grad_fn raises
+        if torch._C._autograd._get_creation_meta(o) == _MULTI_OUTPUT:
+            return {"multi_output_view": True, "stale_view": True}
+        return {"view_without_grad": True, "stale_view": True}
+    return {
+        "view_without_grad": grad_fn is None,
+        "multi_output_view": o.requires_grad
+        and torch._C._autograd._get_creation_meta(o) == _MULTI_OUTPUT,
+        # `requires_grad_()` on a view of a tensor that needs no grad: a leaf of its own
+        "new_leaf": o.requires_grad and o.grad_fn is None and not o._base.requires_grad,
+    }
+
+
+def classify_outputs(outs: list[object], leaves: list[object]) -> OutputAnalysis:
+    """See Note [Output aliasing]."""
+    leaf_of_id: dict[int, UserArg] = {}
+    for i, t in enumerate(leaves):
+        if isinstance(t, torch.Tensor):
+            leaf_of_id.setdefault(id(t), UserArg(i))
+    distinct = [leaf_of_id[k] for k in dict.fromkeys(leaf_of_id)]
+    input_storage: dict[StorageWeakRef, list[UserArg]] = {}
+    for a in distinct:
+        input_storage.setdefault(StorageWeakRef(leaves[a].untyped_storage()), []).append(a)  # type: ignore[union-attr]
+    primaries = _internal_primaries(outs, leaf_of_id, input_storage)
+
+    result = OutputAnalysis(infos=[], bases=[], roots=[])
+    out_of_id: dict[int, UserOut] = {}
+    base_of_id: dict[int, int] = {}
+    root_of_id: dict[int, int] = {}
+    for j, o in enumerate(outs):
+        if not isinstance(o, torch.Tensor):
+            _check_constant(o, j)
+            result.infos.append(OutputInfo(OutputKind.NOT_TENSOR, False, None, constant=o))
+            continue
+        rg, dtype = o.requires_grad, o.dtype
+        if id(o) not in leaf_of_id and isinstance(o, torch.nn.Parameter):
+            raise UnsupportedError(
+                f"output {j} is an nn.Parameter created inside the compiled function "
+                f"(requires_grad={rg}); aotc returns plain tensors, not new Parameters. Create it "
+                "outside and pass it as an argument."
+            )
+        if id(o) in leaf_of_id:
+            info = OutputInfo(OutputKind.IS_INPUT, rg, dtype, base_arg=leaf_of_id[id(o)])
+        elif id(o) in out_of_id:
+            info = OutputInfo(OutputKind.IS_OUTPUT, rg, dtype, base_out=out_of_id[id(o)])
+        else:
+            out_of_id[id(o)] = UserOut(j)
+            storage = StorageWeakRef(o.untyped_storage())
+            root = _root(o)
+            if storage in input_storage:
+                candidates = [
+                    a
+                    for a in input_storage[storage]
+                    if _root(leaves[a]) is root  # type: ignore[arg-type]
+                ]
+                if candidates:
+                    info = _alias_of_input(o, j, candidates, leaves)
+                else:
+                    source = input_storage[storage][0]
+                    k = _add_root(result, root_of_id, root, o, j, leaves[source], source_arg=source)  # type: ignore[arg-type]
+                    info = _detached(o, root, k)
+            else:
+                primary, where = primaries[storage]
+                if root is primary:
+                    info = _in_group(o, j, primary, where, result, base_of_id)
+                else:
+                    src_out, src_base = _primary_source(primary, where, result, base_of_id)
+                    k = _add_root(
+                        result,
+                        root_of_id,
+                        root,
+                        o,
+                        j,
+                        primary,
+                        source_out=src_out,
+                        source_base=src_base,
+                    )
+                    info = _detached(o, root, k)
+        result.infos.append(info)
+    _check_new_leaves(outs, result)
+    return result
+
+
+def _internal_primaries(
+    outs: list[object],
+    leaf_of_id: dict[int, UserArg],
+    input_storage: dict[StorageWeakRef, list[UserArg]],
+) -> dict[StorageWeakRef, tuple[torch.Tensor, ValueRef]]:
+    """For each new storage among the outputs: its primary root and where the trace finds it.
+    Preference: a returned root with history, a returned root, a base with history, any."""
+    candidates: dict[StorageWeakRef, list[tuple[int, torch.Tensor, ValueRef]]] = {}
+    seen: set[int] = set()
+    for j, o in enumerate(outs):
+        if not isinstance(o, torch.Tensor) or id(o) in leaf_of_id:
+            continue
+        storage = StorageWeakRef(o.untyped_storage())
+        if storage in input_storage:
+            continue
+        root = _root(o)
+        if id(root) in seen:
+            continue
+        seen.add(id(root))
+        returned = root is o or any(x is root for x in outs)
+        rank = (0 if root.grad_fn is not None else 1) + (0 if returned else 2)
+        ref = ValueRef(UserOut(j), via_base=root is not o)
+        if root is not o and returned:
+            jr = next(k for k, x in enumerate(outs) if x is root)
+            ref = ValueRef(UserOut(jr), via_base=False)
+        candidates.setdefault(storage, []).append((rank, root, ref))
+    primaries = {}
+    for storage, cands in candidates.items():
+        _, root, ref = min(cands, key=lambda c: c[0])  # stable: the first of the best rank
+        primaries[storage] = (root, ref)
+    return primaries
+
+
+def _in_group(
+    o: torch.Tensor,
+    j: int,
+    primary: torch.Tensor,
+    where: ValueRef,
+    result: OutputAnalysis,
+    base_of_id: dict[int, int],
+) -> OutputInfo:
+    """`o` is the primary of its storage or a view of it."""
+    rg, dtype = o.requires_grad, o.dtype
+    if o is primary:
+        return OutputInfo(
+            OutputKind.FRESH, rg, dtype, new_leaf=rg and o.grad_fn is None and o.is_leaf
+        )
+    if _leaf_view_on_path(o, []) is not None:
+        raise UnsupportedError(
+            f"output {j} is a view, taken with grad on, of a view of an intermediate made under "
+            "torch.no_grad(); eager's gradients through it stop at that inner view, which aotc "
+            "cannot reproduce. Return a .clone() of the inner view, or take both views in the "
+            "same grad mode."
+        )
+    if not where.via_base:  # the primary is a returned output
+        return OutputInfo(
+            OutputKind.ALIAS_OF_OUTPUT, rg, dtype, base_out=where.out, **_view_flags(o)
+        )
+    idx = _base_index(primary, where, result, base_of_id)
+    return OutputInfo(
+        OutputKind.ALIAS_OF_INTERMEDIATE, rg, dtype, base_intermediate=idx, **_view_flags(o)
+    )
+
+
+def _base_index(
+    primary: torch.Tensor, where: ValueRef, result: OutputAnalysis, base_of_id: dict[int, int]
+) -> int:
+    idx = base_of_id.get(id(primary))
+    if idx is None:
+        idx = base_of_id[id(primary)] = len(result.bases)
+        result.bases.append(where)
+        if primary.requires_grad and primary.grad_fn is None:
+            result.new_leaf_bases.append(idx)
+    return idx
+
+
+def _primary_source(
+    primary: torch.Tensor, where: ValueRef, result: OutputAnalysis, base_of_id: dict[int, int]
+) -> tuple[UserOut | None, int | None]:
+    if not where.via_base:
+        return where.out, None
+    return None, _base_index(primary, where, result, base_of_id)
+
+
+def _add_root(
+    result: OutputAnalysis,
+    root_of_id: dict[int, int],
+    root: torch.Tensor,
+    o: torch.Tensor,
+    j: int,
+    source: torch.Tensor,
+    source_arg: UserArg | None = None,
+    source_out: UserOut | None = None,
+    source_base: int | None = None,
+) -> int:
+    k = root_of_id.get(id(root))
+    if k is not None:
+        return k
+    if root.dtype != source.dtype:
+        raise UnsupportedError(
+            f"output {j} shares memory with another tensor of dtype {source.dtype} as a detached "
+            f"{root.dtype} alias (`.view(dtype).detach()`); aotc cannot regenerate such aliases. "
+            "Return a .clone() of it instead."
+        )
+    k = root_of_id[id(root)] = len(result.roots)
+    result.roots.append(
+        RootRef(
+            source_arg=source_arg,
+            source_out=source_out,
+            source_base=source_base,
+            geometry=_geometry(root, source),
+            grad=_root_grad(root),
+            value=ValueRef(UserOut(j), via_base=root is not o),
+        )
+    )
+    return k
+
+
+def _detached(o: torch.Tensor, root: torch.Tensor, k: int) -> OutputInfo:
+    if o.dtype != root.dtype:
+        raise UnsupportedError(
+            f"an output is a {o.dtype} view of a detached {root.dtype} tensor (`.detach()` then "
+            "`.view(dtype)`); aotc cannot regenerate it. Return a .clone() of it instead."
+        )
+    flags = _view_flags(o) if o is not root else {}
+    geometry = _geometry(o, root) if o is not root else None
+    return OutputInfo(
+        OutputKind.DETACHED,
+        o.requires_grad,
+        o.dtype,
+        base_root=k,
+        geometry=geometry,
+        lazy_conj=o.is_conj() and not root.is_conj(),
+        lazy_neg=o.is_neg() and not root.is_neg(),
+        **flags,
+    )
+
+
+def _alias_of_input(
+    o: torch.Tensor, j: int, candidates: list[UserArg], leaves: list[object]
+) -> OutputInfo:
+    leaf = _view_source(o, candidates, leaves)
+    base = leaves[leaf]
+    assert isinstance(base, torch.Tensor)
+    if base.dtype != o.dtype:
+        raise UnsupportedError(
+            f"output {j} is a view of input {leaf} with another dtype ({base.dtype} -> "
+            f"{o.dtype}); aotc cannot regenerate dtype-changing views of inputs. Return "
+            ".clone() of it instead."
+        )
+    via = _leaf_view_on_path(o, leaves)
+    if via is None and _has_grad_fn(o) and base.requires_grad and not _reaches(o, base):
+        via = o  # its gradient is dropped at a no_grad view on the way: any no_grad view will do
+    return OutputInfo(
+        OutputKind.ALIAS_OF_INPUT,
+        o.requires_grad,
+        o.dtype,
+        base_arg=leaf,
+        geometry=_geometry(o, base),
+        lazy_conj=o.is_conj() and not base.is_conj(),
+        lazy_neg=o.is_neg() and not base.is_neg(),
+        via_geometry=_geometry(via, base) if via is not None else None,
+        **_view_flags(o),
+    )
+
+
+def _reaches(o: torch.Tensor, target: torch.Tensor) -> bool:
+    """Whether a gradient from `o` reaches `target` or its base (their grad_fns, or their
+    accumulators)."""
+    targets = [target, _root(target)]
+    goals = {id(t.grad_fn) for t in targets if _has_grad_fn(t)}
+    queue, visited = deque([o.grad_fn]), set()
+    while queue and len(visited) < _MAX_WALK:
+        node = queue.popleft()
+        if node is None or id(node) in visited:
+            continue
+        visited.add(id(node))
+        variable = getattr(node, "variable", None)
+        if id(node) in goals or any(variable is t for t in targets):
+            return True
+        queue.extend(fn for fn, _ in node.next_functions)
+    return len(visited) >= _MAX_WALK  # undecided: assume it does, as without this check
+
+
+def _leaf_view_on_path(o: torch.Tensor, leaves: list[object]) -> torch.Tensor | None:
+    """A view made under no_grad (a leaf that requires grad) that `o` was derived from with
+    grad on: eager's gradients through `o` stop there (`with torch.no_grad(): v = x[0]`, then
+    `return v.t()`)."""
+    if not _has_grad_fn(o):
+        return None
+    inputs = {id(t) for t in leaves}
+    queue, visited = deque([o.grad_fn]), set()
+    while queue and len(visited) < _MAX_WALK:
+        node = queue.popleft()
+        if node is None or id(node) in visited:
+            continue
+        visited.add(id(node))
+        variable = getattr(node, "variable", None)
+        if variable is not None and variable._base is not None and id(variable) not in inputs:
+            return variable
+        queue.extend(fn for fn, _ in node.next_functions)
+    return None
+
+
+def _view_source(o: torch.Tensor, candidates: list[UserArg], leaves: list[object]) -> UserArg:
+    """Which of several inputs on one storage `o` was derived from: the first one met on `o`'s
+    autograd graph, else the first one whose memory holds `o`'s, else the first."""
+    if len(candidates) == 1:
+        return candidates[0]
+    if _has_grad_fn(o):
+        by_node: dict[int, UserArg] = {}
+        by_leaf: dict[int, UserArg] = {}
+        for a in candidates:
+            t = leaves[a]
+            assert isinstance(t, torch.Tensor)
+            if _has_grad_fn(t):
+                by_node.setdefault(id(t.grad_fn), a)
+            elif t.requires_grad:
+                by_leaf.setdefault(id(t), a)
+        queue = deque([o.grad_fn])
+        visited: set[int] = set()
+        while queue and len(visited) < _MAX_WALK:
+            node = queue.popleft()
+            if node is None or id(node) in visited:
+                continue
+            visited.add(id(node))
+            if id(node) in by_node:
+                return by_node[id(node)]
+            variable = getattr(node, "variable", None)
+            if variable is not None and id(variable) in by_leaf:
+                return by_leaf[id(variable)]
+            queue.extend(fn for fn, _ in node.next_functions)
+    for a in candidates:
+        if _holds(leaves[a], o):  # type: ignore[arg-type]
+            return a
+    return candidates[0]
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    lo = hi = t.storage_offset()
+    for size, stride in zip(t.shape, t.stride()):
+        if size == 0:
+            return (t.storage_offset(), t.storage_offset() - 1)
+        lo += min(0, (size - 1) * stride)
+        hi += max(0, (size - 1) * stride)
+    return lo, hi
+
+
+def _holds(t: torch.Tensor, o: torch.Tensor) -> bool:
+    (t0, t1), (o0, o1) = _span(t), _span(o)
+    return t0 <= o0 and o1 <= t1
+
+
+def _check_constant(value: object, j: int) -> None:
+    if value is None or isinstance(
+        value, (int, float, bool, str, complex, torch.dtype, torch.device)
+    ):
+        return
+    raise UnsupportedError(
+        f"output {j} has type {type(value).__name__}, which aotc cannot return from a compiled "
+        "function. Return tensors, Python numbers/strings/None, or tuples/lists/dicts of them."
+    )
+
+
+def _check_new_leaves(outs: list[object], result: OutputAnalysis) -> None:
+    """A leaf created inside the call and visible to the caller must not be one that other
+    outputs' gradients accumulate into (see Note [Detached aliases])."""
+    new_leaves: list[tuple[torch.Tensor, int]] = []
+    for j, (o, info) in enumerate(zip(outs, result.infos)):
+        if info.new_leaf:
+            new_leaves.append((o, j))  # type: ignore[arg-type]
+    for idx in result.new_leaf_bases:
+        new_leaves.append((result.bases[idx].resolve(outs), result.bases[idx].out))
+    for root in result.roots:
+        if root.grad is RootGrad.NEW_LEAF:
+            new_leaves.append((root.value.resolve(outs), root.value.out))
+    if not new_leaves:
+        return
+    for leaf, j in new_leaves:
+        others = [
+            o
+            for o in outs
+            if isinstance(o, torch.Tensor)
+            and o is not leaf
+            and _root(o) is not leaf
+            and _has_grad_fn(o)  # other leaves accumulate into themselves
+        ]
+        for node in autograd_nodes(others):
+            if getattr(node, "variable", None) is leaf:
+                raise UnsupportedError(
+                    f"output {j} is (or is a view of) a tensor created inside the compiled "
+                    "function with requires_grad=True, and other outputs are computed from it: "
+                    "eager accumulates their gradients into it, which aotc cannot reproduce "
+                    "(its graph and the returned tensor are different leaves). Create the tensor "
+                    "outside and pass it as an argument."
+                )
