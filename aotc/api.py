@@ -85,6 +85,7 @@ class CompiledFunction:
         self._history = History()
         self._gens: list[_Generation] = []
         self._eager_runs = 0
+        self._ran_eagerly = False  # the last call that needed a compilation ran eagerly
         self._gen = self._generation(lifted)
         functools.update_wrapper(self, fn, updated=())
 
@@ -111,14 +112,13 @@ class CompiledFunction:
         """The slow path of a call: the program created state (run it eagerly once), or the
         objects it reads tensors from changed (lift again, see Note [Strict capture guards])."""
         if isinstance(error, StateCreated):
-            gen = self._gen
-            if gen.ran_eagerly or self._eager_runs >= _MAX_EAGER_RUNS:
+            if self._ran_eagerly or self._eager_runs >= _MAX_EAGER_RUNS:
                 raise UnsupportedError(
-                    f"{self._name}: {error} It did so again after an eager first call; strict "
-                    "mode compiles only programs whose state exists before the call. Use the "
-                    "default capture mode."
+                    f"{self._name}: {error} It did so again right after an eager call that "
+                    "created state; strict mode compiles only programs whose state exists "
+                    "before the call. Use the default capture mode."
                 ) from error
-            gen.ran_eagerly = True
+            self._ran_eagerly = True  # until a compilation succeeds
             self._eager_runs += 1
             progress.info(
                 "aotc: %s creates state on this call (%s); running it eagerly, compiling on the "
@@ -267,6 +267,7 @@ class CompiledFunction:
             self._source,
             fake_mode,
         )
+        self._ran_eagerly = False
         guard = build_state_guard(recorder, lifted, self._name)
         if self._module is not None:
             guard = _with_forward_override(guard, self._module)
@@ -294,7 +295,7 @@ class CompiledFunction:
 class _Generation:
     """One way of lifting the function's tensors, and the entries compiled with it."""
 
-    __slots__ = ("lifted", "fingerprint", "read", "names", "dispatch", "ran_eagerly")
+    __slots__ = ("lifted", "fingerprint", "read", "names", "dispatch")
 
     def __init__(self, lifted: Lifted) -> None:
         self.lifted = lifted
@@ -302,10 +303,9 @@ class _Generation:
         self.read = lifted_reader(lifted.accesses) if lifted.accesses else None
         self.names = [a.name for a in lifted.accesses]
         self.dispatch: GuardedDispatcher
-        self.ran_eagerly = False
 
 
-_MAX_EAGER_RUNS = 8  # eager first calls of one function (each for newly created state)
+_MAX_EAGER_RUNS = 8  # eager calls of one function that created state (new param groups...)
 _MAX_RELIFTS = 4  # liftings one call may go through before giving up
 _MAX_GENERATIONS = 16  # liftings whose entries are kept
 

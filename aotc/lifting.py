@@ -41,7 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from aotc.runtime.errors import UnsupportedError
 
-_MAX_DEPTH = 4
+_MAX_DEPTH = 8  # how far the walk follows attributes and elements (an optimizer in a list: 6)
 
 
 class Slot:

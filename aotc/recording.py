@@ -438,6 +438,7 @@ def _on_print(rec: Recorder, orig: Callable[..., Any], *args: Any, **kwargs: Any
         f"print at {where}",
         f"print() at {where} runs only while aotc traces the program (on fake tensors), "
         "never in compiled calls; it was skipped.",
+        where,
     )
     return None
 
@@ -476,6 +477,7 @@ def _on_clock(rec: Recorder, orig: Callable[..., Any], *args: Any, **kwargs: Any
             f"clock at {where}",
             f"time.{getattr(orig, '__name__', '?')}() at {where} is read once while aotc "
             "traces the program; compiled calls reuse that value.",
+            where,
         )
     return orig(*args, **kwargs)
 
@@ -555,7 +557,7 @@ class Recorder:
         self.labels: dict[int, str] = {}
         self.reads: dict[tuple[int, str], AttrRead] = {}
         self.slot_reads: dict[tuple[object, ...], SlotRead] = {}
-        self.side_effects: dict[str, str] = {}  # key -> message
+        self.side_effects: dict[str, tuple[str, str]] = {}  # key -> (message, where)
         self.module_calls = False  # a module's __call__ ran (its hook dicts were read)
         self.optimizer_steps = False
         self._seen: dict[int, object] = {}  # walked values (kept alive)
@@ -835,8 +837,10 @@ class Recorder:
         finally:
             self._busy = False
 
-    def side_effect(self, key: str, message: str) -> None:
-        self.side_effects.setdefault(key, message)
+    def side_effect(self, key: str, message: str, where: str) -> None:
+        """Note one thing the program did that compiled calls will not do (`where`: the user's
+        line as `user_line` formats it, or "")."""
+        self.side_effects.setdefault(key, (message, where))
 
     # ------------------------------------------------------------ hooks
 
@@ -918,6 +922,7 @@ class Recorder:
                 f"the program assigns {label} at {where or 'an unknown line'}; strict mode "
                 "runs that assignment only while tracing (it was undone), never in compiled "
                 "calls.",
+                where,
             )
         for container, copy, label in self._snapshots.values():
             changed = self._restore_container(container, copy)
@@ -929,6 +934,7 @@ class Recorder:
                     + (f" at {where}" if where else "")
                     + "; strict mode runs that only while tracing (it was undone), never in "
                     "compiled calls.",
+                    where,
                 )
         for key, old in self._slot_snapshots.items():
             slot = self.slot_reads[key]
@@ -946,6 +952,7 @@ class Recorder:
                 + (f" at {where}" if where else "")
                 + "; strict mode runs that only while tracing (it was undone), never in "
                 "compiled calls.",
+                where,
             )
 
     def _restore_container(self, container: Any, copy: list[Any]) -> bool:

@@ -116,9 +116,8 @@ def build_state_guard(rec: Recorder, lifted: Lifted, name: str) -> StateGuard | 
 
 
 def warn_side_effects(rec: Recorder) -> None:
-    for message in rec.side_effects.values():
-        where = message.split(" at ", 1)[1].split(" ", 1)[0] if " at " in message else ""
-        filename, _, line = where.rpartition(":")
+    for message, where in rec.side_effects.values():
+        filename, _, line = where.split(" (", 1)[0].rpartition(":")
         text = (
             f"aotc ({rec.name}): {message} Move it outside the compiled function, or use the "
             "default capture mode (which runs Python side effects on every call)."
