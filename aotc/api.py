@@ -355,11 +355,28 @@ def _mark_user_code(fn: Callable[..., Any]) -> None:
 def _flatten_output(out: object) -> tuple[list[object], pytree.TreeSpec]:
     leaves, spec = pytree.tree_flatten(out)
     fresh = {type(x) for x in leaves if dataclasses.is_dataclass(x) and not isinstance(x, type)}
-    if fresh:
+    caches = {type(x) for x in leaves if _is_hf_cache(x)}
+    if fresh or caches:
         for cls in fresh:
             pytree.register_dataclass(cls)
+        for cls in caches:  # a Hugging Face KV cache (use_cache=True): its tensors are outputs
+            from transformers.exporters.exporter_dynamo import register_pytree_node
+
+            register_pytree_node(cls)
         leaves, spec = pytree.tree_flatten(out)
     return leaves, spec
+
+
+def _is_hf_cache(value: object) -> bool:
+    """A Hugging Face Cache object, which transformers can register as a pytree node."""
+    cls = type(value)
+    if not (cls.__module__ or "").startswith("transformers.") or not cls.__name__.endswith("Cache"):
+        return False
+    try:
+        import transformers.exporters.exporter_dynamo  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _leaf_names(fn: Callable[..., Any], in_spec: pytree.TreeSpec, num: int) -> list[str]:

@@ -364,9 +364,7 @@ def uses_class_attribute(x):
 def test_global_state_change_recompiles(fn, change, reason):
     name, value = change
     owner, _, attr = name.rpartition(".")
-    target = {"": sys.modules[__name__], "user_config": user_config, "Constants": Constants}[
-        owner
-    ]
+    target = {"": sys.modules[__name__], "user_config": user_config, "Constants": Constants}[owner]
     old = getattr(target, attr)
     try:
         compiled = strict(fn)
@@ -766,3 +764,73 @@ def test_ddp_inside_strict_mode_is_refused_ddp_outside_works(single_process_grou
 
 def test_strict_module_matches_eager_over_sgd_steps():
     assert_module_matches_eager(_mlp, lambda: (torch.randn(3, 4),), capture="trace")
+
+
+# ---------------------------------------------------------------- Hugging Face models (slow)
+
+HF_VOCAB = 96
+
+
+def _hf_models():
+    transformers = pytest.importorskip("transformers")
+    v = HF_VOCAB
+    return {
+        "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=4, vocab_size=v, n_positions=16, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)),
+        "t5": lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=v, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+            dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)),
+        "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=v, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0)),
+        "bert": lambda: transformers.BertForMaskedLM(transformers.BertConfig(
+            vocab_size=v, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, pad_token_id=0)),
+        "vit": lambda: transformers.ViTForImageClassification(transformers.ViTConfig(
+            image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+            num_attention_heads=4, intermediate_size=64, num_labels=5, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0)),
+    }  # fmt: skip
+
+
+class HFTask(nn.Module):
+    """One Hugging Face model and the call of its training step (labels given: it returns the
+    loss). Configs keep their defaults (use_cache=True where the model has one)."""
+
+    def __init__(self, name):
+        super().__init__()
+        self.name = name
+        self.model = _hf_models()[name]()
+
+    def forward(self, x):
+        if self.name == "t5":
+            return self.model(input_ids=x, labels=x[:, :6].contiguous())
+        if self.name == "vit":
+            return self.model(pixel_values=x, labels=torch.arange(x.shape[0]) % 5)
+        return self.model(input_ids=x, labels=x)
+
+
+def _hf_batch(name):
+    if name == "vit":
+        return lambda: (torch.randn(2, 3, 16, 16),)
+    return lambda: (torch.randint(2, HF_VOCAB, (2, 12)),)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "t5", "llama", "bert", "vit"])
+def test_hf_model_trains_with_adamw_and_a_scheduler_as_in_eager(name):
+    model, step = train_strict(lambda: HFTask(name), _hf_batch(name), steps=3,
+                               loss_of=lambda out: out.loss)  # fmt: skip
+    assert len(model.records) == 1 and len(step.records) == 1  # lr is an input: no recompiles
+    if name in ("gpt2", "llama"):  # the KV cache they return by default, compared with eager
+        torch.manual_seed(0)
+        eager = copy.deepcopy(model._orig_mod)
+        batch = _hf_batch(name)()
+        got, want = model(*batch).past_key_values, eager(*batch).past_key_values
+        assert type(got) is type(want)
+        for a, b in zip(got.layers, want.layers):
+            close(a.keys, b.keys, "cached keys")
+            close(a.values, b.values, "cached values")
