@@ -372,7 +372,7 @@ def test_optimizer_first_step_creating_state_runs_eagerly_then_compiles():
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=False)
     compiled_step = aotc.compile(lambda: opt.step())
-    for step in range(3):
+    for _ in range(3):
         x = torch.randn(4, 3)
         model(x).sum().backward()
         ref(x).sum().backward()
