@@ -32,7 +32,7 @@ from aotc.lifting import (
 )
 from aotc.options import CompileOptions, configure_logging
 from aotc.pipeline import CompiledRecord, compile_signature
-from aotc.recording import MISSING, Recorder, refuse_distributed
+from aotc.recording import Recorder, refuse_distributed
 from aotc.runtime.convention import alias_groups
 from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.stateguard import (
@@ -46,6 +46,7 @@ from aotc.runtime.stateguard import (
 from aotc.runtime.wrappers import COMPILE_LOCK, CompiledEntry
 from aotc.strict import build_state_guard, warn_side_effects
 from aotc.symbolic import check_static_geometry, guard_expression, symbolic_leaves, symbolic_mode
+from aotc.usercode import MISSING
 
 Tensor = torch.Tensor
 _PLAIN_TENSOR = frozenset((Tensor,))

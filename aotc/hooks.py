@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.nn.modules import module as nn_module
 
-from aotc.recording import MISSING
+from aotc.usercode import MISSING
 
 
 def has_hooks(module: torch.nn.Module) -> bool:

@@ -21,16 +21,12 @@ module class. The patches are removed when the run ends.
 
 from __future__ import annotations
 
-import builtins
 import collections
 import contextlib
-import dis
 import functools
-import linecache
+import inspect
 import operator
-import os
 import sys
-import sysconfig
 import threading
 import types
 from collections.abc import Callable, Iterator
@@ -39,27 +35,30 @@ from typing import Any
 
 import torch
 
+from aotc.interpose import (
+    ACTIVE,
+    can_patch,
+    install_stubs,
+    patch_class,
+    recording_module_class,
+    remove_stubs,
+    unpatch_class,
+)
 from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.stateguard import same_constant
+from aotc.usercode import (
+    MISSING,
+    code_facts,
+    format_line,
+    is_constant,
+    is_user_class,
+    is_user_file,
+    user_line,
+)
 
 Tensor = torch.Tensor
 
 
-class _Missing:
-    """The value of a location that holds nothing (an absent attribute or global)."""
-
-    _instance: _Missing | None = None
-
-    def __new__(cls) -> _Missing:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "<absent>"
-
-
-MISSING: Any = _Missing()
 _MAX_DEPTH = 8  # how far the walk follows attributes, elements, globals and closures
 _HOOK_DICTS = frozenset(
     {"_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"}
@@ -68,13 +67,6 @@ _OPTIMIZER_HOOK_DICTS = frozenset({"_optimizer_step_pre_hooks", "_optimizer_step
 # nn.Module bookkeeping the walk does not follow (parameters, buffers and submodules are reached
 # through named_modules and the lifting; hook dicts are checked when read).
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
-_MUTATORS = frozenset(
-    {
-        "append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "update",
-        "setdefault", "popitem", "add", "discard", "appendleft", "extendleft", "popleft",
-        "__setitem__", "__delitem__", "__iadd__",
-    }
-)  # fmt: skip
 _MUTABLE_CONTAINERS = (list, dict, set, collections.deque)
 # Methods of user classes the walk skips: construction, pickling and printing.
 _NOT_CALLED_IN_A_TRACE = frozenset(
@@ -84,156 +76,6 @@ _NOT_CALLED_IN_A_TRACE = frozenset(
         "__deepcopy__", "__class_getitem__",
     }
 )  # fmt: skip
-_CONSTANT_TYPES = (
-    type(None), bool, int, float, complex, str, bytes, range, type(Ellipsis),
-    type(NotImplemented), torch.dtype, torch.device, torch.layout, torch.memory_format,
-)  # fmt: skip
-
-
-def is_constant(value: object) -> bool:
-    """Immutable values compared by value: numbers, strings, dtypes, enum members, and tuples,
-    frozensets and slices of constants."""
-    if isinstance(value, _CONSTANT_TYPES):
-        return True
-    if isinstance(value, (tuple, frozenset)):
-        return all(map(is_constant, value))
-    if isinstance(value, slice):
-        return is_constant((value.start, value.stop, value.step))
-    import enum
-
-    return isinstance(value, enum.Enum)
-
-
-# ---------------------------------------------------------------- user code and library code
-
-
-def _library_dirs() -> tuple[str, ...]:
-    import aotc
-
-    dirs = {
-        os.path.dirname(os.path.abspath(torch.__file__)),
-        os.path.dirname(os.path.abspath(aotc.__file__)),
-    }
-    for name in ("aotc.passes", "aotc.runtime"):
-        module = sys.modules.get(name)
-        if module is not None and module.__file__:
-            dirs.add(os.path.dirname(os.path.abspath(module.__file__)))
-    paths = sysconfig.get_paths()
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        if paths.get(key):
-            dirs.add(os.path.abspath(paths[key]))
-    with contextlib.suppress(Exception):
-        import site
-
-        dirs.update(os.path.abspath(p) for p in site.getsitepackages())
-    return tuple(d.rstrip(os.sep) + os.sep for d in sorted(dirs))
-
-
-_LIBRARY: tuple[str, ...] | None = None
-_USER_FILE: dict[str, bool] = {}
-
-
-def is_user_file(filename: str) -> bool:
-    """Code outside torch, aotc, the standard library and installed packages: the user's own.
-    Library code and library state are taken as constant (see Note [Strict capture guards])."""
-    known = _USER_FILE.get(filename)
-    if known is not None:
-        return known
-    global _LIBRARY
-    if _LIBRARY is None:
-        _LIBRARY = _library_dirs()
-    if filename.startswith("<frozen"):
-        user = False
-    else:
-        path = os.path.abspath(filename) if not filename.startswith("<") else filename
-        user = not path.startswith(_LIBRARY)
-    _USER_FILE[filename] = user
-    return user
-
-
-def _is_user_function(fn: object) -> bool:
-    code = getattr(fn, "__code__", None)
-    return isinstance(code, types.CodeType) and is_user_file(code.co_filename)
-
-
-def _is_user_class(cls: type) -> bool:
-    module = sys.modules.get(cls.__module__)
-    path = getattr(module, "__file__", None)
-    return bool(path) and is_user_file(path)  # type: ignore[arg-type]
-
-
-def user_line(skip: int = 1) -> str:
-    """`file:line (source)` of the innermost user frame on the stack, or ""."""
-    frame = sys._getframe(skip)
-    while frame is not None:
-        code = frame.f_code
-        if is_user_file(code.co_filename):
-            return _format_line(code.co_filename, frame.f_lineno)
-        frame = frame.f_back  # type: ignore[assignment]
-    return ""
-
-
-def _format_line(filename: str, lineno: int | None) -> str:
-    if lineno is None:
-        return filename
-    source = linecache.getline(filename, lineno).strip()
-    return f"{filename}:{lineno}" + (f" ({source})" if source else "")
-
-
-# ---------------------------------------------------------------- what code can load
-
-
-@dataclass(frozen=True, slots=True)
-class CodeFacts:
-    """Names a code object (and the code nested in it) loads and stores, with first lines."""
-
-    load_globals: dict[str, int]
-    store_globals: dict[str, int]
-    store_derefs: dict[str, int]
-    mutations: dict[str, int]  # `name.append(...)`-like calls: the loaded name -> line
-
-
-_FACTS: dict[types.CodeType, CodeFacts] = {}
-
-
-def code_facts(code: types.CodeType) -> CodeFacts:
-    facts = _FACTS.get(code)
-    if facts is None:
-        facts = _FACTS[code] = _scan(code)
-    return facts
-
-
-def _scan(code: types.CodeType) -> CodeFacts:
-    loads: dict[str, int] = {}
-    stores: dict[str, int] = {}
-    derefs: dict[str, int] = {}
-    mutations: dict[str, int] = {}
-    todo = [code]
-    while todo:
-        current = todo.pop()
-        line = current.co_firstlineno
-        previous: dis.Instruction | None = None
-        for ins in dis.get_instructions(current):
-            if ins.positions is not None and ins.positions.lineno is not None:
-                line = ins.positions.lineno
-            if ins.opname == "LOAD_GLOBAL":
-                loads.setdefault(ins.argval, line)
-            elif ins.opname == "STORE_GLOBAL" or ins.opname == "DELETE_GLOBAL":
-                stores.setdefault(ins.argval, line)
-            elif ins.opname in ("STORE_DEREF", "DELETE_DEREF"):
-                derefs.setdefault(ins.argval, line)
-            elif (
-                ins.opname in ("LOAD_METHOD", "LOAD_ATTR")
-                and ins.argval in _MUTATORS
-                and previous is not None
-                and previous.opname
-                in ("LOAD_GLOBAL", "LOAD_DEREF", "LOAD_FAST", "LOAD_ATTR", "LOAD_NAME")
-            ):
-                mutations.setdefault(previous.argval, line)
-            previous = ins
-        todo.extend(c for c in current.co_consts if isinstance(c, types.CodeType))
-    return CodeFacts(loads, stores, derefs, mutations)
-
 
 # ---------------------------------------------------------------- records
 
@@ -260,287 +102,6 @@ class SlotRead:
     label: str  # e.g. "global SCALE (train.py)", "closure opt"
     where: str
     write: Callable[[object], None] | None  # restores a value (None: never written)
-
-
-# ---------------------------------------------------------------- class patches
-
-_ACTIVE: list[Recorder] = []  # the recorders of the runs in progress, innermost last
-_PATCH_LOCK = threading.RLock()
-_PATCH_COUNT: dict[type, int] = {}
-_PATCH_SAVED: dict[type, list[tuple[str, object]]] = {}  # the class's own entries before
-_RECORDING_MODULE_CLASSES: dict[type, type] = {}
-
-
-def _wrap_getattribute(orig: Callable[[object, str], object], has_getattr: bool) -> Any:
-    def __getattribute__(self: object, name: str) -> object:  # noqa: N807
-        try:
-            value = orig(self, name)
-        except AttributeError:
-            if _ACTIVE and not has_getattr:
-                for rec in _ACTIVE:
-                    rec.on_read(self, name, MISSING)
-            raise
-        if _ACTIVE:
-            for rec in _ACTIVE:
-                rec.on_read(self, name, value)
-        return value
-
-    __getattribute__.__aotc_recording__ = True  # type: ignore[attr-defined]
-    return __getattribute__
-
-
-def _wrap_getattr(orig: Callable[[object, str], object]) -> Any:
-    def __getattr__(self: object, name: str) -> object:  # noqa: N807
-        try:
-            value = orig(self, name)
-        except AttributeError:
-            if _ACTIVE:
-                for rec in _ACTIVE:
-                    rec.on_read(self, name, MISSING)
-            raise
-        if _ACTIVE:
-            for rec in _ACTIVE:
-                rec.on_read(self, name, value)
-        return value
-
-    __getattr__.__aotc_recording__ = True  # type: ignore[attr-defined]
-    return __getattr__
-
-
-def _wrap_setattr(orig: Callable[..., None], deleting: bool) -> Any:
-    if deleting:
-
-        def __delattr__(self: object, name: str) -> None:  # noqa: N807
-            for rec in _ACTIVE:
-                rec.on_write(self, name)
-            orig(self, name)
-
-        __delattr__.__aotc_recording__ = True  # type: ignore[attr-defined]
-        return __delattr__
-
-    def __setattr__(self: object, name: str, value: object) -> None:  # noqa: N807
-        for rec in _ACTIVE:
-            rec.on_write(self, name)
-        orig(self, name, value)
-
-    __setattr__.__aotc_recording__ = True  # type: ignore[attr-defined]
-    return __setattr__
-
-
-def _unwrapped(cls: type, name: str) -> Any:
-    """`cls.<name>` resolved along the MRO, skipping recording wrappers."""
-    for klass in cls.__mro__:
-        value = vars(klass).get(name)
-        if value is not None and not getattr(value, "__aotc_recording__", False):
-            return value
-    return None
-
-
-def _can_patch(cls: type) -> bool:
-    flags = cls.__flags__
-    return bool(flags & (1 << 9)) and not flags & (1 << 8)  # heap type, not immutable
-
-
-def _patch_class(cls: type) -> bool:
-    """Install recording methods on `cls` (refcounted); False if the class cannot take them."""
-    with _PATCH_LOCK:
-        if cls in _PATCH_COUNT:
-            _PATCH_COUNT[cls] += 1
-            return True
-        if not _can_patch(cls):
-            return False
-        own = vars(cls)
-        getattr_ = _unwrapped(cls, "__getattr__")
-        wrappers = {
-            "__getattribute__": _wrap_getattribute(
-                _unwrapped(cls, "__getattribute__"), getattr_ is not None
-            ),
-            "__setattr__": _wrap_setattr(_unwrapped(cls, "__setattr__"), deleting=False),
-            "__delattr__": _wrap_setattr(_unwrapped(cls, "__delattr__"), deleting=True),
-        }
-        if getattr_ is not None:
-            wrappers["__getattr__"] = _wrap_getattr(getattr_)
-        saved = [(name, own.get(name, MISSING)) for name in wrappers]
-        try:
-            for name, wrapper in wrappers.items():
-                setattr(cls, name, wrapper)
-        except (TypeError, AttributeError):
-            _restore_class(cls, saved)
-            return False
-        _PATCH_SAVED[cls] = saved
-        _PATCH_COUNT[cls] = 1
-        return True
-
-
-def _unpatch_class(cls: type) -> None:
-    with _PATCH_LOCK:
-        _PATCH_COUNT[cls] -= 1
-        if _PATCH_COUNT[cls]:
-            return
-        del _PATCH_COUNT[cls]
-        _restore_class(cls, _PATCH_SAVED.pop(cls))
-
-
-def _restore_class(cls: type, saved: list[tuple[str, object]]) -> None:
-    for name, value in saved:
-        if value is MISSING:
-            if name in vars(cls):
-                delattr(cls, name)
-        else:
-            setattr(cls, name, value)
-
-
-def _recording_module_class(cls: type) -> type:
-    """A subclass of a Python module's class whose attribute loads and stores are recorded."""
-    rec = _RECORDING_MODULE_CLASSES.get(cls)
-    if rec is None:
-        getattribute = _wrap_getattribute(cls.__getattribute__, False)  # type: ignore[arg-type]
-        rec = type(
-            cls.__name__,
-            (cls,),
-            {
-                "__getattribute__": getattribute,
-                "__setattr__": _wrap_setattr(cls.__setattr__, deleting=False),
-                "__delattr__": _wrap_setattr(cls.__delattr__, deleting=True),
-                "__aotc_original__": cls,
-            },
-        )
-        _RECORDING_MODULE_CLASSES[cls] = rec
-    return rec
-
-
-# ---------------------------------------------------------------- library calls made in a run
-
-
-def _stub(orig: Callable[..., Any], on_call: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(orig)
-    def stub(*args: Any, **kwargs: Any) -> Any:
-        rec = _ACTIVE[-1] if _ACTIVE else None
-        if rec is not None and threading.get_ident() == rec.thread:
-            return on_call(rec, orig, *args, **kwargs)
-        return orig(*args, **kwargs)
-
-    return stub
-
-
-def _caller_line(skip: int) -> str:
-    """`file:line (source)` of the frame `skip` levels up if it is user code, else ""."""
-    frame = sys._getframe(skip + 1)
-    code = frame.f_code
-    return _format_line(code.co_filename, frame.f_lineno) if is_user_file(code.co_filename) else ""
-
-
-def _on_print(rec: Recorder, orig: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-    where = _caller_line(2)
-    if not where:
-        return orig(*args, **kwargs)  # type: ignore[no-any-return]
-    rec.side_effect(
-        f"print at {where}",
-        f"print() at {where} runs only while aotc traces the program (on fake tensors), "
-        "never in compiled calls; it was skipped.",
-        where,
-    )
-    return None
-
-
-def _on_hook(rec: Recorder, orig: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    what = getattr(orig, "__name__", "register_hook")
-    if what == "retain_grad" and args and isinstance(args[0], Tensor) and args[0].is_leaf:
-        return orig(*args, **kwargs)  # a no-op on leaves, as in eager
-    where = user_line(3) or "an unknown line"
-    raise UnsupportedError(
-        f"{rec.name}: Tensor.{what}() at {where} is called inside the compiled function. In "
-        "strict mode (capture='trace') the program runs only while aotc traces it, so a hook "
-        "registered there would see fake tensors once and never the compiled calls' gradients "
-        "(and retain_grad() would never fill .grad). Register hooks on inputs or parameters "
-        "outside the compiled function, or use the default capture mode."
-    )
-
-
-def _on_random(rec: Recorder, orig: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    where = _caller_line(2)
-    if not where:
-        return orig(*args, **kwargs)
-    module = getattr(orig, "__module__", None) or "random"
-    raise UnsupportedError(
-        f"{rec.name}: {module}.{getattr(orig, '__name__', '?')}() at {where} draws from "
-        "Python/NumPy random state; aotc would freeze this one draw into the graph and every "
-        "compiled call would reuse it. Use torch.rand/torch.randint/torch.randn (traced: fresh "
-        "each call), draw outside and pass the value in, or use the default capture mode."
-    )
-
-
-def _on_clock(rec: Recorder, orig: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    where = _caller_line(2)
-    if where:
-        rec.side_effect(
-            f"clock at {where}",
-            f"time.{getattr(orig, '__name__', '?')}() at {where} is read once while aotc "
-            "traces the program; compiled calls reuse that value.",
-            where,
-        )
-    return orig(*args, **kwargs)
-
-
-_RANDOM_NAMES = (
-    "random", "uniform", "randint", "randrange", "choice", "choices", "shuffle", "sample",
-    "gauss", "normalvariate", "lognormvariate", "expovariate", "betavariate", "gammavariate",
-    "triangular", "vonmisesvariate", "paretovariate", "weibullvariate", "getrandbits",
-    "randbytes", "binomialvariate",
-)  # fmt: skip
-_NUMPY_RANDOM_NAMES = (
-    "rand", "randn", "random", "random_sample", "randint", "normal", "uniform", "choice",
-    "shuffle", "permutation", "standard_normal", "binomial", "poisson", "beta", "integers",
-)  # fmt: skip
-
-
-def _stub_targets() -> list[tuple[object, str, Callable[..., Any]]]:
-    import random
-    import time
-
-    targets: list[tuple[object, str, Callable[..., Any]]] = [
-        (builtins, "print", _on_print),
-        (Tensor, "register_hook", _on_hook),
-        (Tensor, "register_post_accumulate_grad_hook", _on_hook),
-        (Tensor, "retain_grad", _on_hook),
-    ]
-    targets += [(random, n, _on_random) for n in _RANDOM_NAMES if hasattr(random, n)]
-    targets += [(time, n, _on_clock) for n in ("time", "time_ns", "perf_counter", "monotonic")]
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        targets += [(numpy.random, n, _on_random) for n in _NUMPY_RANDOM_NAMES]
-    return [(o, n, h) for o, n, h in targets if hasattr(o, n)]
-
-
-_STUB_COUNT = 0
-_STUB_SAVED: list[tuple[object, str, object, bool]] = []
-
-
-def _install_stubs() -> None:
-    global _STUB_COUNT
-    with _PATCH_LOCK:
-        _STUB_COUNT += 1
-        if _STUB_COUNT > 1:
-            return
-        for owner, name, handler in _stub_targets():
-            orig = getattr(owner, name)
-            own = name in vars(owner)
-            _STUB_SAVED.append((owner, name, vars(owner).get(name), own))
-            setattr(owner, name, _stub(orig, handler))
-
-
-def _remove_stubs() -> None:
-    global _STUB_COUNT
-    with _PATCH_LOCK:
-        _STUB_COUNT -= 1
-        if _STUB_COUNT:
-            return
-        for owner, name, value, own in reversed(_STUB_SAVED):
-            if own:
-                setattr(owner, name, value)
-            else:
-                delattr(owner, name)
-        _STUB_SAVED.clear()
 
 
 # ---------------------------------------------------------------- the recorder
@@ -633,7 +194,7 @@ class Recorder:
         self.track(fn, label)
 
     def _track_object(self, obj: object, label: str, patch: bool = True) -> None:
-        if patch and not _can_patch(type(obj)):
+        if patch and not can_patch(type(obj)):
             # Loads cannot be recorded (a C type such as types.SimpleNamespace): guard every
             # attribute instead, through the instance dict.
             attrs = object.__getattribute__(obj, "__dict__")
@@ -648,9 +209,9 @@ class Recorder:
         if isinstance(obj, torch.optim.Optimizer):
             self.optimizer_steps = True
         cls = type(obj)
-        if _is_user_class(cls):
+        if is_user_class(cls):
             self._walk_class(cls)
-        if patch and self._running and cls not in self._patched and _patch_class(cls):
+        if patch and self._running and cls not in self._patched and patch_class(cls):
             self._patched.append(cls)
 
     def _walk_attrs(self, obj: object, label: str, depth: int) -> None:
@@ -682,7 +243,7 @@ class Recorder:
                 functools.partial(dict.get, globals_, name, MISSING),
                 value,
                 f"global {name} ({module})",
-                _format_line(code.co_filename, line),
+                format_line(code.co_filename, line),
                 functools.partial(_set_item, globals_, name),
             )
             self.track(value, f"global {name}", depth + 1)
@@ -698,7 +259,7 @@ class Recorder:
                     functools.partial(getattr, cell, "cell_contents"),
                     value,
                     f"closure {var} (of {fn.__qualname__})",
-                    _format_line(code.co_filename, code.co_firstlineno),
+                    format_line(code.co_filename, code.co_firstlineno),
                     functools.partial(setattr, cell, "cell_contents"),
                 )
                 self.track(value, f"closure {var}", depth + 1)
@@ -710,14 +271,14 @@ class Recorder:
                     functools.partial(getattr, fn, attr),
                     value,
                     f"default arguments of {fn.__qualname__}",
-                    _format_line(code.co_filename, code.co_firstlineno),
+                    format_line(code.co_filename, code.co_firstlineno),
                     functools.partial(setattr, fn, attr),
                 )
                 self.track(value, f"{fn.__qualname__}.{attr}", depth + 1)
 
     def _walk_class(self, cls: type) -> None:
         for klass in cls.__mro__:
-            if klass in self._classes or not _is_user_class(klass):
+            if klass in self._classes or not is_user_class(klass):
                 continue
             self._classes.add(klass)
             for name, value in list(vars(klass).items()):
@@ -769,33 +330,33 @@ class Recorder:
         self._slot_snapshots = {k: s.reader() for k, s in self.slot_reads.items() if s.write}
         for container, label in list(self._containers.values()):
             self._snapshot(container, label)
-        _install_stubs()
+        install_stubs()
         for obj in list(self.tracked.values()):
             cls = type(obj)
             if isinstance(obj, types.ModuleType):
                 self._swap_module(obj)
-            elif cls not in self._patched and _patch_class(cls):
+            elif cls not in self._patched and patch_class(cls):
                 self._patched.append(cls)
-        _ACTIVE.append(self)
+        ACTIVE.append(self)
         try:
             yield
         finally:
-            _ACTIVE.remove(self)
+            ACTIVE.remove(self)
             self._running = False
             for cls in reversed(self._patched):
-                _unpatch_class(cls)
+                unpatch_class(cls)
             self._patched = []
             for module, cls in reversed(self._swapped_modules):
                 module.__class__ = cls
             self._swapped_modules = []
-            _remove_stubs()
+            remove_stubs()
             self._undo()
 
     def _swap_module(self, module: types.ModuleType) -> None:
         cls = type(module)
         if getattr(cls, "__aotc_original__", None) is not None:
             return
-        module.__class__ = _recording_module_class(cls)
+        module.__class__ = recording_module_class(cls)
         self._swapped_modules.append((module, cls))
 
     def on_read(self, obj: object, name: str, value: object) -> None:
@@ -999,7 +560,7 @@ class Recorder:
         for code, _ in self._codes:
             line = code_facts(code).mutations.get(leaf)
             if line is not None:
-                return _format_line(code.co_filename, line)
+                return format_line(code.co_filename, line)
         return ""
 
     def _store_line(self, key: tuple[object, ...], label: str) -> str:
@@ -1008,15 +569,13 @@ class Recorder:
             facts = code_facts(code)
             line = (facts.store_globals if key[0] == "global" else facts.store_derefs).get(name)
             if line is not None:
-                return _format_line(code.co_filename, line)
+                return format_line(code.co_filename, line)
         return ""
 
 
 def _current(obj: object, name: str) -> object:
     """What `obj.name` holds on the instance itself (MISSING when it would come from the
     class, or nowhere), so that restoring it recreates exactly that."""
-    import inspect
-
     try:
         attrs = object.__getattribute__(obj, "__dict__")
     except AttributeError:
@@ -1049,7 +608,7 @@ def _is_trackable(value: object) -> bool:
     if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
         return False
     cls = type(value)
-    if not _can_patch(cls) and not hasattr(value, "__dict__"):
+    if not can_patch(cls) and not hasattr(value, "__dict__"):
         return False
     top = (cls.__module__ or "").split(".")[0]
     if top == "__main__":

@@ -89,9 +89,10 @@ from functools import partial
 import torch
 
 from aotc.lifting import Lifted
-from aotc.recording import MISSING, AttrRead, Recorder, is_constant
+from aotc.recording import AttrRead, Recorder
 from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.stateguard import Compare, GuardItem, StateGuard
+from aotc.usercode import MISSING, is_constant
 
 MAX_GUARDED_ELEMENTS = 4096  # non-tensor elements guarded one by one in a container
 MAX_GUARD_DEPTH = 8  # containers nested in containers
