@@ -44,6 +44,7 @@ from aotc.interpose import (
     remove_stubs,
     unpatch_class,
 )
+from aotc.lifting import StateCreated
 from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.stateguard import same_constant
 from aotc.usercode import (
@@ -105,6 +106,19 @@ class SlotRead:
 
 
 # ---------------------------------------------------------------- the recorder
+
+# Note [State created on the first call]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Programs initialize state lazily on their first call: an optimizer creates its moment buffers
+# (new entries in `opt.state`, found by the lifting), a model sets `config.problem_type` or a
+# cached tensor attribute that was absent or None. A graph cannot replay creating state, and
+# undoing it after the trace would leave the program looking uninitialized forever. So a run that
+# adds dict entries the lifting reads tensors from, or sets an attribute of a tracked object that
+# was absent or None, raises `StateCreated`: the compiled function runs that call eagerly (the
+# state is created for real), and compiles on the next call, which then reads the state (lifted
+# if it holds tensors, guarded if not). A program that creates state again right after such an
+# eager call is refused (aotc/api.py). Changing an attribute that existed is a side effect
+# instead: undone and reported.
 
 
 class Recorder:
@@ -338,6 +352,7 @@ class Recorder:
             elif cls not in self._patched and patch_class(cls):
                 self._patched.append(cls)
         ACTIVE.append(self)
+        created: list[str] = []
         try:
             yield
         finally:
@@ -350,7 +365,13 @@ class Recorder:
                 module.__class__ = cls
             self._swapped_modules = []
             remove_stubs()
-            self._undo()
+            created = self._undo()
+        if created:  # See Note [State created on the first call] (only when the run succeeded)
+            raise StateCreated(
+                f"the compiled function creates state: it sets {', '.join(created[:3])}, "
+                "which it did not hold before (lazy initialization); a graph cannot replay "
+                "creating state. Run that first call eagerly, then compile."
+            )
 
     def _swap_module(self, module: types.ModuleType) -> None:
         cls = type(module)
@@ -463,7 +484,10 @@ class Recorder:
             copy = list(container)  # type: ignore[call-overload]
         self._snapshots[id(container)] = (container, copy, label)
 
-    def _undo(self) -> None:
+    def _undo(self) -> list[str]:
+        """Restore what the run changed; report each change as a side effect, except attributes
+        the run created (absent or None before): those are returned."""
+        created = []
         for obj, name, old, where in reversed(self._writes):
             now = _current(obj, name)
             if isinstance(old, Tensor):
@@ -478,6 +502,9 @@ class Recorder:
             if not (now is MISSING or old is MISSING) and same_constant(now, old):
                 continue
             label = f"{self.labels.get(id(obj), type(obj).__name__)}.{name}"
+            if (old is MISSING or old is None) and now is not MISSING:
+                created.append(f"{label} (at {where})" if where else label)
+                continue
             self.side_effect(
                 f"assign {label}",
                 f"the program assigns {label} at {where or 'an unknown line'}; strict mode "
@@ -515,6 +542,7 @@ class Recorder:
                 "compiled calls.",
                 where,
             )
+        return created
 
     def _restore_container(self, container: Any, copy: list[Any]) -> bool:
         """Put back what the run changed in one container; True if it changed anything."""

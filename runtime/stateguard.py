@@ -150,12 +150,12 @@ def same_constant(a: object, b: object) -> bool:
     -0.0; NaN equals NaN), elementwise for tuples."""
     if type(a) is not type(b):
         return False
-    if isinstance(a, tuple):
-        return len(a) == len(b) and all(map(same_constant, a, b))  # type: ignore[arg-type]
-    if isinstance(a, float):
-        return (a == b and math.copysign(1.0, a) == math.copysign(1.0, b)) or (  # type: ignore[arg-type]
-            a != a and b != b  # noqa: PLR0124 (NaN)
-        )
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(map(same_constant, a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        if a != a:  # noqa: PLR0124 (NaN)
+            return b != b  # noqa: PLR0124
+        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
     try:
         return bool(a == b)
     except Exception:
