@@ -33,7 +33,9 @@ GOAL = (
     f"fwd_bwd: aotc < {FWD_BWD_TARGET_US:g} us/call and aotc/aot_autograd <= 1.0 "
     "(tiny inputs, CPU, median of per-round means)"
 )
-SYSTEMS = ("eager", "aotc", "aot_autograd")
+# aotc_strict: aotc.compile(capture="trace"); aotc_strict_unguarded: the same compiled object
+# type with its entries' state guards removed, to measure what the guards cost (diagnostics).
+SYSTEMS = ("eager", "aotc", "aotc_strict", "aotc_strict_unguarded", "aot_autograd")
 MODES = ("fwd_no_grad", "fwd_grad", "fwd_bwd")
 
 
@@ -54,17 +56,21 @@ def build(system: str, mode: str, x: torch.Tensor, y: torch.Tensor) -> Callable[
     def fresh(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # new object per compile
         return (x * y).sum()
 
-    fn = (
-        aotc.compile(fresh)
-        if system == "aotc"
-        else aot_function(fresh, noop_compiler, noop_compiler)
-    )
+    if system == "aotc":
+        fn = aotc.compile(fresh)
+    elif system.startswith("aotc_strict"):
+        fn = aotc.compile(fresh, capture="trace")
+    else:
+        fn = aot_function(fresh, noop_compiler, noop_compiler)
     if mode == "fwd_no_grad":
         with torch.no_grad():
             fn(x, y)
     else:
         fn(x, y).backward()
         x.grad = None
+    if system == "aotc_strict_unguarded":
+        for link in fn._dispatch._heads.values():  # type: ignore[attr-defined]
+            link.state = None
     return fn
 
 
@@ -123,8 +129,12 @@ def run(iters: int = 2000, rounds: int = 15, verbose: bool = True) -> dict[str, 
                 "aotc/eager": ratio(med["aotc"], med["eager"]),
                 "aotc/aot_autograd": ratio(med["aotc"], med["aot_autograd"]),
                 "aot_autograd/eager": ratio(med["aot_autograd"], med["eager"]),
+                "aotc_strict/eager": ratio(med["aotc_strict"], med["eager"]),
+                "aotc/aotc_strict": ratio(med["aotc"], med["aotc_strict"]),
             },
             "aotc_minus_eager_us": med["aotc"] - med["eager"],
+            "aotc_strict_minus_eager_us": med["aotc_strict"] - med["eager"],
+            "strict_state_guard_us": med["aotc_strict"] - med["aotc_strict_unguarded"],
             "aot_autograd_minus_eager_us": med["aot_autograd"] - med["eager"],
         }
         if mode == "fwd_bwd":
@@ -135,7 +145,8 @@ def run(iters: int = 2000, rounds: int = 15, verbose: bool = True) -> dict[str, 
         if verbose:
             print(
                 f"  {mode:12s} eager {med['eager']:7.2f} us  aotc {med['aotc']:7.2f} us  "
-                f"aot_autograd {med['aot_autograd']:7.2f} us",
+                f"strict {med['aotc_strict']:7.2f} us (unguarded "
+                f"{med['aotc_strict_unguarded']:7.2f})  aot_autograd {med['aot_autograd']:7.2f} us",
                 flush=True,
             )
     return results
@@ -151,13 +162,27 @@ def table(results: dict[str, object]) -> str:
                 mode,
                 m["eager"],
                 m["aotc"],
+                m["aotc_strict"],
+                m["aotc_strict_unguarded"],
                 m["aot_autograd"],
                 q["aotc/eager"],
+                q["aotc_strict/eager"],
                 q["aotc/aot_autograd"],
             ]
         )
     return fmt_table(
-        ["overhead (us/call)", "eager", "aotc", "aot_autograd", "aotc/eager", "aotc/aot"], rows
+        [
+            "overhead (us/call)",
+            "eager",
+            "aotc",
+            "strict",
+            "strict unguarded",
+            "aot_autograd",
+            "aotc/eager",
+            "strict/eager",
+            "aotc/aot",
+        ],
+        rows,
     )
 
 
@@ -176,9 +201,11 @@ def breakdown(iters: int = 2000, rounds: int = 9) -> dict[str, float]:
     from aotc.runtime.guards import signature_key
 
     x, y = make_inputs()
-    cf = build("aotc", "fwd_bwd", x, y)
+    cf = build("aotc_strict", "fwd_bwd", x, y)
     disp = cf._dispatch
-    ((key, entry),) = disp._entries.items()
+    ((key, link),) = disp._heads.items()
+    entry = link.entry
+    state_guard = link.state
     plan = entry.plan
     leaves = [x, y]
     args = apply_convention(plan.convention, leaves)
@@ -222,7 +249,8 @@ def breakdown(iters: int = 2000, rounds: int = 9) -> dict[str, float]:
         ),
         "Dispatcher.__call__ (key + lookup + run)": loop(lambda: disp(leaves, extra)),
         "signature_key(leaves)": loop(lambda: signature_key(leaves)),
-        "dict lookup of key": loop(lambda: disp._entries.get(key)),
+        "dict lookup of key": loop(lambda: disp._heads.get(key)),
+        "strict state guard check": loop(state_guard),
         "CompiledEntry.run(leaves) fwd": loop(lambda: entry.run(leaves)),
         "apply_convention": loop(lambda: apply_convention(plan.convention, leaves)),
         "autograd apply(holder,*args) fwd (incl. fwd graph)": loop(fn_apply),
@@ -270,7 +298,7 @@ def breakdown(iters: int = 2000, rounds: int = 9) -> dict[str, float]:
     # inference path (what fwd_no_grad runs)
     with torch.no_grad():
         cf(x, y)  # compile the inference entry
-    inf_entry = next(e for k, e in disp._entries.items() if k[1][2] is False)
+    inf_entry = next(lk.entry for k, lk in disp._heads.items() if k[1][2] is False)
 
     def under_no_grad(body: Callable[[], object]) -> Callable[[int], None]:
         def run_n(n: int) -> None:
@@ -327,23 +355,23 @@ def knockout(iters: int = 2000, rounds: int = 9) -> dict[str, dict[str, float]]:
     call, so the result is valid). Baseline minus knocked-out = what that piece costs in situ.
 
     Pieces timed alone (breakdown) tend to under-count on this machine: their in-situ cost is
-    larger than their standalone cost. This patches module globals of runtime.wrappers inside this
-    process only, around each timed loop; nothing on disk changes.
+    larger than their standalone cost. This swaps attributes of the strict-mode dispatcher and of
+    its entry inside this process only, around each timed loop; nothing on disk changes.
     """
-    import aotc.runtime.wrappers as W
-
     x, y = make_inputs()
-    cf = build("aotc", "fwd_bwd", x, y)
-    ((key, entry),) = cf._dispatch._entries.items()
+    cf = build("aotc_strict", "fwd_bwd", x, y)
+    disp = cf._dispatch
+    ((key, link),) = disp._heads.items()
+    entry = link.entry
     sig = key[1]
     assert hasattr(entry.call, "__aotc_source__"), "expected the fast path for this entry"
-    orig = {n: getattr(W, n) for n in ("signature_key",)}
 
     # apply_convention and build_outputs run only on the general path; this entry's plan is
     # direct, so its calls take the generated fast call (runtime/fastpath.py) without them.
-    variants: dict[str, dict[str, object]] = {
-        "baseline": {},
-        "signature_key -> const": {"signature_key": lambda lv: sig},
+    variants: dict[str, list[tuple[object, str, object]]] = {
+        "baseline": [],
+        "signature_key -> const": [(disp, "_key", lambda lv: sig)],
+        "state guard -> none": [(link, "state", None)],
     }
     out: dict[str, dict[str, float]] = {}
     for mode in ("fwd_grad", "fwd_bwd"):
@@ -351,14 +379,15 @@ def knockout(iters: int = 2000, rounds: int = 9) -> dict[str, dict[str, float]]:
         for name, patch in variants.items():
             inner = loop_for(mode, cf, x, y)
 
-            def run_n(n: int, patch: dict[str, object] = patch, inner=inner) -> None:  # noqa: ANN001
-                for k, v in patch.items():
-                    setattr(W, k, v)
+            def run_n(n: int, patch=patch, inner=inner) -> None:  # noqa: ANN001
+                saved = [(o, a, getattr(o, a)) for o, a, _ in patch]
+                for o, a, v in patch:
+                    setattr(o, a, v)
                 try:
                     inner(n)
                 finally:
-                    for k in patch:
-                        setattr(W, k, orig[k])
+                    for o, a, v in saved:
+                        setattr(o, a, v)
 
             systems[name] = run_n
         samples = interleaved_rounds(systems, iters=iters, rounds=rounds)
