@@ -22,7 +22,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from aotc.hooks import call_with_hooks, forward_override, has_hooks
 from aotc.lifting import (
     Lifted,
-    StaleLifting,
     StateCreated,
     find_free_tensors,
     lifted_reader,
@@ -142,14 +141,17 @@ class CompiledFunction:
                 self._switch(self._relift())
         gen = self._gen
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        if isinstance(spec, pytree.TreeSpec) and not kwargs and {*map(type, args)} <= _PLAIN_TENSOR:
+        if not kwargs and {*map(type, args)} <= _PLAIN_TENSOR:
             spec = len(args)
-        try:
-            if gen.read is not None:
+        if gen.read is not None:
+            try:
                 leaves.extend(gen.read())
-            extra = (spec, self._extra_key()) if self._extra_key is not None else spec
+            except Exception as e:
+                return self._recover(e, args, kwargs, attempt + 1)
+        extra = (spec, self._extra_key()) if self._extra_key is not None else spec
+        try:
             return gen.dispatch(leaves, extra)
-        except (Retry, StateCreated, StaleLifting, LookupError) as e:
+        except (Retry, StateCreated) as e:
             return self._recover(e, args, kwargs, attempt + 1)
 
     def _generation(self, lifted: Lifted) -> _Generation:
