@@ -481,6 +481,7 @@ def test_hooks_on_the_compiled_module_run_as_in_eager(kind):
             return m.register_forward_pre_hook(lambda mod, i: (log.append(1), (i[0] + 1,))[1])
         return m.register_full_backward_hook(lambda mod, gi, go: log.append(go[0].clone()))
 
+    compiled(torch.randn(3, 4))  # compiled before the hooks exist: adding them must not go stale
     register(model, "aotc")
     register(ref, "eager")
     for _ in range(2):
@@ -786,6 +787,43 @@ def test_ddp_inside_strict_mode_is_refused_ddp_outside_works(single_process_grou
     ref(x).sum().backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         close(p.grad, q.grad, "grad through DDP")
+
+
+def _ddp_worker(rank, path, steps):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    try:
+        model = _mlp()  # same seed on both ranks
+        ref = copy.deepcopy(model)
+        compiled, eager = DDP(strict(model)), DDP(ref)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+        for step in range(steps):
+            torch.manual_seed(10 * step + rank)  # each rank its own data
+            x = torch.randn(3, 4)
+            compiled(x).square().sum().backward()
+            eager(x).square().sum().backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+            gathered = [torch.empty_like(p) for _ in range(2)]
+            dist.all_gather(gathered, p.detach())
+            torch.testing.assert_close(gathered[0], gathered[1])  # the ranks agree
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ddp_around_a_strict_module_matches_eager_ddp_on_two_ranks(tmp_path):
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed unavailable")
+    mp.spawn(_ddp_worker, args=(str(tmp_path / "store"), 3), nprocs=2, join=True)
 
 
 # ---------------------------------------------------------------- regression: existing paths
