@@ -41,7 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from aotc.runtime.errors import UnsupportedError
 
-_MAX_DEPTH = 8  # how far the walk follows attributes and elements (an optimizer in a list: 6)
+_MAX_DEPTH = 4  # how far the walk follows attributes and elements (an optimizer restarts it)
 
 
 class Slot:
@@ -359,8 +359,8 @@ def _visit(value: object, name: str, slot: Slot, depth: int, walk: _Walk) -> Non
     elif isinstance(value, torch.optim.Optimizer):
         walk.optimizers.append(value)
         attrs = vars(value)
-        for attr in ("param_groups", "state"):
-            _visit(attrs[attr], f"{name}.{attr}", ItemSlot(attrs, attr), depth + 1, walk)
+        for attr in ("param_groups", "state"):  # wherever the optimizer sits, reach its tensors
+            _visit(attrs[attr], f"{name}.{attr}", ItemSlot(attrs, attr), 1, walk)
         _visit_learning_rates(value, name, walk)
     elif isinstance(value, list):
         for i, item in enumerate(value):
