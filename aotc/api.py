@@ -19,8 +19,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from aotc.hooks import call_with_hooks, forward_override, has_hooks
 from aotc.lifting import (
     Lifted,
+    StateCreated,
     find_free_tensors,
     lifted_reader,
     module_accesses,
@@ -29,10 +31,19 @@ from aotc.lifting import (
 )
 from aotc.options import CompileOptions, configure_logging
 from aotc.pipeline import CompiledRecord, compile_signature
+from aotc.recording import Recorder, refuse_distributed
 from aotc.runtime.convention import alias_groups
 from aotc.runtime.errors import UnsupportedError
-from aotc.runtime.symbolic import SymbolicDispatcher
-from aotc.runtime.wrappers import CompiledEntry, Dispatcher
+from aotc.runtime.stateguard import (
+    Compare,
+    GuardedDispatcher,
+    GuardItem,
+    History,
+    Retry,
+    StateGuard,
+)
+from aotc.runtime.wrappers import COMPILE_LOCK, CompiledEntry
+from aotc.strict import build_state_guard, warn_side_effects
 from aotc.symbolic import (
     check_static_geometry,
     guard_expression,
@@ -40,6 +51,7 @@ from aotc.symbolic import (
     symbolic_leaves,
     symbolic_mode,
 )
+from aotc.usercode import MISSING
 
 Tensor = torch.Tensor
 _PLAIN_TENSOR = frozenset((Tensor,))
@@ -51,7 +63,9 @@ COMPILE_LISTENERS: list[Callable[[CompiledFunction, CompiledRecord, str | None],
 
 
 class CompiledFunction:
-    """A function compiled by aotc. Call it like the original."""
+    """A function compiled by aotc in strict mode (`capture="trace"`). Call it like the
+    original. See Note [Strict capture guards] in aotc/strict.py for what a compiled entry is
+    specialized on and how a call checks it."""
 
     def __init__(
         self,
@@ -61,25 +75,24 @@ class CompiledFunction:
         name: str,
         extra_key: Callable[[], object] | None = None,
         source: str | None = None,
+        *,
+        relift: Callable[[], Lifted] | None = None,
+        roots: Callable[[Recorder], None] | None = None,
+        module: torch.nn.Module | None = None,
     ) -> None:
         self._fn = fn
         self._source = source or _source_of(fn)
         self._options = options
-        self._lifted = lifted
-        self._accesses = lifted.accesses
-        self._read_lifted = lifted_reader(lifted.accesses) if lifted.accesses else None
-        self._lifted_names = [a.name for a in lifted.accesses]
         self._extra_key = extra_key
         self._name = name
-        self._dispatch: Dispatcher | SymbolicDispatcher
-        if options.dynamic:
-            self._dispatch = SymbolicDispatcher(
-                self._compile_symbolic, name, options.max_signatures
-            )
-        else:
-            self._dispatch = Dispatcher(
-                self._compile, name, options.recompile_warn_limit, options.max_signatures
-            )
+        self._relift = relift or functools.partial(find_free_tensors, fn)
+        self._roots = roots or functools.partial(_function_roots, fn)
+        self._module = module  # a CompiledModule's module: its own hooks run eagerly
+        self._history = History()
+        self._gens: list[_Generation] = []
+        self._eager_runs = 0
+        self._ran_eagerly = False  # the last call that needed a compilation ran eagerly
+        self._gen = self._generation(lifted)
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -88,63 +101,176 @@ class CompiledFunction:
             spec: object = len(args)
         else:
             leaves, spec = pytree.tree_flatten((args, kwargs))
-        if self._read_lifted is not None:
-            leaves.extend(self._read_lifted())  # Note [Lifted reads and swaps across threads]
+        gen = self._gen
+        if gen.read is not None:
+            try:
+                leaves.extend(gen.read())  # Note [Lifted reads and swaps across threads]
+            except Exception as e:  # a lifted location moved (an untied weight, state cleared)
+                return self._recover(e, args, kwargs, 0)
         extra = (spec, self._extra_key()) if self._extra_key is not None else spec
-        return self._dispatch(leaves, extra)
+        try:
+            return gen.dispatch(leaves, extra)
+        except (Retry, StateCreated) as e:
+            return self._recover(e, args, kwargs, 0)
+
+    def _recover(self, error: Exception, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 attempt: int) -> Any:  # fmt: skip
+        """The slow path of a call: the program created state (run it eagerly once), or the
+        objects it reads tensors from changed (lift again, see Note [Strict capture guards])."""
+        if isinstance(error, StateCreated):
+            if self._ran_eagerly or self._eager_runs >= _MAX_EAGER_RUNS:
+                raise UnsupportedError(
+                    f"{self._name}: {error} It did so again right after an eager call that "
+                    "created state; strict mode compiles only programs whose state exists "
+                    "before the call. Use the default capture mode."
+                ) from error
+            self._ran_eagerly = True  # until a compilation succeeds
+            self._eager_runs += 1
+            progress.info(
+                "aotc: %s creates state on this call (%s); running it eagerly, compiling on the "
+                "next call",
+                self._name,
+                str(error).split(";")[0],
+            )
+            return self._fn(*args, **kwargs)
+        if attempt >= _MAX_RELIFTS:
+            raise UnsupportedError(
+                f"{self._name}: the objects it reads tensors from keep changing between reading "
+                f"them and compiling ({error}); strict mode cannot pin them down. Use the "
+                "default capture mode."
+            ) from error
+        if not isinstance(error, Retry):
+            with COMPILE_LOCK:
+                self._history.pending = (
+                    f"the tensors it reads moved ({type(error).__name__}: {error}); lifted again"
+                )
+                self._switch(self._relift())
+        gen = self._gen
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if not kwargs and {*map(type, args)} <= _PLAIN_TENSOR:
+            spec = len(args)
+        if gen.read is not None:
+            try:
+                leaves.extend(gen.read())
+            except Exception as e:
+                return self._recover(e, args, kwargs, attempt + 1)
+        extra = (spec, self._extra_key()) if self._extra_key is not None else spec
+        try:
+            return gen.dispatch(leaves, extra)
+        except (Retry, StateCreated) as e:
+            return self._recover(e, args, kwargs, attempt + 1)
+
+    def _generation(self, lifted: Lifted) -> _Generation:
+        gen = _Generation(lifted)
+        options = self._options
+        compile_entry = functools.partial(
+            self._compile_symbolic if options.dynamic else self._compile_static, gen
+        )
+        gen.dispatch = GuardedDispatcher(
+            compile_entry,
+            self._name,
+            options.recompile_warn_limit,
+            options.max_signatures,
+            self._history,
+            symbolic=options.dynamic,
+        )
+        self._gens.append(gen)
+        del self._gens[:-_MAX_GENERATIONS]
+        return gen
+
+    def _switch(self, lifted: Lifted) -> None:
+        """Make `lifted` the current lifting: a generation lifted the same way before, or a new
+        one (its entries keyed apart, since its leaves mean other things)."""
+        fingerprint = lifted.fingerprint()
+        for gen in self._gens:
+            if gen.fingerprint == fingerprint:
+                self._gen = gen
+                return
+        self._gen = self._generation(lifted)
 
     @property
     def records(self) -> list[CompiledRecord]:
-        return [e.record for e in self._dispatch.entries]  # type: ignore[misc]
+        return [e.record for gen in self._gens for e in gen.dispatch.entries]  # type: ignore[attr-defined]
+
+    @property
+    def _dispatch(self) -> GuardedDispatcher:
+        """The dispatcher of the current lifting (diagnostics and tests)."""
+        return self._gen.dispatch
 
     @property
     def recompile_reasons(self) -> list[str]:
-        return list(self._dispatch.recompile_reasons)
+        return list(self._history.reasons)
 
     def _compile_symbolic(
-        self, leaves: list[object], key: tuple[object, ...]
-    ) -> tuple[CompiledEntry, str | None]:
+        self, gen: _Generation, leaves: list[object], key: tuple[object, ...]
+    ) -> tuple[CompiledEntry, str | None, StateGuard | None]:
         """dynamic=True: trace once with symbolic sizes for the user's tensor arguments (see
         Note [Symbolic compilations] in aotc/symbolic.py)."""
+        self._check_lifting(gen)
         mode = symbolic_mode()
-        num_user = len(leaves) - len(self._accesses)
+        num_user = len(leaves) - len(gen.lifted.accesses)
         fakes = symbolic_leaves(mode, leaves, [i < num_user for i in range(len(leaves))])
         try:
-            entry = self._compile(leaves, key, fakes, mode)
+            entry, guard = self._compile(gen, leaves, key, fakes, mode)
             check_static_geometry(entry.plan.epilogue, self._name)
             _refuse_mutated_aliases(entry, leaves, self._name)
         except UnsupportedError as e:
             # See Note [Static entries under dynamic=True] in aotc/symbolic.py
             progress.info("aotc: %s: static entry for these sizes (%s)", self._name, e)
-            return self._compile(leaves, key), static_guard_expression(leaves)
-        return entry, guard_expression(mode, fakes)
+            entry, guard = self._compile(gen, leaves, key)
+            return entry, static_guard_expression(leaves), guard
+        return entry, guard_expression(mode, fakes), guard
+
+    def _compile_static(
+        self, gen: _Generation, leaves: list[object], key: tuple[object, ...]
+    ) -> tuple[CompiledEntry, str | None, StateGuard | None]:
+        self._check_lifting(gen)
+        entry, guard = self._compile(gen, leaves, key)
+        return entry, None, guard
+
+    def _check_lifting(self, gen: _Generation) -> None:
+        """Before compiling, lift again: if the tensors now sit elsewhere (a swapped submodule,
+        optimizer state created since), switch to that lifting and have the call retried."""
+        fresh = self._relift()
+        if fresh.fingerprint() != gen.fingerprint:
+            self._switch(fresh)
+            raise Retry
 
     def _compile(
         self,
+        gen: _Generation,
         leaves: list[object],
         key: tuple[object, ...],
         fakes: list[object] | None = None,
         fake_mode: FakeTensorMode | None = None,
-    ) -> CompiledEntry:
-        spec = key[0][0] if self._extra_key is not None else key[0]
-        num_lifted = len(self._accesses)
+    ) -> tuple[CompiledEntry, StateGuard | None]:
+        extra = key[0]
+        spec = extra[0] if self._extra_key is not None else extra  # type: ignore[index]
+        lifted = gen.lifted
+        num_lifted = len(lifted.accesses)
         num_user = len(leaves) - num_lifted
         if isinstance(spec, int):
             in_spec = pytree.tree_flatten((tuple(leaves[:num_user]), {}))[1]
         else:
             in_spec = spec
-        names = _leaf_names(self._fn, in_spec, num_user) + self._lifted_names
-        fn, lifted = self._fn, self._lifted
+        names = _leaf_names(self._fn, in_spec, num_user) + gen.names
+        fn = self._fn
 
         _mark_user_code(fn)
+        recorder = Recorder(self._name, exempt_hooks=self._module)
+        self._roots(recorder)
+        for name, leaf in zip(names, leaves[:num_user]):
+            if not isinstance(leaf, torch.Tensor):
+                recorder.track(leaf, f"argument {name}")
+        lifting = _lifting_containers(lifted)
 
         def program(user_leaves: list[object]) -> tuple[list[object], object]:
             args, kwargs = pytree.tree_unflatten(user_leaves[:num_user], in_spec)
-            with swapped(lifted, user_leaves[num_user:]):
+            with swapped(lifted, user_leaves[num_user:]), recorder.run(lifting):
                 out = fn(*args, **kwargs)
             return _flatten_output(out)
 
-        n = len(self._dispatch.entries) + 1
+        n = self._history.count + 1
         progress.info("aotc: compiling %s (signature %d) ...", self._name, n)
         start = time.perf_counter()
         entry = compile_signature(
@@ -156,13 +282,61 @@ class CompiledFunction:
             self._source,
             fake_mode,
         )
+        self._ran_eagerly = False
+        guard = build_state_guard(recorder, lifted, self._name)
+        if self._module is not None:
+            guard = _with_forward_override(guard, self._module)
+        warn_side_effects(recorder)
+        if guard is not None:
+            # The state guard exists only once the compilation's runs are over, after the
+            # record was built; set the text in place (replace() would decode a cache hit's
+            # deferred graphs).
+            record = entry.record
+            object.__setattr__(
+                record,
+                "guards",
+                f"{record.guards}\n# Python state the program read (strict mode)\n"  # type: ignore[attr-defined]
+                f"{guard.format()}",
+            )
         progress.info(
             "aotc: compiled %s (signature %d) in %.2f s", self._name, n, time.perf_counter() - start
         )
-        reason = self._dispatch.recompile_reasons[-1] if n > 1 else None
+        reason = self._history.reasons[-1] if n > 1 and self._history.reasons else None
         for listener in COMPILE_LISTENERS:
             listener(self, entry.record, reason)  # type: ignore[arg-type]
-        return entry
+        return entry, guard
+
+
+class _Generation:
+    """One way of lifting the function's tensors, and the entries compiled with it."""
+
+    __slots__ = ("lifted", "fingerprint", "read", "names", "dispatch")
+
+    def __init__(self, lifted: Lifted) -> None:
+        self.lifted = lifted
+        self.fingerprint = lifted.fingerprint()
+        self.read = lifted_reader(lifted.accesses) if lifted.accesses else None
+        self.names = [a.name for a in lifted.accesses]
+        self.dispatch: GuardedDispatcher
+
+
+_MAX_EAGER_RUNS = 8  # eager calls of one function that created state (new param groups...)
+_MAX_RELIFTS = 4  # liftings one call may go through before giving up
+_MAX_GENERATIONS = 16  # liftings whose entries are kept
+
+
+def _function_roots(fn: Callable[..., Any], recorder: Recorder) -> None:
+    recorder.track_function(fn, getattr(fn, "__qualname__", "fn"))
+
+
+def _lifting_containers(lifted: Lifted) -> frozenset[int]:
+    ids = {id(c) for c in lifted.containers}
+    for access in lifted.accesses:
+        for slot in (access.slot, *access.aliases):
+            container = getattr(slot, "container", None)
+            if container is not None:
+                ids.add(id(container))
+    return frozenset(ids)
 
 
 def _refuse_mutated_aliases(entry: CompiledEntry, leaves: list[object], name: str) -> None:
@@ -196,11 +370,28 @@ def _mark_user_code(fn: Callable[..., Any]) -> None:
 def _flatten_output(out: object) -> tuple[list[object], pytree.TreeSpec]:
     leaves, spec = pytree.tree_flatten(out)
     fresh = {type(x) for x in leaves if dataclasses.is_dataclass(x) and not isinstance(x, type)}
-    if fresh:
+    caches = {type(x) for x in leaves if _is_hf_cache(x)}
+    if fresh or caches:
         for cls in fresh:
             pytree.register_dataclass(cls)
+        for cls in caches:  # a Hugging Face KV cache (use_cache=True): its tensors are outputs
+            from transformers.exporters.exporter_dynamo import register_pytree_node
+
+            register_pytree_node(cls)
         leaves, spec = pytree.tree_flatten(out)
     return leaves, spec
+
+
+def _is_hf_cache(value: object) -> bool:
+    """A Hugging Face Cache object, which transformers can register as a pytree node."""
+    cls = type(value)
+    if not (cls.__module__ or "").startswith("transformers.") or not cls.__name__.endswith("Cache"):
+        return False
+    try:
+        import transformers.exporters.exporter_dynamo  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _leaf_names(fn: Callable[..., Any], in_spec: pytree.TreeSpec, num: int) -> list[str]:
@@ -228,15 +419,22 @@ def _leaf_names(fn: Callable[..., Any], in_spec: pytree.TreeSpec, num: int) -> l
 
 class CompiledModule(torch.nn.Module):
     """An nn.Module whose forward runs through aotc. Shares the original's live parameters and
-    buffers: state_dict, parameters(), train()/eval() and attribute access go to the original."""
+    buffers: state_dict, parameters(), train()/eval() and attribute access go to the original.
+    Hooks registered on the original module run eagerly around each compiled call, as
+    `nn.Module.__call__` runs them; hooks on its submodules are refused (see Note [Strict capture
+    guards] in aotc/strict.py)."""
 
     def __init__(self, module: torch.nn.Module, options: CompileOptions) -> None:
         super().__init__()
+        refuse_distributed(module, "the module", "aotc.compile")
         self._orig_mod = module
         forward = type(module).forward
 
         def call_forward(*args: Any, **kwargs: Any) -> Any:
-            return forward(module, *args, **kwargs)
+            override = forward_override(module)  # `module.forward = ...` (monkeypatching)
+            if override is MISSING:
+                return type(module).forward(module, *args, **kwargs)
+            return override(*args, **kwargs)
 
         call_forward.__signature__ = _drop_self(forward)  # type: ignore[attr-defined]
         name = type(module).__name__
@@ -247,9 +445,22 @@ class CompiledModule(torch.nn.Module):
             name,
             extra_key=module_training_flags(module),
             source=_source_of(forward),
+            relift=functools.partial(module_accesses, module, "self"),
+            roots=functools.partial(_module_roots, module),
+            module=module,
         )
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._forward_hooks or self._forward_pre_hooks or self._backward_hooks:
+            return super().__call__(*args, **kwargs)  # hooks on this wrapper itself
+        if self._backward_pre_hooks:
+            return super().__call__(*args, **kwargs)
+        return self.forward(*args, **kwargs)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._modules["_orig_mod"]
+        if has_hooks(module):
+            return call_with_hooks(module, self._compiled, args, kwargs)  # type: ignore[arg-type]
         return self._compiled(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -273,6 +484,26 @@ class CompiledModule(torch.nn.Module):
     @property
     def records(self) -> list[CompiledRecord]:
         return self._compiled.records
+
+    @property
+    def recompile_reasons(self) -> list[str]:
+        return self._compiled.recompile_reasons
+
+
+def _module_roots(module: torch.nn.Module, recorder: Recorder) -> None:
+    recorder.track(module, "self")
+
+
+def _with_forward_override(guard: StateGuard | None, module: torch.nn.Module) -> StateGuard:
+    """CompiledModule's forward reads the module's instance `forward` (a monkeypatch, or none)
+    outside the recorder: guard it explicitly."""
+    item = GuardItem(
+        functools.partial(forward_override, module),
+        forward_override(module),
+        Compare.IDENTITY,
+        "self.forward (an instance override of the class's forward)",
+    )
+    return StateGuard([*(guard.items if guard is not None else ()), item])
 
 
 def _drop_self(fn: Callable[..., Any]) -> pyinspect.Signature | None:

@@ -34,20 +34,24 @@ import threading
 import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from aotc.runtime.errors import UnsupportedError
 
-_MAX_DEPTH = 4
+_MAX_DEPTH = 4  # how far the walk follows attributes and elements (an optimizer restarts it)
 
 
 class Slot:
-    """One location holding a tensor: `read()` and `write(value)`."""
+    """One location holding a tensor: `read()` and `write(value)`; `where()` names the location
+    by the identities of what holds it (see `Lifted.fingerprint`)."""
 
     def read(self) -> object:
+        raise NotImplementedError
+
+    def where(self) -> tuple[object, ...]:
         raise NotImplementedError
 
     def reader(self) -> Callable[[], object]:
@@ -55,8 +59,18 @@ class Slot:
         one (a partial of getitem/getattr) where they can."""
         return self.read
 
+    def peek(self) -> object:
+        """What the location holds, as it is (what a trace must put back)."""
+        return self.read()
+
     def write(self, value: object) -> None:
         raise NotImplementedError
+
+
+def _key_id(key: object) -> object:
+    """A dict key or list index as a hashable token that compares by identity for objects
+    (tensor keys must not be compared with ==)."""
+    return key if type(key) in (str, int) else ("id", id(key))
 
 
 class ItemSlot(Slot):
@@ -67,6 +81,9 @@ class ItemSlot(Slot):
 
     def read(self) -> object:
         return self.container[self.key]  # type: ignore[index]
+
+    def where(self) -> tuple[object, ...]:
+        return ("item", id(self.container), _key_id(self.key))
 
     def reader(self) -> Callable[[], object]:
         return functools.partial(operator.getitem, self.container, self.key)
@@ -83,6 +100,9 @@ class CellSlot(Slot):
 
     def read(self) -> object:
         return self.cell.cell_contents
+
+    def where(self) -> tuple[object, ...]:
+        return ("cell", id(self.cell))
 
     def reader(self) -> Callable[[], object]:
         return functools.partial(getattr, self.cell, "cell_contents")
@@ -102,6 +122,9 @@ class KeySlot(Slot):
     def read(self) -> object:
         return self.current
 
+    def where(self) -> tuple[object, ...]:
+        return ("key", id(self.container), id(self.current))
+
     def reader(self) -> Callable[[], object]:
         return functools.partial(getattr, self, "current")
 
@@ -112,6 +135,40 @@ class KeySlot(Slot):
         self.container.update((value if k is old else k, v) for k, v in items)
 
 
+class ScalarSlot(Slot):
+    """A Python float hyper-parameter read as a 0-dim tensor input: an optimizer group's
+    learning rate (see Note [Learning rates are inputs]). `peek` gives the raw value."""
+
+    __slots__ = ("container", "key", "dtype", "device", "_value", "_tensor")
+
+    def __init__(self, container: dict, key: str, dtype: torch.dtype, device: torch.device) -> None:  # type: ignore[type-arg]
+        self.container, self.key, self.dtype, self.device = container, key, dtype, device
+        self._value: object = None
+        self._tensor: torch.Tensor | None = None
+
+    def read(self) -> object:
+        value = self.container[self.key]
+        if isinstance(value, torch.Tensor):
+            return value  # the fake during a trace, or a tensor learning rate of the user's
+        if value is not self._value:
+            if not (type(value) is type(self._value) and value == self._value):
+                self._tensor = torch.tensor(float(value), dtype=self.dtype, device=self.device)  # type: ignore[arg-type]
+            self._value = value
+        return self._tensor
+
+    def reader(self) -> Callable[[], object]:
+        return self.read
+
+    def peek(self) -> object:
+        return self.container[self.key]
+
+    def write(self, value: object) -> None:
+        self.container[self.key] = value
+
+    def where(self) -> tuple[object, ...]:
+        return ("scalar", id(self.container), self.key)
+
+
 class GradSlot(Slot):
     """`.grad` of whatever tensor the parent slot holds now (a fake one during the trace)."""
 
@@ -119,6 +176,9 @@ class GradSlot(Slot):
 
     def __init__(self, parent: Slot) -> None:
         self.parent = parent
+
+    def where(self) -> tuple[object, ...]:
+        return ("grad", self.parent.where())
 
     def read(self) -> object:
         tensor = self.parent.read()
@@ -142,9 +202,43 @@ class Access:
     name: str  # e.g. "closure w", "global opt.state[<tensor>]['exp_avg']", "self.lin.weight"
     slot: Slot
     restore: bool = True  # False for .grad of a swapped tensor: only the fake one is written
+    # Further locations holding the same tensor object (tied weights: `head.weight` is
+    # `wte.weight`); see Note [One tensor, many locations].
+    aliases: tuple[Slot, ...] = ()
+    alias_names: tuple[str, ...] = ()  # len == len(aliases)
 
     def get(self) -> object:
         return self.slot.read()
+
+    def write(self, value: object) -> None:
+        self.slot.write(value)
+        for alias in self.aliases:
+            alias.write(value)
+
+
+# Note [One tensor, many locations]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Lifting is by identity: a tensor object reached through several locations (a weight tied
+# between two modules, `lm_head.weight = wte.weight`; a closure and a global naming one tensor)
+# is one Access, so one graph input, and its gradient flows into the one Parameter once, as in
+# eager. A trace writes the fake into every location, so whichever name the program reads it by,
+# it sees the same fake. A call reads the first location and checks that the others still hold
+# that same object (`lifted_reader`); if the user untied them (`head.weight = Parameter(...)`),
+# the read raises `StaleLifting` and the compiled function lifts again and recompiles. (A module
+# shared by two parents, T5's shared embedding, needs nothing of this: its parameters live in
+# one `_parameters` dict whichever parent reaches it.) Dict *keys* stay separate accesses (the
+# optimizer's `state[p]`): they must be renamed after the values are swapped (Note [Lifting
+# through objects]), and the calling convention folds them into the same graph argument.
+
+
+class StateCreated(UnsupportedError):
+    """The program stored new entries into a dict it reads tensors from: an optimizer creating
+    its state on its first step. Strict mode runs that call eagerly, then compiles."""
+
+
+class StaleLifting(Exception):  # noqa: N818 (a signal, caught by the compiled function)
+    """The lifted locations no longer hold what the lifting found (an untied weight, a
+    removed state entry): the compiled function must lift again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +252,14 @@ class Lifted:
         torch.optim.Optimizer, ...
     ] = ()  # see Note [Optimizers take the capturable path]
 
+    def fingerprint(self) -> tuple[object, ...]:
+        """Equal for two liftings exactly when they read the same locations in the same order
+        (compared while both are alive, so the identities in it are unambiguous)."""
+        return (
+            tuple((a.slot.where(), tuple(s.where() for s in a.aliases)) for a in self.accesses),
+            tuple(map(id, self.containers)),
+        )
+
 
 @dataclass
 class _Walk:
@@ -169,12 +271,27 @@ class _Walk:
     # reading it (`if p.grad is None`) would silently take another branch. Off only for a
     # compiled module's own parameters (its forward does not read them).
     grads: bool = True
+    owner: dict[int, int] = field(default_factory=dict)  # id(tensor) -> index into accesses
+    aliases: dict[int, list[tuple[str, Slot]]] = field(default_factory=dict)  # same index
+
+    def lifted(self) -> Lifted:
+        accesses = [
+            replace(
+                a,
+                aliases=tuple(s for _, s in self.aliases.get(i, ())),
+                alias_names=tuple(n for n, _ in self.aliases.get(i, ())),
+            )
+            if i in self.aliases
+            else a
+            for i, a in enumerate(self.accesses)
+        ]
+        return Lifted(tuple(accesses), tuple(self.containers), tuple(self.optimizers))
 
 
 def module_accesses(module: torch.nn.Module, prefix: str) -> Lifted:
     walk = _Walk(grads=False)
     _visit_module(module, prefix, walk)
-    return Lifted(tuple(walk.accesses), ())
+    return Lifted(walk.lifted().accesses, ())
 
 
 def module_training_flags(module: torch.nn.Module) -> Callable[[], tuple[bool, ...]]:
@@ -192,7 +309,7 @@ def find_free_tensors(fn: Callable[..., object]) -> Lifted:
         fn = fn.__func__
     code = getattr(fn, "__code__", None)
     if code is None:
-        return Lifted(tuple(walk.accesses), tuple(walk.containers), tuple(walk.optimizers))
+        return walk.lifted()
     for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
         try:
             value = cell.cell_contents
@@ -203,7 +320,7 @@ def find_free_tensors(fn: Callable[..., object]) -> Lifted:
     for name in sorted(_global_names(code)):
         if name in globals_:
             _visit(globals_[name], f"global {name}", ItemSlot(globals_, name), 0, walk)
-    return Lifted(tuple(walk.accesses), tuple(walk.containers), tuple(walk.optimizers))
+    return walk.lifted()
 
 
 def _global_names(code: types.CodeType) -> set[str]:
@@ -215,6 +332,11 @@ def _global_names(code: types.CodeType) -> set[str]:
 
 
 def _add_tensor(tensor: torch.Tensor, name: str, slot: Slot, walk: _Walk) -> None:
+    first = walk.owner.get(id(tensor))
+    if first is not None:  # See Note [One tensor, many locations]
+        walk.aliases.setdefault(first, []).append((name, slot))
+        return
+    walk.owner[id(tensor)] = len(walk.accesses)
     walk.accesses.append(Access(name, slot))
     if walk.grads and tensor.requires_grad and tensor.is_leaf:
         walk.accesses.append(Access(f"{name}.grad", GradSlot(slot), restore=False))
@@ -237,8 +359,9 @@ def _visit(value: object, name: str, slot: Slot, depth: int, walk: _Walk) -> Non
     elif isinstance(value, torch.optim.Optimizer):
         walk.optimizers.append(value)
         attrs = vars(value)
-        for attr in ("param_groups", "state"):
-            _visit(attrs[attr], f"{name}.{attr}", ItemSlot(attrs, attr), depth + 1, walk)
+        for attr in ("param_groups", "state"):  # wherever the optimizer sits, reach its tensors
+            _visit(attrs[attr], f"{name}.{attr}", ItemSlot(attrs, attr), 1, walk)
+        _visit_learning_rates(value, name, walk)
     elif isinstance(value, list):
         for i, item in enumerate(value):
             _visit(item, f"{name}[{i}]", ItemSlot(value, i), depth + 1, walk)
@@ -259,6 +382,70 @@ def _visit(value: object, name: str, slot: Slot, depth: int, walk: _Walk) -> Non
         walk.containers.append(attrs)
         for attr in list(attrs):
             _visit(attrs[attr], f"{name}.{attr}", ItemSlot(attrs, attr), depth + 1, walk)
+
+
+# Note [Learning rates are inputs]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# An LR scheduler writes a new float into `param_groups[i]["lr"]` every step. Guarded as a Python
+# value (Note [Strict capture guards] in aotc/strict.py), that would recompile every step. For the
+# optimizers whose update math takes a tensor learning rate while tracing (with capturable=True,
+# see Note [Optimizers take the capturable path]; listed in TENSOR_LR_OPTIMIZERS, each checked
+# against eager in tests/e2e/test_strict.py), a float `lr` is lifted instead: a ScalarSlot reads
+# it every call as a 0-dim tensor (of the optimizer's step dtype, on its parameters' device; a
+# new tensor only when the value changes), and the trace swaps a fake 0-dim tensor into the group,
+# so the graph takes the rate as an input and one entry serves every rate. Results equal eager's
+# to float rounding. Other optimizers' rates, and every other hyper-parameter (betas, momentum,
+# weight_decay, eps, flags), stay guarded: a change recompiles, with the reason logged.
+TENSOR_LR_OPTIMIZERS: frozenset[type] = frozenset(
+    {
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.Adamax,
+        torch.optim.NAdam,
+        torch.optim.RAdam,
+        torch.optim.ASGD,
+    }
+)
+# These take a tensor rate on their foreach path only (the single-tensor path calls `.item()`).
+TENSOR_LR_FOREACH_OPTIMIZERS: frozenset[type] = frozenset(
+    {torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta}
+)
+
+
+def _visit_learning_rates(opt: torch.optim.Optimizer, name: str, walk: _Walk) -> None:
+    kind = type(opt)
+    if kind not in TENSOR_LR_OPTIMIZERS and kind not in TENSOR_LR_FOREACH_OPTIMIZERS:
+        return
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    for i, group in enumerate(opt.param_groups):
+        lr = group.get("lr")
+        params = group.get("params") or []
+        if type(lr) not in (float, int) or not params:
+            continue
+        if group.get("differentiable") or group.get("fused"):
+            continue
+        if kind in TENSOR_LR_FOREACH_OPTIMIZERS and not _takes_foreach(group, params):
+            continue
+        device = params[0].device
+        slot = ScalarSlot(group, "lr", dtype, device)
+        walk.accesses.append(Access(f"{name}.param_groups[{i}]['lr']", slot))
+
+
+def _takes_foreach(group: dict, params: list[torch.Tensor]) -> bool:  # type: ignore[type-arg]
+    """Whether the optimizer's step will take its foreach path for this group (as torch.optim
+    decides it when `foreach` is None)."""
+    foreach = group.get("foreach")
+    if foreach is not None:
+        return bool(foreach)
+    from torch.optim import optimizer as optim_module
+
+    decide = getattr(optim_module, "_default_to_fused_or_foreach", None)
+    if decide is None:
+        return False
+    try:
+        return bool(decide(params, False, use_fused=False)[1])
+    except Exception:
+        return False
 
 
 def _walkable(value: object) -> bool:
@@ -294,6 +481,9 @@ class _TupleItemSlot(Slot):
     def __init__(self, parent: Slot, index: int) -> None:
         self.parent, self.index = parent, index
 
+    def where(self) -> tuple[object, ...]:
+        return ("tuple", self.parent.where(), self.index)
+
     def read(self) -> object:
         return self.parent.read()[self.index]  # type: ignore[index]
 
@@ -309,8 +499,7 @@ def _visit_module(module: torch.nn.Module, prefix: str, walk: _Walk) -> None:
         walk.seen.add(id(mod))
         for store in (mod._parameters, mod._buffers):
             for name in list(store):
-                if store[name] is not None and id(store[name]) not in walk.seen:
-                    walk.seen.add(id(store[name]))
+                if store[name] is not None:
                     _add_tensor(store[name], f"{where}.{name}", ItemSlot(store, name), walk)  # type: ignore[arg-type]
         for name, value in list(vars(mod).items()):
             if isinstance(value, torch.Tensor) and not name.startswith("__"):
@@ -335,14 +524,27 @@ def read_lifted(accesses: Sequence[Access]) -> list[object]:
 
 def lifted_reader(accesses: Sequence[Access]) -> Callable[[], list[object]]:
     """`read_lifted(accesses)` as one closure for the hot path: each slot's read is bound once
-    (Slot.reader), so a call runs no Python frame per lifted tensor."""
+    (Slot.reader), so a call runs no Python frame per lifted tensor. Raises `StaleLifting` when
+    a tied location no longer holds its tensor (Note [One tensor, many locations])."""
     readers = tuple(a.slot.reader() for a in accesses)
+    tied = tuple((i, s.reader()) for i, a in enumerate(accesses) for s in a.aliases)
+    if not tied:
 
-    def read() -> list[object]:
+        def read() -> list[object]:
+            with LIFT_LOCK:
+                return [r() for r in readers]
+
+        return read
+
+    def read_tied() -> list[object]:
         with LIFT_LOCK:
-            return [r() for r in readers]
+            values = [r() for r in readers]
+            for i, r in tied:
+                if r() is not values[i]:
+                    raise StaleLifting(accesses[i].name)
+            return values
 
-    return read
+    return read_tied
 
 
 @contextlib.contextmanager
@@ -355,12 +557,12 @@ def swapped(lifted: Lifted, values: Sequence[object]) -> Iterator[None]:
 
 def _swapped(lifted: Lifted, values: Sequence[object]) -> Iterator[None]:
     accesses = lifted.accesses
-    old = [a.get() for a in accesses]
+    old = [a.slot.peek() for a in accesses]
     written = 0
     snapshot: list[tuple[dict, set[int]]] = []  # type: ignore[type-arg]
     try:
         for a, v in zip(accesses, values, strict=True):
-            a.slot.write(v)
+            a.write(v)
             written += 1
         snapshot = _container_snapshot(lifted)
         with _capturable(lifted.optimizers):
@@ -372,14 +574,16 @@ def _swapped(lifted: Lifted, values: Sequence[object]) -> Iterator[None]:
                 del container[key]
         for a, v in reversed(list(zip(accesses[:written], old[:written]))):
             if a.restore:
-                a.slot.write(v)
+                a.write(v)
 
 
 def _container_snapshot(lifted: Lifted) -> list[tuple[dict, set[int]]]:  # type: ignore[type-arg]
     """Key identities of every walked dict, taken after the swap (keys may be fakes then)."""
     seen: dict[int, tuple[dict, set[int]]] = {}  # type: ignore[type-arg]
     candidates = list(lifted.containers)
-    candidates += [getattr(a.slot, "container", None) for a in lifted.accesses]
+    candidates += [
+        getattr(s, "container", None) for a in lifted.accesses for s in (a.slot, *a.aliases)
+    ]
     for container in candidates:
         if isinstance(container, dict) and id(container) not in seen:
             seen[id(container)] = (container, {id(k) for k in container})
@@ -392,21 +596,22 @@ def _check_unchanged(
     containers: list[tuple[dict, set[int]]],  # type: ignore[type-arg]
 ) -> None:
     for a, v in zip(accesses, values):
-        now = a.get()
-        if now is not v:
-            what = "assigns .grad" if isinstance(a.slot, GradSlot) else "rebinds"
+        for name, slot in ((a.name, a.slot), *zip(a.alias_names, a.aliases)):
+            if slot.read() is v:
+                continue
+            what = "assigns .grad" if isinstance(slot, GradSlot) else "rebinds"
             raise UnsupportedError(
-                f"the compiled function {what} {a.name} (to a different tensor); aotc replays "
+                f"the compiled function {what} {name} (to a different tensor); aotc replays "
                 "in-place updates of lifted tensors but not assignments. Update it in place "
                 "(`t.copy_(new)`), or do the assignment outside the compiled function."
             )
     for container, keys in containers:
         new = [k for k in container if id(k) not in keys]
         if new:
-            raise UnsupportedError(
-                f"the compiled function stores new entries {new[:3]!r} into a dict it reads "
-                "tensors from (e.g. an optimizer creating its state on the first step). "
-                "aotc cannot replay that; run that first call eagerly, then compile."
+            raise StateCreated(
+                f"the compiled function stores {len(new)} new entries into a dict it reads "
+                "tensors from (e.g. an optimizer creating its state on its first step); a graph "
+                "cannot replay creating state. Run that first call eagerly, then compile."
             )
 
 

@@ -363,20 +363,30 @@ def test_torch_optim_sgd_step_is_lifted_and_matches_eager():
     assert compiled_step.records[0].meta.inputs  # params, grads, buffers are graph inputs
 
 
-def test_optimizer_first_step_creating_state_is_refused_cleanly():
+def test_optimizer_first_step_creating_state_runs_eagerly_then_compiles():
+    import copy
+
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
+    ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
-    model(torch.randn(4, 3)).sum().backward()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=False)
     compiled_step = aotc.compile(lambda: opt.step())
-    before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(aotc.UnsupportedError, match="new entries"):
-        compiled_step()
-    assert len(opt.state) == 0  # nothing fake leaked into the optimizer's state
-    for p, b in zip(model.parameters(), before):
-        assert not isinstance(p, torch._subclasses.FakeTensor)
-        torch.testing.assert_close(p.detach(), b)
-    opt.step()  # the eager step still works afterwards
+    for _ in range(3):
+        x = torch.randn(4, 3)
+        model(x).sum().backward()
+        ref(x).sum().backward()
+        compiled_step()  # the first call creates the momentum buffers: it runs eagerly
+        ref_opt.step()
+        assert not any(isinstance(p, torch._subclasses.FakeTensor) for p in model.parameters())
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q)
+            torch.testing.assert_close(
+                opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"]
+            )
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert len(compiled_step.records) == 1  # compiled on the second call, reused on the third
 
 
 def test_assigning_grad_inside_is_refused():
