@@ -99,13 +99,21 @@ def test_torch_compile_automatic_dynamic_compiles_twice():
     assert aotc.backend.stats["ahead"] - before == 2  # static first, then symbolic
 
 
-def test_dynamic_output_view_of_input_is_refused():
+def test_dynamic_output_view_of_input_gets_static_entries():
+    """See Note [Static entries under dynamic=True]: an output that is a view of an input gets an
+    entry per size, compiled for the exact sizes, and behaves as eager's view."""
+
     def f(x):
         return x.view(-1)
 
     compiled = aotc.compile(f, dynamic=True)
-    with pytest.raises(aotc.UnsupportedError, match="dynamic shapes"):
-        compiled(torch.randn(4, 3))
+    for rows in (4, 6, 4):
+        x = torch.randn(rows, 3)
+        out = compiled(x)
+        assert out._base is x and out.shape == (rows * 3,)
+        torch.testing.assert_close(out, x.view(-1))
+        out.mul_(0)  # a real view: the write reaches the input
+        assert not x.any()
 
 
 def test_torch_compile_output_view_of_input_falls_back():
