@@ -11,7 +11,10 @@ import dataclasses
 import functools
 import inspect as pyinspect
 import logging
+import threading
 import time
+import types
+import weakref
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -27,7 +30,7 @@ from aotc.lifting import (
     module_training_flags,
     swapped,
 )
-from aotc.options import CompileOptions, configure_logging
+from aotc.options import Capture, CompileOptions, configure_logging
 from aotc.pipeline import CompiledRecord, compile_signature
 from aotc.runtime.convention import alias_groups
 from aotc.runtime.errors import UnsupportedError
@@ -86,6 +89,16 @@ class CompiledFunction:
             leaves.extend(self._read_lifted())  # Note [Lifted reads and swaps across threads]
         extra = (spec, self._extra_key()) if self._extra_key is not None else spec
         return self._dispatch(leaves, extra)
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        """`@aotc.compile` on a method: see `bind_method`."""
+        return bind_method(
+            self,
+            obj,
+            lambda bound: CompiledFunction(
+                bound, self._options, find_free_tensors(bound), self._name, source=self._source
+            ),
+        )
 
     @property
     def records(self) -> list[CompiledRecord]:
@@ -152,6 +165,33 @@ class CompiledFunction:
         for listener in COMPILE_LISTENERS:
             listener(self, entry.record, reason)  # type: ignore[arg-type]
         return entry
+
+
+_BOUND: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
+_BOUND_LOCK = threading.Lock()
+
+
+def bind_method(compiled: Any, obj: Any, make: Callable[[Any], Any]) -> Any:
+    """The descriptor protocol for a compiled function stored on a class (`@aotc.compile` on a
+    method, `nn.Module.forward` included): `obj.method` is a compiled function of the bound
+    method, made once per instance by `make(bound_method)` and kept while `obj` lives, so each
+    instance has its own compiled entries and `self` is bound as in Python. On the class
+    (`obj is None`) the compiled function itself is returned. Shared by both capture modes: the
+    strict tracer lifts the instance's parameters and buffers through the bound method
+    (aotc/lifting.py), Dynamo guards on the instance."""
+    if obj is None:
+        return compiled
+    try:
+        per_object = _BOUND.get(obj)
+    except TypeError:  # not weak-referenceable: bind afresh (no entries kept across calls)
+        return make(types.MethodType(compiled.__wrapped__, obj))
+    if per_object is not None and id(compiled) in per_object:
+        return per_object[id(compiled)]
+    with _BOUND_LOCK:
+        per_object = _BOUND.setdefault(obj, {})
+        if id(compiled) not in per_object:
+            per_object[id(compiled)] = make(types.MethodType(compiled.__wrapped__, obj))
+        return per_object[id(compiled)]
 
 
 def _refuse_mutated_aliases(entry: CompiledEntry, leaves: list[object], name: str) -> None:
@@ -293,20 +333,32 @@ def compile(fn: Any = None, **options: Any) -> Any:
     opts = CompileOptions.from_env(**options)
     if fn is None:
         return lambda f: compile(f, **options)
-    if isinstance(fn, (CompiledFunction, CompiledModule)):
+    from aotc.capture import DynamoFunction, DynamoModule, capture
+
+    if isinstance(fn, (CompiledFunction, CompiledModule, DynamoFunction, DynamoModule)):
         return fn
+    if not isinstance(fn, torch.nn.Module) and not callable(fn):
+        raise TypeError(f"aotc.compile() expects a function or nn.Module, got {type(fn).__name__}")
+    if opts.capture is Capture.DYNAMO:
+        return capture(fn, opts, _qualname(fn))
     if isinstance(fn, torch.nn.Module):
         return CompiledModule(fn, opts)
-    if not callable(fn):
-        raise TypeError(f"aotc.compile() expects a function or nn.Module, got {type(fn).__name__}")
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
-    return CompiledFunction(fn, opts, find_free_tensors(fn), name)
+    return CompiledFunction(fn, opts, find_free_tensors(fn), _qualname(fn))
+
+
+def _qualname(fn: Any) -> str:
+    if isinstance(fn, torch.nn.Module):
+        return type(fn).__name__
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
 def inspect(compiled: Any) -> list[CompiledRecord]:
-    """One record per compiled signature: joint, forward and backward graphs, metadata,
-    partition report, and compile time by stage."""
-    if isinstance(compiled, (CompiledFunction, CompiledModule)):
+    """One record per compiled graph: joint, forward and backward graphs, metadata, partition
+    report, and compile time by stage. In the default capture mode, one per graph Dynamo
+    captured (each recompilation and each piece between graph breaks)."""
+    from aotc.capture import DynamoFunction, DynamoModule
+
+    if isinstance(compiled, (CompiledFunction, CompiledModule, DynamoFunction, DynamoModule)):
         return compiled.records
     raise TypeError(
         f"aotc.inspect() expects what aotc.compile() returned, got {type(compiled).__name__}"

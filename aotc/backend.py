@@ -25,6 +25,7 @@ guards (so a size change recompiles there). `aotc.backend.stats` counts both kin
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -35,9 +36,9 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from aotc.api import COMPILE_LISTENERS, CompiledFunction, _flatten_output, compile
+from aotc.api import COMPILE_LISTENERS, CompiledFunction, _flatten_output
 from aotc.lifting import find_free_tensors, swapped
-from aotc.options import CompileOptions
+from aotc.options import Capture, CompileOptions
 from aotc.pipeline import compile_signature
 from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.wrappers import CompiledEntry
@@ -56,22 +57,53 @@ def aotc_backend(
     if "dump" in options:
         options["dump_dir"] = options.pop("dump")
     opts = CompileOptions.from_env(**options)
+    return compile_graph(gm, example_inputs, opts)
+
+
+def compile_graph(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    opts: CompileOptions,
+    name: str = "dynamo_graph",
+    owner: Any = None,
+    reason: str | None = None,
+    on_graph: Callable[[Any], None] | None = None,
+) -> Callable[..., Any]:
+    """Compile one Dynamo graph. `owner`: the object listeners are told the record belongs to
+    (the `aotc.compile` object of the default capture mode; else a `DynamoGraph`); `reason`: why
+    Dynamo recompiled, for listeners; `on_graph(graph)`: gets the `DynamoGraph`, or the lazily
+    compiled `CompiledFunction` of a fallback (both have `.records`)."""
     fake_mode = detect_fake_mode(example_inputs)
-    if fake_mode is not None and fake_mode.shape_env is not None:
-        _specialize_float_inputs(fake_mode.shape_env)
     fakes = _fake_inputs(gm, example_inputs, fake_mode)
+    floats = _dynamic_floats(fakes)
     problem = _why_not_ahead(fakes, fake_mode)
     if problem is None:
         try:
-            run = _compile_ahead(gm, fakes, fake_mode, opts)  # type: ignore[arg-type]
+            run = _compile_ahead(gm, fakes, fake_mode, opts, name, owner, reason)  # type: ignore[arg-type]
             stats["ahead"] += 1
+            if on_graph is not None:
+                on_graph(run.aotc_graph)  # type: ignore[attr-defined]
             return run
         except UnsupportedError as e:
             problem = str(e)
+        except Exception as e:  # noqa: BLE001 see Note [Dynamic Python floats]
+            if not floats:
+                raise
+            problem = f"{type(e).__name__}: {e}"
+    if floats and fake_mode is not None and fake_mode.shape_env is not None:
+        # See Note [Dynamic Python floats]: the fallback runs on real tensors and cannot read
+        # them; Dynamo restarts with these floats as constants.
+        log.info("aotc backend: specializing Python floats %s (%s)", floats, problem)
+        _specialize_float_inputs(fake_mode.shape_env)
     # See Note [Backend fallback]
     stats["fallback"] += 1
     log.info("aotc backend: compiling graph on its first call instead (%s)", problem)
-    compiled: CompiledFunction = compile(gm.forward, **options)
+    # Always the strict tracer: this graph is Dynamo's already (and the default capture mode
+    # would hand it straight back to Dynamo).
+    trace_opts = dataclasses.replace(opts, capture=Capture.TRACE)
+    compiled = CompiledFunction(gm.forward, trace_opts, find_free_tensors(gm.forward), name)
+    if on_graph is not None:
+        on_graph(compiled)
 
     def run_lazily(*args: Any) -> Any:
         return compiled(*args)
@@ -80,11 +112,36 @@ def aotc_backend(
     return run_lazily
 
 
+# Note [Dynamic Python floats]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A Python float the program reads (an optimizer's `lr` that a scheduler changes every step, a
+# module's float attribute) is first a constant guarded by value; when a call sees another value,
+# Dynamo recompiles with the float dynamic: the graph gets a 0-d float64 CPU tensor input and
+# reads it with `.item()` (the fake tensor's `item_memo` is the float's symbol). aotc traces that
+# as it is: `aten._local_scalar_dense` gives the SymFloat, scalar arithmetic on it becomes
+# `operator` nodes, and ops take it as a Scalar argument (the fresh fakes of each run carry the
+# memo, see functional.fresh_fake; a SymFloat the backward needs is saved like a SymInt). At run
+# time the graph reads the float from the CPU tensor Dynamo passes (no device sync), so one
+# compiled graph serves every learning rate, as with Inductor. Where that path fails (a graph that
+# falls back, any error while compiling ahead with a dynamic float, or the Triton lowering, which
+# then runs the graph as ATen calls), aotc asks Dynamo to restart with the floats as constants
+# (`_specialize_float_inputs`): correct, one compilation per value.
+
+
+def _dynamic_floats(fakes: Sequence[object]) -> list[str]:
+    """The symbols of the Python floats Dynamo passes as 0-d tensors (Note [Dynamic Python
+    floats])."""
+    out = []
+    for x in fakes:
+        memo = getattr(x, "item_memo", None) if isinstance(x, FakeTensor) else None
+        if isinstance(memo, torch.SymFloat):
+            out.append(str(memo.node.expr))
+    return out
+
+
 def _specialize_float_inputs(shape_env: Any) -> None:
-    """Dynamo passes Python floats it treats as dynamic (`dynamic=True`) as 0-d tensors read
-    with `.item()`, expecting the backend to fold them into tensor ops; aotc does not, so it asks
-    Dynamo to restart with those floats as constants (Dynamo's own protocol for this, guarded
-    by value)."""
+    """Ask Dynamo to restart with the Python floats it made dynamic as constants (Dynamo's own
+    protocol for this, guarded by value). See Note [Dynamic Python floats]."""
     from torch._dynamo.exc import TensorifyScalarRestartAnalysis
     from torch._dynamo.symbolic_convert import TensorifyState
     from torch.utils._sympy.symbol import SymT, symbol_is_type
@@ -151,7 +208,13 @@ def _size_binding(value: torch.SymInt, fakes: Sequence[object]) -> tuple[int, in
 
 
 def _compile_ahead(
-    gm: torch.fx.GraphModule, fakes: list[object], mode: FakeTensorMode, opts: CompileOptions
+    gm: torch.fx.GraphModule,
+    fakes: list[object],
+    mode: FakeTensorMode,
+    opts: CompileOptions,
+    name: str,
+    owner: Any,
+    reason: str | None,
 ) -> Callable[..., Any]:
     lifted = find_free_tensors(gm.forward)
     accesses = lifted.accesses
@@ -176,12 +239,12 @@ def _compile_ahead(
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     names += [a.name for a in accesses]
     entry: CompiledEntry = compile_signature(
-        program, leaves, names, opts, "dynamo_graph", _graph_source(gm), mode
+        program, leaves, names, opts, name, _graph_source(gm), mode
     )
-    check_static_geometry(entry.plan.epilogue, "dynamo_graph")
+    check_static_geometry(entry.plan.epilogue, name)
     graph = DynamoGraph(entry)
     for listener in COMPILE_LISTENERS:
-        listener(graph, entry.record, None)  # type: ignore[arg-type]
+        listener(owner if owner is not None else graph, entry.record, reason)  # type: ignore[arg-type]
     run_entry = entry.run
     if accesses:
 
