@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -98,10 +99,7 @@ def compile_graph(
     # See Note [Backend fallback]
     stats["fallback"] += 1
     log.info("aotc backend: compiling graph on its first call instead (%s)", problem)
-    # Always the strict tracer: this graph is Dynamo's already (and the default capture mode
-    # would hand it straight back to Dynamo).
-    trace_opts = dataclasses.replace(opts, capture=Capture.TRACE)
-    compiled = CompiledFunction(gm.forward, trace_opts, find_free_tensors(gm.forward), name)
+    compiled = _strict_fallback(gm, opts, name)
     if on_graph is not None:
         on_graph(compiled)
 
@@ -226,14 +224,13 @@ def _compile_ahead(
     leaves = symbolic_leaves(
         mode, [*fakes, *(a.get() for a in accesses)], [False] * (num_inputs + len(accesses))
     )
-    forward = gm.forward
 
     def program(user_leaves: list[object]) -> tuple[list[object], object]:
         args = list(user_leaves[:num_inputs])
         for k, (i, d) in bindings.items():  # type: ignore[misc]
             args[k] = args[i].size(d)  # type: ignore[union-attr]
         with swapped(lifted, user_leaves[num_inputs:]):
-            out = forward(*args)
+            out = _run_with_user_lines(gm, args)
         return _flatten_output(out)
 
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
@@ -246,7 +243,15 @@ def _compile_ahead(
     for listener in COMPILE_LISTENERS:
         listener(owner if owner is not None else graph, entry.record, reason)  # type: ignore[arg-type]
     run_entry = entry.run
-    if accesses:
+    mutated = _mutated_leaves(entry)
+    if mutated:
+        # See Note [Inputs that alias at run time]
+        def run(*args: Any) -> Any:
+            leaves = [*args, *(a.get() for a in accesses)]
+            if _share_storage(leaves, mutated):
+                return graph.aliased(gm, opts, name)(*args)
+            return run_entry(leaves)
+    elif accesses:
 
         def run(*args: Any) -> Any:
             return run_entry([*args, *(a.get() for a in accesses)])
@@ -259,12 +264,80 @@ def _compile_ahead(
     return run
 
 
+# Note [Inputs that alias at run time]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A graph compiled ahead assumes its inputs share no storage (`_why_not_ahead` sends graphs whose
+# fake inputs do to the fallback). Dynamo guards that two inputs are not the same tensor, but not
+# that two distinct tensors (`buf[:4]`, `buf[2:6]`) do not overlap: called with such views, the
+# graph would write one input and read the other's stale value (torch.compile with aot_eager
+# gives a wrong result there). So a graph that writes into an input checks, each call, that no
+# other input uses the written input's storage (one storage read per tensor input; graphs without
+# input mutations skip it); if one does, the call goes to a strict-mode compilation of the same
+# Dynamo graph, which keys entries on the aliasing pattern and replays the mutation through a
+# synthetic base (compiled on first use).
+
+
+def _mutated_leaves(entry: CompiledEntry) -> tuple[int, ...]:
+    """User leaves (graph inputs, then lifted tensors) whose data the graph writes."""
+    sources = entry.plan.convention.graph_sources
+    return tuple(
+        sorted(
+            {
+                sources[m.arg]
+                for m in entry.plan.epilogue.mutations
+                if m.new_value is not None and sources[m.arg] is not None
+            }
+        )
+    )
+
+
+def _share_storage(leaves: list[Any], mutated: tuple[int, ...]) -> bool:
+    """Whether some tensor leaf uses the storage of a mutated leaf, besides that leaf itself."""
+    written = {leaves[m].untyped_storage().data_ptr() for m in mutated}
+    written.discard(0)  # empty storages hold nothing to alias
+    if len(written) < len(mutated) - sum(1 for m in mutated if leaves[m].numel() == 0):
+        return True  # two written leaves share one storage
+    hits = 0
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in written:
+            hits += 1
+    return hits > len(written)
+
+
+def _run_with_user_lines(gm: torch.fx.GraphModule, args: list[object]) -> Any:
+    """Run the Dynamo graph node by node with each node's metadata current, so the ATen nodes aotc
+    traces from it carry the user's source line (Dynamo's `stack_trace`), not the graph's
+    generated code: dumps, partition reports and errors then name the user's lines."""
+    with fx_traceback.preserve_node_meta():
+        return torch.fx.Interpreter(gm).run(*args)
+
+
 class DynamoGraph:
-    """One Dynamo graph compiled ahead: its entry and record (what `aotc explain` lists)."""
+    """One Dynamo graph compiled ahead: its entry and record (what `aotc explain` lists), and the
+    strict-mode compilation that serves calls whose inputs alias (Note [Inputs that alias at run
+    time]), made on first use."""
 
     def __init__(self, entry: CompiledEntry) -> None:
         self.entry = entry
-        self.records = [entry.record]
+        self._aliased: CompiledFunction | None = None
+
+    @property
+    def records(self) -> list[Any]:
+        return [self.entry.record, *(self._aliased.records if self._aliased else ())]
+
+    def aliased(self, gm: torch.fx.GraphModule, opts: CompileOptions, name: str) -> Any:
+        if self._aliased is None:
+            self._aliased = _strict_fallback(gm, opts, name)
+        return self._aliased
+
+
+def _strict_fallback(gm: torch.fx.GraphModule, opts: CompileOptions, name: str) -> Any:
+    """`aotc.compile(gm.forward)` in strict mode with static sizes (see Note [Backend
+    fallback]): the graph is Dynamo's already (the default capture mode would hand it straight
+    back to Dynamo), and aotc's own guards key its entries, aliasing patterns and sizes included
+    (symbolic entries have no synthetic bases)."""
+    strict = dataclasses.replace(opts, capture=Capture.TRACE, dynamic=False)
+    return CompiledFunction(gm.forward, strict, find_free_tensors(gm.forward), name)
 
 
 def _graph_source(gm: torch.fx.GraphModule) -> str:

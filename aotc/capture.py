@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import logging
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -50,6 +51,7 @@ from aotc.options import Capture, CompileOptions
 from aotc.pipeline import CompiledRecord
 
 log = logging.getLogger("aotc.recompiles")
+progress = logging.getLogger("aotc.progress")
 
 
 class _Capture:
@@ -65,6 +67,8 @@ class _Capture:
         self._owner = weakref.ref(owner)
         self._lock = threading.Lock()
         self._warned = False
+        self._first_lock = threading.RLock()
+        self.warm: frozenset[bool] = frozenset()  # grad modes a call has completed in
 
     def backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         """Dynamo's backend protocol (see aotc/backend.py)."""
@@ -77,15 +81,26 @@ class _Capture:
         if reason is not None:
             self.recompile_reasons.append(reason)
             log.info("recompiling %s: %s", self.name, reason)
-        return compile_graph(
+        n = len(self.graphs) + 1
+        progress.info("aotc: compiling %s (graph %d) ...", self.name, n)
+        start = time.perf_counter()
+        run = compile_graph(
             gm, example_inputs, self.options, self.name, self._owner(), reason, self.graphs.append
         )
+        progress.info(
+            "aotc: compiled %s (graph %d) in %.2f s", self.name, n, time.perf_counter() - start
+        )
+        return run
 
     def guard_failed(self, failure: Any) -> None:
         """Dynamo's `guard_fail_fn`: called for each cached graph whose guard failed before a
         recompilation. Must not raise (Dynamo calls it while evaluating guards)."""
         # Dynamo appends the user's stack to each reason: keep the guard itself.
         reason = str(getattr(failure, "reason", failure)).split("\nUser stack trace")[0].strip()
+        if "BACKEND_MATCH" in reason:
+            # Another aotc.compile object of the same code ran into this one's cached graph
+            # (Dynamo calls the guard_fail_fn the graph was compiled with): not a recompile here.
+            return
         with self._lock:
             self._pending.append(reason)
         count = len(self.recompile_reasons) + 1
@@ -102,6 +117,15 @@ class _Capture:
     def records(self) -> list[CompiledRecord]:
         return [r for g in self.graphs for r in g.records]
 
+    def first_call(self, call: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """The first call in each grad mode, one thread at a time (see Note [First calls from
+        many threads]); later calls skip this (one frozenset lookup)."""
+        grad = torch.is_grad_enabled()
+        with self._first_lock:
+            out = call(*args, **kwargs)
+            self.warm = self.warm | {grad}
+            return out
+
     def optimize(self) -> Any:
         """The Dynamo context that compiles through this capture's backend."""
         dynamic = self.options.dynamic
@@ -112,6 +136,14 @@ class _Capture:
             recompile_limit=self.options.max_signatures,
             isolate_recompiles=True,
         )
+
+
+# Note [First calls from many threads]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Dynamo compiles one frame at a time, but threads that entered the frame while another compiled
+# it compile it again afterwards (each adding a cache entry). The first call of an aotc.compile
+# object in each grad mode therefore runs one thread at a time, so the others find the entry it
+# made; once a call in that grad mode has returned, calls run concurrently.
 
 
 # Note [Sound guards]
@@ -163,7 +195,9 @@ class DynamoFunction:
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call(*args, **kwargs)
+        if torch.is_grad_enabled() in self._capture.warm:
+            return self._call(*args, **kwargs)
+        return self._capture.first_call(self._call, args, kwargs)
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         """`@aotc.compile` on a method (also `nn.Module.forward`): see aotc.api.bind_method."""
@@ -209,7 +243,9 @@ class DynamoModule(torch.nn.Module):
         self.training = module.training
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._optimized.forward(*args, **kwargs)
+        if torch.is_grad_enabled() in self._capture.warm:
+            return self._optimized.forward(*args, **kwargs)
+        return self._capture.first_call(self._optimized.forward, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
         try:

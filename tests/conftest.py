@@ -254,3 +254,14 @@ def assert_module_matches_eager(
 def _fresh_grad_mode():
     with torch.enable_grad():
         yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test starts with Dynamo's caches empty, as a new process would: Dynamo keeps state per
+    code object (compiled entries, sizes seen for automatic dynamic) that would otherwise carry
+    over between tests calling the same function."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
+    yield

@@ -76,7 +76,13 @@ def test_different_functions_compile_concurrently():
 
     compiled_a, compiled_b = aotc.compile(step), aotc.compile(other)
     run_threads(lambda i: check(compiled_a, i) if i % 2 else other_ref(i))
-    assert len(aotc.inspect(compiled_a)) == 1 and len(aotc.inspect(compiled_b)) == 1
+    # One signature each. Dynamo may compile a frame again when another thread was compiling
+    # while its guards ran ("Unexpected recompilation", with any backend); those repeats are
+    # the same graph, served from aotc's cache.
+    for compiled in (compiled_a, compiled_b):
+        records = aotc.inspect(compiled)
+        assert len({r.signature for r in records}) == 1
+        assert all("trace" not in r.stage_seconds for r in records[1:])
 
 
 def test_module_from_threads_under_no_grad_and_grad():
@@ -94,4 +100,5 @@ def test_module_from_threads_under_no_grad_and_grad():
         assert got.requires_grad == (i % 2 == 0)
 
     run_threads(body)
-    assert len(aotc.inspect(compiled)) == 2  # one grad-enabled, one no_grad signature
+    records = aotc.inspect(compiled)  # one grad-enabled, one no_grad signature (see above)
+    assert len({(r.signature, r.training) for r in records}) == 2
