@@ -13,6 +13,7 @@ import tempfile
 
 import pytest
 import torch
+import torch._dynamo
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
@@ -26,8 +27,9 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 class Block(nn.Module):
     def __init__(self, i: int, o: int) -> None:
         super().__init__()
-        self.a = nn.Linear(i, 16)
-        self.b = nn.Linear(16, o)
+        # Wide enough (~2 MB of parameters in all) for several 1 MB DDP buckets.
+        self.a = nn.Linear(i, 2048)
+        self.b = nn.Linear(2048, o)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(nn.functional.gelu(self.a(x)))
@@ -36,7 +38,7 @@ class Block(nn.Module):
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([Block(8, 16), Block(16, 16), Block(16, 4)])
+        self.blocks = nn.ModuleList([Block(8, 64), Block(64, 64), Block(64, 4)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -50,9 +52,10 @@ def _wrap(base: nn.Module, how: str) -> tuple[nn.Module, nn.Module]:
 
     import aotc
 
-    # Small buckets: several all-reduces per step, and several graphs in `aotc.compile(DDP(m))`.
+    # 1 MB buckets (DDP's first bucket is 1 MB; Dynamo wants none larger): several all-reduces
+    # per step, and several graphs in `aotc.compile(DDP(m))`.
     def ddp(m: nn.Module) -> nn.Module:
-        return DDP(m, bucket_cap_mb=0.002)
+        return DDP(m, bucket_cap_mb=1)
 
     if how == "eager-ddp":
         return ddp(base), base
@@ -75,52 +78,68 @@ def _wrap(base: nn.Module, how: str) -> tuple[nn.Module, nn.Module]:
     return aotc.compile(base), base
 
 
-def _worker(rank: int, init: str, how: str, queue: object) -> None:
+ALL = ("eager-ddp", "aotc(DDP)", "DDP(aotc)", "torch.compile(DDP)", "eager-fsdp2", "aotc(FSDP2)")
+
+
+def _train(rank: int, how: str) -> tuple[list[tuple[tuple[int, ...], bytes]], int]:
+    import aotc
+
+    torch.manual_seed(0)
+    model, base = _wrap(Net(), how)
+    opt = torch.optim.SGD(base.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        torch.manual_seed(100 + step * WORLD + rank)  # each rank its own data
+        x, y = torch.randn(6, 8), torch.randn(6, 4)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    params = []  # as (shape, raw bytes): cheap to send back
+    for p in base.parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        params.append((tuple(full.shape), full.detach().contiguous().numpy().tobytes()))
+    graphs = len(aotc.inspect(model)) if isinstance(model, aotc.DynamoModule) else -1
+    return params, graphs
+
+
+def _worker(rank: int, init: str, queue: object) -> None:
+    """One process per rank runs every variant in turn (one process group: spawning is the
+    slow part), each from the same initial weights."""
+    results: dict[str, object] = {}
     try:
-        import aotc
-
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
-        torch.manual_seed(0)
-        model, base = _wrap(Net(), how)
-        opt = torch.optim.SGD(base.parameters(), lr=0.1, momentum=0.9)
-        for step in range(STEPS):
-            torch.manual_seed(100 + step * WORLD + rank)  # each rank its own data
-            x, y = torch.randn(6, 8), torch.randn(6, 4)
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-        params = []
-        for p in base.parameters():
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            params.append(full.detach().tolist())
-        graphs = len(aotc.inspect(model)) if isinstance(model, aotc.DynamoModule) else -1
-        queue.put((rank, params, graphs, None))  # type: ignore[attr-defined]
-    except BaseException:  # noqa: BLE001 reported to the parent
-        import traceback
+        for how in ALL:
+            torch._dynamo.reset()
+            try:
+                results[how] = _train(rank, how)
+            except BaseException:  # noqa: BLE001 reported to the parent, per variant
+                import traceback
 
-        queue.put((rank, None, 0, traceback.format_exc()[-4000:]))  # type: ignore[attr-defined]
+                results[how] = traceback.format_exc()[-4000:]
+            dist.barrier()
     finally:
+        queue.put((rank, results))  # type: ignore[attr-defined]
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _run(how: str) -> dict[int, tuple[list[list[float]], int]]:
+@pytest.fixture(scope="module")
+def runs() -> dict[str, dict[int, object]]:
+    import torch._dynamo  # noqa: F401 (the workers reset it between variants)
+
     ctx = mp.get_context("spawn")
     fd, path = tempfile.mkstemp(prefix="aotc-ddp-")
     os.close(fd)
     os.unlink(path)  # the file store creates it
     queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_worker, args=(r, f"file://{path}", how, queue)) for r in range(WORLD)
-    ]
+    procs = [ctx.Process(target=_worker, args=(r, f"file://{path}", queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
-    out = {}
+    out: dict[str, dict[int, object]] = {how: {} for how in ALL}
     try:
         for _ in procs:
-            rank, params, graphs, error = queue.get(timeout=600)
-            assert error is None, f"{how}, rank {rank}:\n{error}"
-            out[rank] = (params, graphs)
+            rank, results = queue.get(timeout=900)
+            for how, value in results.items():
+                out[how][rank] = value
     finally:
         for p in procs:
             p.join(timeout=60)
@@ -128,42 +147,46 @@ def _run(how: str) -> dict[int, tuple[list[list[float]], int]]:
                 p.terminate()
         if os.path.exists(path):
             os.unlink(path)
-    return out
+    return out  # type: ignore[return-value]
 
 
-_REFERENCE: dict[str, dict[int, tuple[list[list[float]], int]]] = {}
+def _get(runs: dict, how: str) -> dict:
+    got = runs[how]
+    for rank in range(WORLD):
+        assert rank in got, f"{how}: rank {rank} reported nothing"
+        assert not isinstance(got[rank], str), f"{how}, rank {rank}:\n{got[rank]}"
+    return got
 
 
-def _reference(kind: str) -> dict[int, tuple[list[list[float]], int]]:
-    if kind not in _REFERENCE:
-        _REFERENCE[kind] = _run(kind)
-    return _REFERENCE[kind]
+def _tensor(param: tuple[tuple[int, ...], bytes]) -> torch.Tensor:
+    shape, raw = param
+    return torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(shape)
 
 
 def _assert_same(got: dict, want: dict, how: str) -> None:
     for rank in range(WORLD):
         for i, (g, w) in enumerate(zip(got[rank][0], want[rank][0])):
             torch.testing.assert_close(
-                torch.tensor(g),
-                torch.tensor(w),
+                _tensor(g),
+                _tensor(w),
                 rtol=1e-5,
                 atol=1e-6,
                 msg=lambda m, r=rank, i=i: f"{how}, rank {r}, parameter {i}: {m}",
             )
     # Ranks agree with each other (gradients were all-reduced every step).
     for a, b in zip(got[0][0], got[1][0]):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), msg=f"{how}: ranks differ")
+        torch.testing.assert_close(_tensor(a), _tensor(b), msg=f"{how}: ranks differ")
 
 
 @pytest.mark.parametrize("how", ["aotc(DDP)", "DDP(aotc)", "torch.compile(DDP)"])
-def test_ddp_matches_eager_ddp(how):
-    got = _run(how)
-    _assert_same(got, _reference("eager-ddp"), how)
+def test_ddp_matches_eager_ddp(runs, how):
+    got = _get(runs, how)
+    _assert_same(got, _get(runs, "eager-ddp"), how)
     if how == "aotc(DDP)":
         assert got[0][1] > 1  # Dynamo split the graph at DDP's buckets
 
 
-def test_fsdp2_matches_eager_fsdp2():
-    got = _run("aotc(FSDP2)")
-    _assert_same(got, _reference("eager-fsdp2"), "aotc(FSDP2)")
+def test_fsdp2_matches_eager_fsdp2(runs):
+    got = _get(runs, "aotc(FSDP2)")
+    _assert_same(got, _get(runs, "eager-fsdp2"), "aotc(FSDP2)")
     assert got[0][1] >= 1  # the blocks' forwards were compiled

@@ -30,7 +30,10 @@ def train_hf_against_eager(
     compiled = aotc.compile(twin, **options)
     opts = []
     for model in (eager, twin):
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+        # eps=1e-3: some gradients are zero up to rounding (an attention key's bias: softmax
+        # ignores it), and Adam's m / sqrt(v) turns a rounding difference there into a full
+        # learning-rate step with the default eps.
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, eps=1e-3)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
         opts.append((opt, sched))
     (opt_e, sched_e), (opt_c, sched_c) = opts
@@ -53,7 +56,7 @@ def train_hf_against_eager(
             assert (pe.grad is None) == (pc.grad is None), f"step {step} grad {n}"
             if pe.grad is not None:
                 torch.testing.assert_close(
-                    pc.grad, pe.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"grad {n}: {m}"
+                    pc.grad, pe.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"grad {n}: {m}"
                 )
         opt_e.step()
         step_c()
@@ -63,7 +66,7 @@ def train_hf_against_eager(
         opt_c.zero_grad()
         for (n, pe), (_, pc) in zip(eager.named_parameters(), twin.named_parameters()):
             torch.testing.assert_close(
-                pc, pe, rtol=1e-4, atol=1e-6, msg=lambda m, n=n, s=step: f"step {s} {n}: {m}"
+                pc, pe, rtol=1e-4, atol=1e-5, msg=lambda m, n=n, s=step: f"step {s} {n}: {m}"
             )
     return compiled, step_c
 

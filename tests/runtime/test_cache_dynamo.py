@@ -77,14 +77,16 @@ def test_warm_process_skips_trace_for_static_and_symbolic_graphs(tmp_path):
     assert warm["losses"] == cold["losses"]
 
 
-def _add_guard_to_symbolic_entry(cache_dir: str, guard: list) -> None:
-    """Give the (one) symbolic entry a shape guard, as if its cold compile had added it."""
+def _add_guard_to_symbolic_entry(cache_dir: str, guard: list, ranges: list[str]) -> None:
+    """Give the (one) symbolic entry a shape guard, as if its cold compile had added it (and so
+    left the symbols' ranges at `ranges`)."""
     changed = 0
     for name in os.listdir(cache_dir):
         key = name.removesuffix(".json")
         body = store.read_entry(cache_dir, key)
         if body is not None and "shape_guards" in body:
             body["shape_guards"]["guards"].append(guard)
+            body["shape_guards"]["ranges"] = ranges
             store.write_entry(cache_dir, key, body, 1 << 30)
             changed += 1
     assert changed == 1
@@ -99,7 +101,8 @@ def test_torch_compile_graphs_are_cached_and_symbolic_hits_install_guards(tmp_pa
     keys = [n.removesuffix(".json") for n in os.listdir(cache_dir) if n.endswith(".json")]
     bodies = [store.read_entry(cache_dir, k) for k in keys]
     assert len(bodies) == 2 and sum("shape_guards" in b for b in bodies) == 1
-    _add_guard_to_symbolic_entry(cache_dir, ["LessThan", [["S", 0], ["I", "5"]]])
+    batch_at_most_5 = ["LessThan", [["S", 0], ["I", "5"]]]  # c0: the batch size
+    _add_guard_to_symbolic_entry(cache_dir, batch_at_most_5, ["[2, 5]"])
     script = tmp_path / "probe.py"
     script.write_text(
         textwrap.dedent(
@@ -135,7 +138,7 @@ def test_torch_compile_graphs_are_cached_and_symbolic_hits_install_guards(tmp_pa
     # Forward-only calls under grad: same graphs as the cold run's forward.
     graphs = probe("4,8")
     assert _hit(graphs[0]) and not _hit(graphs[1])  # 8 > 5: the stored guard refused the entry
-    _add_guard_to_symbolic_entry(cache_dir, ["LessThan", [["S", 0], ["I", "5"]]])
+    _add_guard_to_symbolic_entry(cache_dir, batch_at_most_5, ["[2, 5]"])
     graphs = probe("4,5,7")
     assert len(graphs) == 3
     assert _hit(graphs[0]) and _hit(graphs[1])  # 5 <= 5: a hit, with the guard installed
