@@ -1,6 +1,8 @@
 """`torch.compile(model, backend="aotc")`: Dynamo hands each captured FX graph to aotc.
 
-Stage: `aotc_backend(gm, example_inputs, options=...) -> callable` (Dynamo's backend protocol).
+Stage: `aotc_backend(gm, example_inputs, options=...) -> callable` (Dynamo's backend protocol);
+`compile_graph(gm, example_inputs, options, ...)`, shared with the default capture mode of
+`aotc.compile` (aotc/capture.py), whose backend passes its own options, name and record list.
 Registered through the `torch_dynamo_backends` entry point in pyproject, so the name resolves
 after install with no import. Options pass through `torch.compile(..., options={...})` and are the
 fields of `aotc.CompileOptions` (`dump=` is short for `dump_dir=`).
@@ -12,15 +14,19 @@ mode and ShapeEnv (static, automatic-dynamic and `dynamic=True` sizes alike; see
 Note [Symbolic compilations] in aotc/symbolic.py). The returned callable runs the one compiled
 entry without aotc guards of its own: Dynamo's guards (sizes, strides, dtypes, requires_grad,
 grad mode, autocast state) already decide when it is valid, and shape assumptions aotc makes
-while tracing land in Dynamo's ShapeEnv, whose guards Dynamo installs after the backend returns.
+while tracing land in Dynamo's ShapeEnv, whose guards Dynamo installs after the backend returns
+(a graph that writes an input also checks that no other input shares its storage: Note [Inputs
+that alias at run time]). Entries are stored in the disk cache like `aotc.compile`'s (Note
+[Symbolic cache entries] in aotc/symkey.py for graphs with symbolic sizes or floats).
 
 Note [Backend fallback]
 ~~~~~~~~~~~~~~~~~~~~~~~
 A few graphs cannot be compiled ahead on Dynamo's fakes: inputs that share storage (a mutation of
 one must be seen through the other: aotc's synthetic bases need real tensors), SymInt inputs that
 are no tensor's size, SymInt outputs, or views of inputs with symbolic geometry. Those fall back to
-`aotc.compile(gm.forward)`, which compiles on the first real call and keys entries with aotc's own
-guards (so a size change recompiles there). `aotc.backend.stats` counts both kinds.
+`aotc.compile(gm.forward, capture="trace", dynamic=False)`, which compiles on the first real call
+and keys entries with aotc's own guards (so a size change recompiles there).
+`aotc.backend.stats` counts both kinds.
 """
 
 from __future__ import annotations

@@ -37,9 +37,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
+import sys
 import threading
 import time
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -51,6 +54,9 @@ from aotc.options import Capture, CompileOptions
 from aotc.pipeline import CompiledRecord
 
 log = logging.getLogger("aotc.recompiles")
+_OPTIMIZE_TAKES_LIMITS = (
+    "isolate_recompiles" in inspect.signature(torch._dynamo.eval_frame._optimize).parameters
+)
 progress = logging.getLogger("aotc.progress")
 
 
@@ -108,8 +114,9 @@ class _Capture:
             self._warned = True
             warnings.warn(
                 f"aotc: {self.name} recompiled {count} times; the last guard that failed: "
-                f"{reason}. Frequent recompiles cost compile time (a Python value that changes "
-                "every call, e.g. a float learning rate: pass it as a tensor).",
+                f"{reason}. Frequent recompiles cost compile time (`recompile_reasons` lists "
+                "every guard that failed; a Python flag or string that changes every call is a "
+                "constant of each graph: pass it as a tensor).",
                 stacklevel=2,
             )
 
@@ -129,12 +136,14 @@ class _Capture:
     def optimize(self) -> Any:
         """The Dynamo context that compiles through this capture's backend."""
         dynamic = self.options.dynamic
+        extra: dict[str, Any] = {}
+        if _OPTIMIZE_TAKES_LIMITS:  # torch >= 2.13; before, Dynamo's global recompile limit
+            extra = {"recompile_limit": self.options.max_signatures, "isolate_recompiles": True}
         return torch._dynamo.optimize(
             self.backend,
             dynamic=None if dynamic is None else bool(dynamic),
             guard_fail_fn=self.guard_failed,
-            recompile_limit=self.options.max_signatures,
-            isolate_recompiles=True,
+            **extra,
         )
 
 
@@ -151,26 +160,46 @@ class _Capture:
 # Two of Dynamo's defaults trade soundness for guard speed: it does not guard on modules' hook
 # dicts (a hook added after the first compile is never run: a stale graph), nor on parameters
 # passed as two arguments aliasing each other. The default capture mode must not give a stale
-# result, so for the compilations it owns those guards are on: its backend, called in the middle
-# of each Dynamo compilation (before Dynamo builds the guards), turns them on, and a compile-end
-# callback puts the user's settings back. Dynamo compiles one frame at a time under its compile
-# lock, so other torch.compile users see their own settings.
+# result, so for the compilations it owns those guards are on. A compile-start callback turns
+# them on when one of this module's call frames is on the stack (a frame Dynamo compiles inside
+# a call of an aotc.compile object, graph or not), the backend does too (it runs in the middle of
+# each compilation, before Dynamo builds the guards), and the compile-end callback puts the
+# user's settings back. Dynamo compiles one frame at a time under its compile lock, so other
+# torch.compile users see their own settings. (Flipping the settings around every call instead
+# would cost ~10 us a call.)
 _SOUND = {"skip_nnmodule_hook_guards": False, "skip_no_tensor_aliasing_guards_on_parameters": False}
 _saved_config: dict[str, object] | None = None
-_callback_installed = False
+_callbacks_installed = False
+_CALL_CODES: set[types.CodeType] = set()  # filled below with the call paths of this module
 
 
 def sound_guards_for_this_compile() -> None:
-    """See Note [Sound guards]. Called from the backend, inside a Dynamo compilation."""
-    global _saved_config, _callback_installed
-    config = torch._dynamo.config
-    if not _callback_installed:
-        torch._dynamo.callback.callback_handler.register_end_callback(_restore_config)
-        _callback_installed = True
+    """See Note [Sound guards]. Called inside a Dynamo compilation."""
+    global _saved_config
+    install_callbacks()
     if _saved_config is None:
+        config = torch._dynamo.config
         _saved_config = {k: getattr(config, k) for k in _SOUND}
         for k, v in _SOUND.items():
             setattr(config, k, v)
+
+
+def install_callbacks() -> None:
+    global _callbacks_installed
+    if not _callbacks_installed:
+        _callbacks_installed = True
+        handler = torch._dynamo.callback.callback_handler
+        handler.register_start_callback(_on_compile_start)
+        handler.register_end_callback(_restore_config)
+
+
+def _on_compile_start(_args: object = None) -> None:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _CALL_CODES:
+            sound_guards_for_this_compile()
+            return
+        frame = frame.f_back
 
 
 def _restore_config(_args: object = None) -> None:
@@ -191,7 +220,6 @@ class DynamoFunction:
         self._options = options
         self._capture = _Capture(options, name, self)
         self._call = self._capture.optimize()(fn)
-        self._bound: weakref.WeakKeyDictionary[Any, DynamoFunction] | None = None
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -293,7 +321,13 @@ class DynamoModule(torch.nn.Module):
         return list(self._capture.recompile_reasons)
 
 
+_CALL_CODES.update(
+    (DynamoFunction.__call__.__code__, DynamoModule.forward.__code__, _Capture.first_call.__code__)
+)
+
+
 def capture(fn: Any, options: CompileOptions, name: str) -> DynamoFunction | DynamoModule:
+    install_callbacks()
     if isinstance(fn, torch.nn.Module):
         return DynamoModule(fn, options)
     return DynamoFunction(fn, options, name)
