@@ -14,7 +14,6 @@ import logging
 import threading
 import time
 import types
-import weakref
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -167,31 +166,48 @@ class CompiledFunction:
         return entry
 
 
-_BOUND: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
 _BOUND_LOCK = threading.Lock()
+_BOUND_ATTR = "_aotc_compiled_methods"
+
+
+class _BoundMethods(dict):  # type: ignore[type-arg]
+    """An instance's compiled methods (`bind_method`), kept in the instance's `__dict__`: they go
+    with the instance (a reference cycle the collector frees), and a copy or a pickle of the
+    instance starts empty (the copy compiles its own, bound to itself)."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _BoundMethods:
+        return _BoundMethods()
+
+    def __copy__(self) -> _BoundMethods:
+        return _BoundMethods()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_BoundMethods, ())
 
 
 def bind_method(compiled: Any, obj: Any, make: Callable[[Any], Any]) -> Any:
     """The descriptor protocol for a compiled function stored on a class (`@aotc.compile` on a
     method, `nn.Module.forward` included): `obj.method` is a compiled function of the bound
-    method, made once per instance by `make(bound_method)` and kept while `obj` lives, so each
+    method, made once per instance by `make(bound_method)` and kept in the instance, so each
     instance has its own compiled entries and `self` is bound as in Python. On the class
     (`obj is None`) the compiled function itself is returned. Shared by both capture modes: the
     strict tracer lifts the instance's parameters and buffers through the bound method
-    (aotc/lifting.py), Dynamo guards on the instance."""
+    (aotc/lifting.py), Dynamo guards on the instance. An instance without a `__dict__` gets the
+    compiled function with itself as the first argument."""
     if obj is None:
         return compiled
-    try:
-        per_object = _BOUND.get(obj)
-    except TypeError:  # not weak-referenceable: bind afresh (no entries kept across calls)
-        return make(types.MethodType(compiled.__wrapped__, obj))
-    if per_object is not None and id(compiled) in per_object:
-        return per_object[id(compiled)]
+    attrs = getattr(obj, "__dict__", None)
+    if not isinstance(attrs, dict):
+        return functools.partial(compiled, obj)
+    cache = attrs.get(_BOUND_ATTR)
+    bound = cache.get(id(compiled)) if cache is not None else None
+    if bound is not None:
+        return bound
     with _BOUND_LOCK:
-        per_object = _BOUND.setdefault(obj, {})
-        if id(compiled) not in per_object:
-            per_object[id(compiled)] = make(types.MethodType(compiled.__wrapped__, obj))
-        return per_object[id(compiled)]
+        cache = attrs.setdefault(_BOUND_ATTR, _BoundMethods())
+        if id(compiled) not in cache:
+            cache[id(compiled)] = make(types.MethodType(compiled.__wrapped__, obj))
+        return cache[id(compiled)]
 
 
 def _refuse_mutated_aliases(entry: CompiledEntry, leaves: list[object], name: str) -> None:

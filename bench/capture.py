@@ -15,6 +15,9 @@ the same run; and the per-call overhead of a tiny training call.
    median of per-round means. Also the default mode on a module (`aotc.compile(nn.Linear)`)
    against `torch.compile(nn.Linear, backend="aotc")`.
 
+Compile times follow a warm-up compile of a smaller model through every aotc/AOTAutograd system
+(first-use costs would otherwise fall on whichever system runs first); one intra-op thread.
+
 Run from the repo root: python bench/capture.py [--models gpt2,bert,...] [--rounds R]
 Writes bench/results/capture.json.
 """
@@ -59,8 +62,30 @@ def _step(model: Callable[..., Any], batch: dict[str, Any]) -> None:
     model(**batch).loss.backward()
 
 
+def warm_up(size: dict[str, int]) -> None:
+    """First-use costs (imports, decomposition tables, Dynamo's own caches) are paid once per
+    process by whichever system compiles first: pay them before timing, on a smaller model,
+    through every aotc/AOTAutograd system (Inductor's first use is part of its compile time)."""
+    small = dict(size, layers=1)
+    torch.manual_seed(0)
+    base, make_batch = MODELS["gpt2"](**small)
+    batch = make_batch()
+    for system in (
+        "aotc default",
+        "aotc strict",
+        "torch.compile(aotc)",
+        "torch.compile(aot_eager)",
+    ):
+        torch._dynamo.reset()
+        try:
+            _step(SYSTEMS[system](copy.deepcopy(base)), batch)
+        except Exception:  # noqa: BLE001 strict mode may refuse the model
+            pass
+
+
 def model_times(names: list[str], steps: int, rounds: int, size: dict[str, int]) -> dict[str, Any]:
     results: dict[str, Any] = {}
+    warm_up(size)
     for name in names:
         torch.manual_seed(0)
         base, make_batch = MODELS[name](**size)
@@ -209,8 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--overhead-rounds", type=int, default=15)
     p.add_argument("--skip-models", action="store_true")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = p.parse_args(argv)
     warnings.simplefilter("ignore", UserWarning)
+    # One intra-op thread: on a shared, loaded machine OpenMP's spinning threads slow every
+    # system down erratically; the comparison is about compile and per-call costs anyway.
+    torch.set_num_threads(args.threads)
     size = {"layers": args.layers, "hidden": args.hidden, "batch": args.batch, "seq": args.seq}
     overhead = call_overhead(args.iters, args.overhead_rounds)
     print(
@@ -233,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         {"call_overhead": overhead, "models": models},
         goal="default mode per-call overhead close to torch.compile(backend='aotc')",
         model_size=size,
+        torch_threads=args.threads,
         note="shared, loaded 2-core CPU machine: timings are noisy; ratios are same-run",
     )
     print(f"wrote {path}")

@@ -6,6 +6,8 @@ Every case against eager PyTorch, on fresh inputs after each change."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -324,6 +326,15 @@ def test_compiled_methods_bind_self(capture):
     assert cls.forward is cls.__dict__["forward"]
     torch.testing.assert_close(a.score(x, 3.0), (a.lin(x).tanh() * 3.0).sum())
     assert len(aotc.inspect(a.forward)) >= 1
+    twin = copy.deepcopy(a)  # the copy compiles its own methods, bound to itself
+    with torch.no_grad():
+        twin.lin.weight.add_(1.0)
+    torch.testing.assert_close(twin(x), twin.lin(x).tanh() + twin.bias)
+    assert twin.forward is not a.forward
+    gone = weakref.ref(b)
+    del b, net
+    gc.collect()
+    assert gone() is None  # the instance's compiled methods do not keep it alive
 
 
 # ----------------------------------------------------------------- optimizers
