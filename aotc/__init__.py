@@ -62,12 +62,15 @@ from aotc.runtime.errors import (  # noqa: E402  (needs _map_checkout in a check
 
 if TYPE_CHECKING:
     from aotc.api import CompiledFunction, CompiledModule, compile, inspect
+    from aotc.capture import DynamoFunction, DynamoModule
     from aotc.options import CompileOptions, configure_logging
 
 # Public name -> the module that defines it (imported on first access).
 _LAZY = {
     "CompiledFunction": "aotc.api",
     "CompiledModule": "aotc.api",
+    "DynamoFunction": "aotc.capture",
+    "DynamoModule": "aotc.capture",
     "compile": "aotc.api",
     "inspect": "aotc.api",
     "CompileOptions": "aotc.options",
@@ -94,6 +97,8 @@ __all__ = [
     "CompileOptions",
     "CompiledFunction",
     "CompiledModule",
+    "DynamoFunction",
+    "DynamoModule",
     "GraphInvariantError",
     "GuardError",
     "UnsupportedError",

@@ -11,7 +11,9 @@ import dataclasses
 import functools
 import inspect as pyinspect
 import logging
+import threading
 import time
+import types
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -29,7 +31,7 @@ from aotc.lifting import (
     module_training_flags,
     swapped,
 )
-from aotc.options import CompileOptions, configure_logging
+from aotc.options import Capture, CompileOptions, configure_logging
 from aotc.pipeline import CompiledRecord, compile_signature
 from aotc.recording import Recorder, refuse_distributed
 from aotc.runtime.convention import alias_groups
@@ -188,6 +190,16 @@ class CompiledFunction:
                 return
         self._gen = self._generation(lifted)
 
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        """`@aotc.compile` on a method: see `bind_method`."""
+        return bind_method(
+            self,
+            obj,
+            lambda bound: CompiledFunction(
+                bound, self._options, find_free_tensors(bound), self._name, source=self._source
+            ),
+        )
+
     @property
     def records(self) -> list[CompiledRecord]:
         return [e.record for gen in self._gens for e in gen.dispatch.entries]  # type: ignore[attr-defined]
@@ -337,6 +349,50 @@ def _lifting_containers(lifted: Lifted) -> frozenset[int]:
             if container is not None:
                 ids.add(id(container))
     return frozenset(ids)
+
+
+_BOUND_LOCK = threading.Lock()
+_BOUND_ATTR = "_aotc_compiled_methods"
+
+
+class _BoundMethods(dict):  # type: ignore[type-arg]
+    """An instance's compiled methods (`bind_method`), kept in the instance's `__dict__`: they go
+    with the instance (a reference cycle the collector frees), and a copy or a pickle of the
+    instance starts empty (the copy compiles its own, bound to itself)."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _BoundMethods:
+        return _BoundMethods()
+
+    def __copy__(self) -> _BoundMethods:
+        return _BoundMethods()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_BoundMethods, ())
+
+
+def bind_method(compiled: Any, obj: Any, make: Callable[[Any], Any]) -> Any:
+    """The descriptor protocol for a compiled function stored on a class (`@aotc.compile` on a
+    method, `nn.Module.forward` included): `obj.method` is a compiled function of the bound
+    method, made once per instance by `make(bound_method)` and kept in the instance, so each
+    instance has its own compiled entries and `self` is bound as in Python. On the class
+    (`obj is None`) the compiled function itself is returned. Shared by both capture modes: the
+    strict tracer lifts the instance's parameters and buffers through the bound method
+    (aotc/lifting.py), Dynamo guards on the instance. An instance without a `__dict__` gets the
+    compiled function with itself as the first argument."""
+    if obj is None:
+        return compiled
+    attrs = getattr(obj, "__dict__", None)
+    if not isinstance(attrs, dict):
+        return functools.partial(compiled, obj)
+    cache = attrs.get(_BOUND_ATTR)
+    bound = cache.get(id(compiled)) if cache is not None else None
+    if bound is not None:
+        return bound
+    with _BOUND_LOCK:
+        cache = attrs.setdefault(_BOUND_ATTR, _BoundMethods())
+        if id(compiled) not in cache:
+            cache[id(compiled)] = make(types.MethodType(compiled.__wrapped__, obj))
+        return cache[id(compiled)]
 
 
 def _refuse_mutated_aliases(entry: CompiledEntry, leaves: list[object], name: str) -> None:
@@ -535,20 +591,32 @@ def compile(fn: Any = None, **options: Any) -> Any:
     opts = CompileOptions.from_env(**options)
     if fn is None:
         return lambda f: compile(f, **options)
-    if isinstance(fn, (CompiledFunction, CompiledModule)):
+    from aotc.capture import DynamoFunction, DynamoModule, capture
+
+    if isinstance(fn, (CompiledFunction, CompiledModule, DynamoFunction, DynamoModule)):
         return fn
+    if not isinstance(fn, torch.nn.Module) and not callable(fn):
+        raise TypeError(f"aotc.compile() expects a function or nn.Module, got {type(fn).__name__}")
+    if opts.capture is Capture.DYNAMO:
+        return capture(fn, opts, _qualname(fn))
     if isinstance(fn, torch.nn.Module):
         return CompiledModule(fn, opts)
-    if not callable(fn):
-        raise TypeError(f"aotc.compile() expects a function or nn.Module, got {type(fn).__name__}")
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
-    return CompiledFunction(fn, opts, find_free_tensors(fn), name)
+    return CompiledFunction(fn, opts, find_free_tensors(fn), _qualname(fn))
+
+
+def _qualname(fn: Any) -> str:
+    if isinstance(fn, torch.nn.Module):
+        return type(fn).__name__
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
 def inspect(compiled: Any) -> list[CompiledRecord]:
-    """One record per compiled signature: joint, forward and backward graphs, metadata,
-    partition report, and compile time by stage."""
-    if isinstance(compiled, (CompiledFunction, CompiledModule)):
+    """One record per compiled graph: joint, forward and backward graphs, metadata, partition
+    report, and compile time by stage. In the default capture mode, one per graph Dynamo
+    captured (each recompilation and each piece between graph breaks)."""
+    from aotc.capture import DynamoFunction, DynamoModule
+
+    if isinstance(compiled, (CompiledFunction, CompiledModule, DynamoFunction, DynamoModule)):
         return compiled.records
     raise TypeError(
         f"aotc.inspect() expects what aotc.compile() returned, got {type(compiled).__name__}"

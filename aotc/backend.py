@@ -1,6 +1,8 @@
 """`torch.compile(model, backend="aotc")`: Dynamo hands each captured FX graph to aotc.
 
-Stage: `aotc_backend(gm, example_inputs, options=...) -> callable` (Dynamo's backend protocol).
+Stage: `aotc_backend(gm, example_inputs, options=...) -> callable` (Dynamo's backend protocol);
+`compile_graph(gm, example_inputs, options, ...)`, shared with the default capture mode of
+`aotc.compile` (aotc/capture.py), whose backend passes its own options, name and record list.
 Registered through the `torch_dynamo_backends` entry point in pyproject, so the name resolves
 after install with no import. Options pass through `torch.compile(..., options={...})` and are the
 fields of `aotc.CompileOptions` (`dump=` is short for `dump_dir=`).
@@ -12,34 +14,40 @@ mode and ShapeEnv (static, automatic-dynamic and `dynamic=True` sizes alike; see
 Note [Symbolic compilations] in aotc/symbolic.py). The returned callable runs the one compiled
 entry without aotc guards of its own: Dynamo's guards (sizes, strides, dtypes, requires_grad,
 grad mode, autocast state) already decide when it is valid, and shape assumptions aotc makes
-while tracing land in Dynamo's ShapeEnv, whose guards Dynamo installs after the backend returns.
+while tracing land in Dynamo's ShapeEnv, whose guards Dynamo installs after the backend returns
+(a graph that writes an input also checks that no other input shares its storage: Note [Inputs
+that alias at run time]). Entries are stored in the disk cache like `aotc.compile`'s (Note
+[Symbolic cache entries] in aotc/symkey.py for graphs with symbolic sizes or floats).
 
 Note [Backend fallback]
 ~~~~~~~~~~~~~~~~~~~~~~~
 A few graphs cannot be compiled ahead on Dynamo's fakes: inputs that share storage (a mutation of
 one must be seen through the other: aotc's synthetic bases need real tensors), SymInt inputs that
 are no tensor's size, SymInt outputs, or views of inputs with symbolic geometry. Those fall back to
-`aotc.compile(gm.forward)`, which compiles on the first real call and keys entries with aotc's own
-guards (so a size change recompiles there). `aotc.backend.stats` counts both kinds.
+`aotc.compile(gm.forward, capture="trace", dynamic=False)`, which compiles on the first real call
+and keys entries with aotc's own guards (so a size change recompiles there).
+`aotc.backend.stats` counts both kinds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from aotc.api import COMPILE_LISTENERS, CompiledFunction, _flatten_output, compile
+from aotc.api import COMPILE_LISTENERS, CompiledFunction, _flatten_output
 from aotc.lifting import find_free_tensors, swapped
-from aotc.options import CompileOptions
+from aotc.options import Capture, CompileOptions
 from aotc.pipeline import compile_signature
-from aotc.provenance import graph_input_names, run_with_node_meta
+from aotc.provenance import graph_input_names
 from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.wrappers import CompiledEntry
 from aotc.symbolic import check_static_geometry, symbolic_leaves
@@ -57,24 +65,52 @@ def aotc_backend(
     if "dump" in options:
         options["dump_dir"] = options.pop("dump")
     opts = CompileOptions.from_env(**options)
+    return compile_graph(gm, example_inputs, opts)
+
+
+def compile_graph(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    opts: CompileOptions,
+    name: str = "dynamo_graph",
+    owner: Any = None,
+    reason: str | None = None,
+    on_graph: Callable[[Any], None] | None = None,
+) -> Callable[..., Any]:
+    """Compile one Dynamo graph. `owner`: the object listeners are told the record belongs to
+    (the `aotc.compile` object of the default capture mode; else a `DynamoGraph`); `reason`: why
+    Dynamo recompiled, for listeners; `on_graph(graph)`: gets the `DynamoGraph`, or the lazily
+    compiled `CompiledFunction` of a fallback (both have `.records`)."""
     fake_mode = detect_fake_mode(example_inputs)
-    if fake_mode is not None and fake_mode.shape_env is not None:
-        _specialize_float_inputs(fake_mode.shape_env)
     fakes = _fake_inputs(gm, example_inputs, fake_mode)
+    floats = _dynamic_floats(fakes)
     problem = _why_not_ahead(fakes, fake_mode)
     if problem is None:
         fakes, problem = _pre_call_fakes(fakes, example_inputs, fake_mode)  # type: ignore[arg-type]
     if problem is None:
         try:
-            run = _compile_ahead(gm, fakes, fake_mode, opts)  # type: ignore[arg-type]
+            run = _compile_ahead(gm, fakes, fake_mode, opts, name, owner, reason)  # type: ignore[arg-type]
             stats["ahead"] += 1
+            if on_graph is not None:
+                on_graph(run.aotc_graph)  # type: ignore[attr-defined]
             return run
         except UnsupportedError as e:
             problem = str(e)
+        except Exception as e:  # noqa: BLE001 see Note [Dynamic Python floats]
+            if not floats:
+                raise
+            problem = f"{type(e).__name__}: {e}"
+    if floats and fake_mode is not None and fake_mode.shape_env is not None:
+        # See Note [Dynamic Python floats]: the fallback runs on real tensors and cannot read
+        # them; Dynamo restarts with these floats as constants.
+        log.info("aotc backend: specializing Python floats %s (%s)", floats, problem)
+        _specialize_float_inputs(fake_mode.shape_env)
     # See Note [Backend fallback]
     stats["fallback"] += 1
     log.info("aotc backend: compiling graph on its first call instead (%s)", problem)
-    compiled: CompiledFunction = compile(gm.forward, **options)
+    compiled = _strict_fallback(gm, opts, name)
+    if on_graph is not None:
+        on_graph(compiled)
 
     def run_lazily(*args: Any) -> Any:
         return compiled(*args)
@@ -83,11 +119,36 @@ def aotc_backend(
     return run_lazily
 
 
+# Note [Dynamic Python floats]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A Python float the program reads (an optimizer's `lr` that a scheduler changes every step, a
+# module's float attribute) is first a constant guarded by value; when a call sees another value,
+# Dynamo recompiles with the float dynamic: the graph gets a 0-d float64 CPU tensor input and
+# reads it with `.item()` (the fake tensor's `item_memo` is the float's symbol). aotc traces that
+# as it is: `aten._local_scalar_dense` gives the SymFloat, scalar arithmetic on it becomes
+# `operator` nodes, and ops take it as a Scalar argument (the fresh fakes of each run carry the
+# memo, see functional.fresh_fake; a SymFloat the backward needs is saved like a SymInt). At run
+# time the graph reads the float from the CPU tensor Dynamo passes (no device sync), so one
+# compiled graph serves every learning rate, as with Inductor. Where that path fails (a graph that
+# falls back, any error while compiling ahead with a dynamic float, or the Triton lowering, which
+# then runs the graph as ATen calls), aotc asks Dynamo to restart with the floats as constants
+# (`_specialize_float_inputs`): correct, one compilation per value.
+
+
+def _dynamic_floats(fakes: Sequence[object]) -> list[str]:
+    """The symbols of the Python floats Dynamo passes as 0-d tensors (Note [Dynamic Python
+    floats])."""
+    out = []
+    for x in fakes:
+        memo = getattr(x, "item_memo", None) if isinstance(x, FakeTensor) else None
+        if isinstance(memo, torch.SymFloat):
+            out.append(str(memo.node.expr))
+    return out
+
+
 def _specialize_float_inputs(shape_env: Any) -> None:
-    """Dynamo passes Python floats it treats as dynamic (`dynamic=True`) as 0-d tensors read
-    with `.item()`, expecting the backend to fold them into tensor ops; aotc does not, so it asks
-    Dynamo to restart with those floats as constants (Dynamo's own protocol for this, guarded
-    by value)."""
+    """Ask Dynamo to restart with the Python floats it made dynamic as constants (Dynamo's own
+    protocol for this, guarded by value). See Note [Dynamic Python floats]."""
     from torch._dynamo.exc import TensorifyScalarRestartAnalysis
     from torch._dynamo.symbolic_convert import TensorifyState
     from torch.utils._sympy.symbol import SymT, symbol_is_type
@@ -193,7 +254,13 @@ def _size_binding(value: torch.SymInt, fakes: Sequence[object]) -> tuple[int, in
 
 
 def _compile_ahead(
-    gm: torch.fx.GraphModule, fakes: list[object], mode: FakeTensorMode, opts: CompileOptions
+    gm: torch.fx.GraphModule,
+    fakes: list[object],
+    mode: FakeTensorMode,
+    opts: CompileOptions,
+    name: str,
+    owner: Any,
+    reason: str | None,
 ) -> Callable[..., Any]:
     lifted = find_free_tensors(gm.forward)
     accesses = lifted.accesses
@@ -205,26 +272,33 @@ def _compile_ahead(
     leaves = symbolic_leaves(
         mode, [*fakes, *(a.get() for a in accesses)], [False] * (num_inputs + len(accesses))
     )
-    forward = run_with_node_meta(gm)  # See Note [Node provenance] in aotc/provenance.py
 
     def program(user_leaves: list[object]) -> tuple[list[object], object]:
         args = list(user_leaves[:num_inputs])
         for k, (i, d) in bindings.items():  # type: ignore[misc]
             args[k] = args[i].size(d)  # type: ignore[union-attr]
         with swapped(lifted, user_leaves[num_inputs:]):
-            out = forward(*args)
+            out = _run_with_user_lines(gm, args)
         return _flatten_output(out)
 
     names = graph_input_names(gm) + [a.name for a in accesses]
     entry: CompiledEntry = compile_signature(
-        program, leaves, names, opts, "dynamo_graph", _graph_source(gm), mode
+        program, leaves, names, opts, name, _graph_source(gm), mode
     )
-    check_static_geometry(entry.plan.epilogue, "dynamo_graph")
+    check_static_geometry(entry.plan.epilogue, name)
     graph = DynamoGraph(entry)
     for listener in COMPILE_LISTENERS:
-        listener(graph, entry.record, None)  # type: ignore[arg-type]
+        listener(owner if owner is not None else graph, entry.record, reason)  # type: ignore[arg-type]
     run_entry = entry.run
-    if accesses:
+    mutated = _mutated_leaves(entry)
+    if mutated:
+        # See Note [Inputs that alias at run time]
+        def run(*args: Any) -> Any:
+            leaves = [*args, *(a.get() for a in accesses)]
+            if _share_storage(leaves, mutated):
+                return graph.aliased(gm, opts, name)(*args)
+            return run_entry(leaves)
+    elif accesses:
 
         def run(*args: Any) -> Any:
             return run_entry([*args, *(a.get() for a in accesses)])
@@ -237,12 +311,80 @@ def _compile_ahead(
     return run
 
 
+# Note [Inputs that alias at run time]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A graph compiled ahead assumes its inputs share no storage (`_why_not_ahead` sends graphs whose
+# fake inputs do to the fallback). Dynamo guards that two inputs are not the same tensor, but not
+# that two distinct tensors (`buf[:4]`, `buf[2:6]`) do not overlap: called with such views, the
+# graph would write one input and read the other's stale value (torch.compile with aot_eager
+# gives a wrong result there). So a graph that writes into an input checks, each call, that no
+# other input uses the written input's storage (one storage read per tensor input; graphs without
+# input mutations skip it); if one does, the call goes to a strict-mode compilation of the same
+# Dynamo graph, which keys entries on the aliasing pattern and replays the mutation through a
+# synthetic base (compiled on first use).
+
+
+def _mutated_leaves(entry: CompiledEntry) -> tuple[int, ...]:
+    """User leaves (graph inputs, then lifted tensors) whose data the graph writes."""
+    sources = entry.plan.convention.graph_sources
+    return tuple(
+        sorted(
+            {
+                sources[m.arg]
+                for m in entry.plan.epilogue.mutations
+                if m.new_value is not None and sources[m.arg] is not None
+            }
+        )
+    )
+
+
+def _share_storage(leaves: list[Any], mutated: tuple[int, ...]) -> bool:
+    """Whether some tensor leaf uses the storage of a mutated leaf, besides that leaf itself."""
+    written = {leaves[m].untyped_storage().data_ptr() for m in mutated}
+    written.discard(0)  # empty storages hold nothing to alias
+    if len(written) < len(mutated) - sum(1 for m in mutated if leaves[m].numel() == 0):
+        return True  # two written leaves share one storage
+    hits = 0
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in written:
+            hits += 1
+    return hits > len(written)
+
+
+def _run_with_user_lines(gm: torch.fx.GraphModule, args: list[object]) -> Any:
+    """Run the Dynamo graph node by node with each node's metadata current, so the ATen nodes aotc
+    traces from it carry the user's source line (Dynamo's `stack_trace`), not the graph's
+    generated code: dumps, partition reports and errors then name the user's lines."""
+    with fx_traceback.preserve_node_meta():
+        return torch.fx.Interpreter(gm).run(*args)
+
+
 class DynamoGraph:
-    """One Dynamo graph compiled ahead: its entry and record (what `aotc explain` lists)."""
+    """One Dynamo graph compiled ahead: its entry and record (what `aotc explain` lists), and the
+    strict-mode compilation that serves calls whose inputs alias (Note [Inputs that alias at run
+    time]), made on first use."""
 
     def __init__(self, entry: CompiledEntry) -> None:
         self.entry = entry
-        self.records = [entry.record]
+        self._aliased: CompiledFunction | None = None
+
+    @property
+    def records(self) -> list[Any]:
+        return [self.entry.record, *(self._aliased.records if self._aliased else ())]
+
+    def aliased(self, gm: torch.fx.GraphModule, opts: CompileOptions, name: str) -> Any:
+        if self._aliased is None:
+            self._aliased = _strict_fallback(gm, opts, name)
+        return self._aliased
+
+
+def _strict_fallback(gm: torch.fx.GraphModule, opts: CompileOptions, name: str) -> Any:
+    """`aotc.compile(gm.forward)` in strict mode with static sizes (see Note [Backend
+    fallback]): the graph is Dynamo's already (the default capture mode would hand it straight
+    back to Dynamo), and aotc's own guards key its entries, aliasing patterns and sizes included
+    (symbolic entries have no synthetic bases)."""
+    strict = dataclasses.replace(opts, capture=Capture.TRACE, dynamic=False)
+    return CompiledFunction(gm.forward, strict, find_free_tensors(gm.forward), name)
 
 
 def _graph_source(gm: torch.fx.GraphModule) -> str:

@@ -221,8 +221,13 @@ def fresh_fake(t: torch.Tensor, *, as_leaves: bool) -> torch.Tensor:
     """A new fake tensor (in the ambient fake mode) with `t`'s sizes, strides, dtype, device and
     requires_grad; also its non-leafness unless `as_leaves`. Sizes may be SymInts: the copy
     shares their symbols. Storage offsets and aliasing between inputs are not kept (symbolic
-    compilations have no synthetic bases; see Note [Symbolic compilations])."""
+    compilations have no synthetic bases; see Note [Symbolic compilations]). A 0-d tensor that
+    stands for a dynamic Python float keeps its symbol (Note [Dynamic Python floats] in
+    aotc/backend.py)."""
     fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    memo = getattr(t, "item_memo", None)
+    if memo is not None:
+        fake.item_memo = memo
     if t.requires_grad:
         fake.requires_grad_(True)
         if not as_leaves and not t.is_leaf:

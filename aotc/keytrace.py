@@ -70,6 +70,7 @@ from aotc.functional import FlatProgram, fakeify
 from aotc.runtime import autograd
 from aotc.runtime.convention import apply_convention, expand_graph_args, plan_convention
 
+_SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
 PLAIN = (
     int,
     float,
@@ -90,15 +91,25 @@ class Unkeyable(Exception):
     """The program does something the key text cannot describe; it is compiled, not stored."""
 
 
+def storage_id(t: torch.Tensor) -> int:
+    """Which storage `t` uses: its data pointer, or for a fake tensor (the inputs of a Dynamo
+    graph stand for real ones) the identity of its storage object."""
+    if isinstance(t, FakeTensor):
+        return int(t.untyped_storage()._cdata)
+    return t.untyped_storage().data_ptr()
+
+
 def meta_eligible(leaves: list[object]) -> bool:
     """Inputs the meta tracer models exactly: plain strided leaves (or tensors without grad)
-    that are not views, do not share storage and carry no conj/neg bit."""
+    that are not views, do not share storage and carry no conj/neg bit; fake tensors (a Dynamo
+    graph's inputs) with static geometry count as the real tensors they stand for."""
     storages: set[int] = set()
     for leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
             continue
         if type(leaf) is not torch.Tensor and type(leaf) is not torch.nn.Parameter:
-            return False
+            if type(leaf) is not FakeTensor or not _static(leaf):
+                return False
         if (
             leaf.layout is not torch.strided
             or leaf._base is not None
@@ -109,15 +120,29 @@ def meta_eligible(leaves: list[object]) -> bool:
             or leaf.device.type == "meta"
         ):
             return False
-        ptr = leaf.untyped_storage().data_ptr()
+        ptr = storage_id(leaf)
         if ptr in storages and ptr != 0:
             return False  # a duplicate (same tensor twice) included: the fake tracer dedupes
         storages.add(ptr)
     return True
 
 
-def trace_text(program: FlatProgram, leaves: list[object], grad_enabled: bool, tracer: str) -> str:
-    """The canonical text of one run (see the module docstring)."""
+def _static(t: torch.Tensor) -> bool:
+    return not any(
+        isinstance(v, torch.SymInt) for v in (*t.shape, *t.stride(), t.storage_offset())
+    ) and not isinstance(getattr(t, "item_memo", None), torch.SymFloat)
+
+
+def trace_text(
+    program: FlatProgram,
+    leaves: list[object],
+    grad_enabled: bool,
+    tracer: str,
+    facts: Any = None,
+) -> str:
+    """The canonical text of one run (see the module docstring). `facts`: an
+    `aotc.symkey.ShapeFacts` for leaves with symbolic sizes (the fake tracer runs in their
+    ShapeEnv and prints symbols canonically; see Note [Symbolic cache entries])."""
     convention = plan_convention(leaves)
     graph_args = apply_convention(convention, leaves)
     constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -128,14 +153,15 @@ def trace_text(program: FlatProgram, leaves: list[object], grad_enabled: bool, t
             user_leaves = expand_graph_args(convention, tensors, constants)
             outs, out_spec = program(user_leaves)
     else:
-        mode = FakeTensorMode(allow_non_fake_inputs=False)
+        shape_env = facts.shape_env if facts is not None else None
+        mode = FakeTensorMode(allow_non_fake_inputs=False, shape_env=shape_env)
         # Heuristic: one run sees most ops once, so fake tensors' dispatch cache mostly costs: in
         # a cProfile of the GPT block's key trace in a fresh process, building its keys and
         # entries took ~75 of 255 ms.
         mode.cache_enabled = False
         with mode:
             tensors = fakeify(mode, graph_args, as_leaves=False)
-        recorder = _FakeRecorder(tensors)
+        recorder = _FakeRecorder(tensors, facts)
         with mode, recorder, torch.set_grad_enabled(grad_enabled):
             user_leaves = expand_graph_args(convention, tensors, constants)
             outs, out_spec = program(user_leaves)
@@ -148,6 +174,7 @@ def _finish(
     """The text of a finished run: its op lines, then outputs, structure and inputs after."""
     if recorder.unkeyable is not None:
         raise Unkeyable(recorder.unkeyable)
+    facts = getattr(recorder, "facts", None)  # symbolic fake runs: canonical symbol names
     lines = recorder.lines
     out_text = []
     for o in outs:
@@ -155,6 +182,8 @@ def _finish(
             out_text.append(f"{recorder.name(o)} rg={o.requires_grad} leaf={o.is_leaf}")
         elif isinstance(o, PLAIN):
             out_text.append(f"{type(o).__name__} {o!r}")
+        elif isinstance(o, _SYM) and facts is not None:
+            out_text.append(facts.text(o))
         else:
             raise Unkeyable(f"output of type {type(o).__name__}")
     lines.append("outputs " + ", ".join(out_text))
@@ -226,8 +255,9 @@ def _check_autograd(
 class _Recorder(TorchDispatchMode):
     """Writes each ATen call as canonical text (see Note [Cache key] in aotc/persist.py)."""
 
-    def __init__(self, inputs: list[torch.Tensor]) -> None:
+    def __init__(self, inputs: list[torch.Tensor], facts: Any = None) -> None:
         super().__init__()
+        self.facts = facts  # canonical symbol names, for symbolic inputs
         self.seen: list[torch.Tensor] = []  # keeps every tensor alive, so ids stay unique
         self.names: dict[int, str] = {}
         self.lines: list[str] = []
@@ -268,6 +298,8 @@ class _Recorder(TorchDispatchMode):
             return "{" + ", ".join(f"{k}={self._arg(v)}" for k, v in a.items()) + "}"
         if isinstance(a, PLAIN):
             return repr(a)
+        if isinstance(a, _SYM) and self.facts is not None:
+            return self.facts.text(a)
         self.unkeyable = f"op argument of type {type(a).__name__}"
         return "?"
 
@@ -284,10 +316,14 @@ class _Recorder(TorchDispatchMode):
             results = []
             for o in pytree.tree_leaves(out):
                 if isinstance(o, torch.Tensor):
-                    results.append(
-                        f"{self._new(o)}:{o.dtype}{list(o.shape)}/{o.stride()}"
-                        f"+{o.storage_offset()}@{o.device}"
-                    )
+                    if self.facts is None:
+                        geometry = f"{list(o.shape)}/{o.stride()}+{o.storage_offset()}"
+                    else:
+                        dims = self.facts.dims
+                        geometry = (
+                            f"{dims(o.shape)}/{dims(o.stride())}+{dims([o.storage_offset()])}"
+                        )
+                    results.append(f"{self._new(o)}:{o.dtype}{geometry}@{o.device}")
                 else:
                     results.append(self._arg(o))
             self.lines.append(f"{', '.join(results)} = {text}")
@@ -451,4 +487,4 @@ def _common_device(devices: list[tuple[torch.device, int]]) -> torch.device | No
     return None
 
 
-__all__ = ["PLAIN", "FakeRunObserver", "Unkeyable", "meta_eligible", "trace_text"]
+__all__ = ["PLAIN", "FakeRunObserver", "Unkeyable", "meta_eligible", "storage_id", "trace_text"]

@@ -19,13 +19,16 @@ class Capture(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class CompileOptions:
-    # TODO(lead): the default becomes Capture.DYNAMO with the Dynamo capture work (#12).
-    capture: Capture = Capture.TRACE
+    # How the program is captured: through Dynamo (the default) or aotc's strict tracer.
+    capture: Capture = Capture.DYNAMO
     # How graphs run: "aten" runs the fx graphs as ATen ops; "triton" runs generated Triton
     # kernels (on CPU through Triton's interpreter); "auto" uses Triton for CUDA graphs only.
     backend: str = "auto"
-    triton_interpret: bool = False  # set by from_env: Triton's interpreter can run CPU kernels
-    dynamic: bool = False  # symbolic sizes for tensor arguments (see aotc/symbolic.py)
+    triton_interpret: bool = False  # set by from_env: Triton's interpreter runs CPU kernels
+    # Symbolic sizes. None: Dynamo's automatic dynamic in the default capture mode (static
+    # first, symbolic once a size changes), static in strict mode; True: symbolic from the first
+    # call (aotc/symbolic.py); False: always static (one compilation per shape).
+    dynamic: bool | None = None
     recompile_warn_limit: int = 8  # warn once a function has this many compiled signatures
     max_signatures: int = 64  # refuse to compile more signatures than this (GuardError)
     check_invariants: bool = False  # lint graphs between stages

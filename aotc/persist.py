@@ -64,6 +64,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from aotc import keytrace
 from aotc.functional import FlatProgram
@@ -77,6 +78,7 @@ from aotc.runtime import autograd, epilogue, schema, wrappers
 from aotc.runtime import cache as store
 from aotc.runtime.errors import CacheError
 from aotc.runtime.kernels import CompiledGraph
+from aotc.symkey import ShapeFacts
 
 log = logging.getLogger("aotc.cache")
 
@@ -151,19 +153,30 @@ def cache_key(
     options: CompileOptions,
     grad_enabled: bool,
     tracers: Sequence[str] | None = None,
+    facts: ShapeFacts | None = None,
 ) -> CacheKey:
     """See Note [Cache key]. `tracers`: which key tracers to try, in order (default: meta, then
-    fake, or fake alone for inputs the meta tracer does not model)."""
+    fake, or fake alone for inputs the meta tracer does not model). `facts`: the symbols of a
+    symbolic compilation's inputs (Note [Symbolic cache entries] in aotc/symkey.py); the key then
+    also covers what the ShapeEnv knows about them, and only the fake tracer runs."""
     try:
-        parts = [_versions(), _options_text(options), _signature_text(leaves, names, grad_enabled)]
+        parts = [
+            _versions(),
+            _options_text(options),
+            _signature_text(leaves, names, grad_enabled, facts),
+        ]
+        if facts is not None:
+            parts.append("shape facts\n" + facts.prior_text())
     except _Unkeyable as e:
         return CacheKey(None, str(e))
-    if tracers is None:
+    if facts is not None:
+        tracers = ("fake",)
+    elif tracers is None:
         tracers = ("meta", "fake") if keytrace.meta_eligible(leaves) else ("fake",)
     reason = "no key tracer"
     for tracer in tracers:
         try:
-            trace = keytrace.trace_text(program, leaves, grad_enabled, tracer)
+            trace = keytrace.trace_text(program, leaves, grad_enabled, tracer, facts)
             break
         except _Unkeyable as e:
             reason = str(e)
@@ -205,12 +218,13 @@ def lookup(
     options: CompileOptions,
     grad_enabled: bool,
     lap: Callable[[str], None],
+    facts: ShapeFacts | None = None,
 ) -> tuple[CacheKey, dict[str, Any] | None]:
     """The key of this signature and its decoded entry, if stored. A meta key whose entry is a
     redirect (its program's meta and fake texts differed, see `store_verified`) is keyed again
     with the fake tracer. `lap(stage)` closes the timing of "cache_key" and, on a hit,
     "cache_load" (a miss's read counts as key time)."""
-    key = cache_key(program, leaves, names, options, grad_enabled)
+    key = cache_key(program, leaves, names, options, grad_enabled, facts=facts)
     lap("cache_key")
     cached = load_entry(options, key.key) if key.key is not None else None
     if cached is _REDIRECT:
@@ -232,13 +246,18 @@ def store_verified(
     plan: object,
     compiled: tuple[CompiledGraph | None, CompiledGraph | None] = (None, None),
     observed: keytrace.FakeRunObserver | None = None,
+    shape_guards: dict[str, Any] | None = None,
 ) -> None:
     """Store a cold compile's entry under `key` once `verify_key` accepts it. A meta key it
     refuses gets a redirect instead, and the entry goes under the program's fake key, so the next
     process pays one extra key trace rather than a cold compile. `observed`: the fake text of the
     compile's own fake run, which spares the verification its trace (Note [Verifying on the
-    compile's own run] in aotc/keytrace.py)."""
+    compile's own run] in aotc/keytrace.py). `shape_guards`: what a symbolic compilation added to
+    the ShapeEnv (`ShapeFacts.added_guards`), replayed on a hit."""
     assert key.key is not None
+    if shape_guards is not None:  # a fake-traced key: nothing to verify
+        store_entry(options, key.key, record, plan, compiled, shape_guards)
+        return
     fake_text = observed.text if observed is not None else None
     refused = verify_key(key, program, leaves, grad_enabled, fake_text)
     if refused is None:
@@ -333,7 +352,12 @@ def _options_text(options: CompileOptions) -> str:
     )
 
 
-def _signature_text(leaves: Sequence[object], names: Sequence[str], grad_enabled: bool) -> str:
+def _signature_text(
+    leaves: Sequence[object],
+    names: Sequence[str],
+    grad_enabled: bool,
+    facts: ShapeFacts | None = None,
+) -> str:
     lines = [f"grad={grad_enabled} inference={torch.is_inference_mode_enabled()}"]
     autocast = [
         (d, str(torch.get_autocast_dtype(d)))
@@ -347,22 +371,39 @@ def _signature_text(leaves: Sequence[object], names: Sequence[str], grad_enabled
     for i, leaf in enumerate(leaves):
         name = names[i] if i < len(names) else f"arg{i}"
         if isinstance(leaf, torch.Tensor):
+            fake = type(leaf) is FakeTensor  # a Dynamo graph's input: stands for a real tensor
             if type(leaf) is not torch.Tensor and not isinstance(leaf, torch.nn.Parameter):
-                raise _Unkeyable(f"input {name} is a tensor subclass {type(leaf).__name__}")
+                if not fake:
+                    raise _Unkeyable(f"input {name} is a tensor subclass {type(leaf).__name__}")
             root = leaf._base if leaf._base is not None else leaf
-            ptr = leaf.untyped_storage().data_ptr() if leaf.layout is torch.strided else 0
+            ptr = keytrace.storage_id(leaf) if leaf.layout is torch.strided else 0
+            if facts is not None:
+                memo = getattr(leaf, "item_memo", None) if fake else None
+                geometry = (
+                    f"{facts.dims(leaf.shape)} {facts.dims(leaf.stride())} "
+                    f"+{facts.text(leaf.storage_offset())}"
+                    + (f" item={facts.text(memo)}" if memo is not None else "")
+                )
+                root_geometry = (
+                    f"{facts.dims(root.shape)} {facts.dims(root.stride())} "
+                    f"+{facts.text(root.storage_offset())}"
+                )
+            else:
+                geometry = f"{tuple(leaf.shape)} {leaf.stride()} +{leaf.storage_offset()}"
+                root_geometry = f"{tuple(root.shape)} {root.stride()} +{root.storage_offset()}"
             lines.append(
-                f"{name}: {leaf.dtype} {tuple(leaf.shape)} {leaf.stride()} +{leaf.storage_offset()} "
+                f"{name}: {leaf.dtype} {geometry} "
                 f"{leaf.device} {leaf.layout} rg={leaf.requires_grad} leaf={leaf.is_leaf} "
                 f"view={leaf._is_view()} conj={leaf.is_conj()} neg={leaf.is_neg()} "
                 f"param={isinstance(leaf, torch.nn.Parameter)} inference={leaf.is_inference()} "
                 f"same={ids.setdefault(id(leaf), i)} "
                 f"storage={storages.setdefault(ptr, i) if ptr else i} "
-                f"root={roots.setdefault(id(root), i)} {tuple(root.shape)} {root.stride()} "
-                f"+{root.storage_offset()}"
+                f"root={roots.setdefault(id(root), i)} {root_geometry}"
             )
         elif isinstance(leaf, _PLAIN):
             lines.append(f"{name}: {type(leaf).__name__} {leaf!r}")
+        elif isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)) and facts is not None:
+            lines.append(f"{name}: {facts.text(leaf)}")
         else:
             raise _Unkeyable(f"argument {name} has type {type(leaf).__name__}")
     return "\n".join(lines)
@@ -406,6 +447,7 @@ def load_entry(options: CompileOptions, key: str) -> dict[str, Any] | None:
             "kernels": kernels,
             "lowered": lowered,
             "decomposed": decomposed,
+            "shape_guards": body.get("shape_guards"),  # checked by ShapeFacts.replay
         }
     except (
         CacheError,
@@ -493,10 +535,12 @@ def store_entry(
     record: dict[str, Any],
     plan: object,
     compiled: tuple[CompiledGraph | None, CompiledGraph | None] = (None, None),
+    shape_guards: dict[str, Any] | None = None,
 ) -> bool:
     """Write the entry; False (logged) when some value has no plain encoding or the directory
     cannot be written. `record` maps CompiledRecord field names to values; `compiled` are the
-    forward and backward graphs' Triton lowerings (None: run as ATen calls)."""
+    forward and backward graphs' Triton lowerings (None: run as ATen calls); `shape_guards`: a
+    symbolic compilation's guards (already plain JSON, see aotc/symkey.py)."""
     assert options.cache_dir is not None
     graphs: list[dict[str, Any]] = []
     ids: dict[int, int] = {}
@@ -505,12 +549,14 @@ def store_entry(
     record.pop("fusion_text", None)  # regenerated with the kernels
     try:
         body = {
-            "record": store.encode(record, graphs, ids),
+            "record": store.encode(record, graphs, ids, symbols_as_text=True),
             "plan": store.encode(plan, graphs, ids),
             "graphs": graphs,
             "kernels": [{"name": k.name, "source": k.source} for k in kernels],
             "lowered": [c is not None for c in compiled],
         }
+        if shape_guards is not None:
+            body["shape_guards"] = shape_guards
     except store.Uncachable as e:
         log.info("not caching: %s", e)
         return False

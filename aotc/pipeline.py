@@ -51,6 +51,7 @@ from aotc.runtime.launch import make_callable
 from aotc.runtime.schema import CallingConvention, FwdOut, GraphArg, MutationAliasInfo, UserArg
 from aotc.runtime.wrappers import CompiledEntry, RuntimePlan
 from aotc.structured import trace_failure, trace_record
+from aotc.symkey import ShapeFacts, is_symbolic
 from aotc.tracer import trace_joint
 
 
@@ -188,8 +189,8 @@ def compile_signature(
     source: str = "<unknown>",
     fake_mode: FakeTensorMode | None = None,
 ) -> CompiledEntry:
-    """`fake_mode`: a symbolic compilation; `leaves` are its fakes (see Note [Symbolic
-    compilations] in aotc/symbolic.py). A failure is reported (see `FailedCompile`) and
+    """`fake_mode`: a compilation on fakes (`leaves`): Dynamo's, or aotc's own with
+    `dynamic=True` (see Note [Symbolic compilations] in aotc/symbolic.py). A failure is reported (see `FailedCompile`) and
     re-raised; see Note [User-facing tracebacks]."""
     start = time.perf_counter()
     try:
@@ -273,10 +274,14 @@ def _compile_signature(
 
     grad_enabled = torch.is_grad_enabled()
     key: str | None = None
-    if given_mode is None and persist.is_enabled(options):  # symbolic: never stored
-        cache_key, cached = persist.lookup(program, leaves, names, options, grad_enabled, lap)
+    facts, cacheable = _cache_facts(given_mode, leaves, options)
+    if cacheable:
+        snapshot = facts.snapshot() if facts is not None else None
+        cache_key, cached = persist.lookup(
+            program, leaves, names, options, grad_enabled, lap, facts
+        )
         key = cache_key.key
-        if cached is not None:
+        if cached is not None and (facts is None or facts.replay(cached["shape_guards"])):
             compiled = persist.regenerate_kernels(cached, options)
             if any(cached["lowered"]):
                 lap("kernels")
@@ -290,7 +295,8 @@ def _compile_signature(
     convention = plan_convention(leaves, names=names)
     # A meta key is verified on the metadata pass's own fake run (Note [Verifying on the
     # compile's own run] in aotc/keytrace.py).
-    observed = persist.FakeRunObserver(leaves) if key is not None else None
+    # Only for real leaves: fakes (Dynamo's graphs) are verified by their own fake trace.
+    observed = persist.FakeRunObserver(leaves) if key is not None and given_mode is None else None
     observed_program = observed.observe(program) if observed is not None else program
     metadata = collect_metadata(
         observed_program, leaves, convention, fake_mode, grad_enabled, names
@@ -396,6 +402,13 @@ def _compile_signature(
         input_names=tuple(names),
         **_kernel_fields(fwd_compiled, bwd_compiled),
     )
+    shape_guards = None
+    if key is not None and facts is not None:
+        # See Note [Symbolic cache entries]: stored only with the guards it added, and only as
+        # ATen graphs (a Triton lowering of symbolic graphs would need its node values).
+        shape_guards = facts.added_guards(snapshot)  # type: ignore[arg-type]
+        if shape_guards is None or fwd_compiled is not None or bwd_compiled is not None:
+            key = None
     if key is not None:
         persist.store_verified(
             cache_key,
@@ -408,6 +421,7 @@ def _compile_signature(
             plan,
             (fwd_compiled, bwd_compiled),
             observed,
+            shape_guards,
         )
         lap("cache_key")  # the check of a meta key: part of the cold compile's cost
     _log_record(entry.record, fwd_module, bwd_module)
@@ -423,6 +437,22 @@ def _graph_device(graph: JointGraph) -> torch.device | None:
         if isinstance(val, torch.Tensor):
             return val.device
     return None
+
+
+def _cache_facts(
+    given_mode: FakeTensorMode | None, leaves: Sequence[object], options: CompileOptions
+) -> tuple[ShapeFacts | None, bool]:
+    """Whether this compilation may use the cache, and for symbolic leaves their `ShapeFacts`.
+    Real leaves (aotc.compile) and fakes with static geometry (a static Dynamo graph: the compile
+    can add no shape assumption) are keyed as they are; symbolic fakes with their ShapeEnv facts
+    (Note [Symbolic cache entries] in aotc/symkey.py)."""
+    if not persist.is_enabled(options):
+        return None, False
+    if given_mode is None or not is_symbolic(leaves):
+        return None, True
+    if given_mode.shape_env is None:
+        return None, False
+    return ShapeFacts.of(given_mode.shape_env, leaves), True
 
 
 def _record_fields(record: CompiledRecord) -> dict[str, object]:

@@ -216,12 +216,19 @@ _FORMATS = {
 
 
 def encode(
-    value: Any, graphs: list[dict[str, Any]] | None = None, graph_ids: dict[int, int] | None = None
+    value: Any,
+    graphs: list[dict[str, Any]] | None = None,
+    graph_ids: dict[int, int] | None = None,
+    symbols_as_text: bool = False,
 ) -> Any:
-    """A JSON value for `value`; GraphModules go to `graphs` (shared ones stored once)."""
-    enc: Callable[[Any], Any] = lambda v: encode(v, graphs, graph_ids)
+    """A JSON value for `value`; GraphModules go to `graphs` (shared ones stored once).
+    `symbols_as_text`: symbolic sizes (in records only inspection reads, e.g. the shapes of saved
+    values of a symbolic compilation) become their text; elsewhere they are not encodable."""
+    enc: Callable[[Any], Any] = lambda v: encode(v, graphs, graph_ids, symbols_as_text)
     if value is None or isinstance(value, (bool, int, str)):
         return value
+    if symbols_as_text and isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return {"Y": str(value)}
     if isinstance(value, float):
         return value if math.isfinite(value) else {"F": repr(value)}
     if isinstance(value, complex):
@@ -270,6 +277,10 @@ def _registered_name(cls: type) -> str:
     return name
 
 
+class SymbolText(str):
+    """A symbolic size of a cached record, as text (see `encode(symbols_as_text=True)`)."""
+
+
 def decode(value: Any, graphs: Sequence[fx.GraphModule] | None = None) -> Any:
     """Inverse of `encode`. Raises CacheError on anything not produced by `encode`."""
     dec: Callable[[Any], Any] = lambda v: decode(v, graphs)
@@ -284,6 +295,8 @@ def decode(value: Any, graphs: Sequence[fx.GraphModule] | None = None) -> Any:
     match tag:
         case "T":
             return tuple(dec(v) for v in _list(arg))
+        case "Y":
+            return SymbolText(str(arg))
         case "D":
             return {str(k): dec(v) for k, v in dict(arg).items()}
         case "F":
@@ -417,18 +430,39 @@ class GraphTable(Sequence[fx.GraphModule]):
 _NAMESPACES = ("aten", "prims")
 
 
+# Python functions of sizes and scalars that symbolic graphs call (`s0 * 4`, `-lr`): a fixed
+# table, resolved by name on load like the ops.
+_SCALAR_FUNCTIONS: dict[str, Callable[..., Any]] = {
+    f"operator.{name}": getattr(operator, name)
+    for name in (
+        "getitem", "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "neg", "pos",
+        "abs", "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "not_",
+    )
+}  # fmt: skip
+_SCALAR_FUNCTIONS.update(
+    {
+        f"torch.{name}": getattr(torch, name)
+        for name in ("sym_float", "sym_int", "sym_max", "sym_min", "sym_not", "sym_ite")
+        if hasattr(torch, name)
+    }
+)
+_SCALAR_NAMES = {id(fn): name for name, fn in _SCALAR_FUNCTIONS.items()}
+
+
 def _target_name(target: object) -> str:
-    if target is operator.getitem:
-        return "operator.getitem"
+    name = _SCALAR_NAMES.get(id(target))
+    if name is not None:
+        return name
     if isinstance(target, torch._ops.OpOverload) and target.namespace in _NAMESPACES:
         return f"{target.namespace}::{target._opname}.{target._overloadname}"
     raise Uncachable(f"graph calls {target}, which is not an aten/prims op")
 
 
 def _resolve_target(name: object) -> object:
-    """Allowlist: only aten/prims overloads and operator.getitem can come out of a cache."""
-    if name == "operator.getitem":
-        return operator.getitem
+    """Allowlist: only aten/prims overloads and the scalar functions of `_SCALAR_FUNCTIONS` can
+    come out of a cache."""
+    if isinstance(name, str) and name in _SCALAR_FUNCTIONS:
+        return _SCALAR_FUNCTIONS[name]
     if not isinstance(name, str) or "::" not in name:
         raise CacheError(f"bad call target {str(name)[:80]!r}")
     namespace, _, rest = name.partition("::")
@@ -473,6 +507,10 @@ def _decode_arg(value: Any, env: dict[str, fx.Node]) -> Any:
 
 
 def _encode_val(val: Any) -> Any:
+    if isinstance(val, torch.Tensor) and any(
+        isinstance(v, torch.SymInt) for v in (*val.shape, *val.stride(), val.storage_offset())
+    ):
+        return None  # symbolic geometry: dropped like other symbolic values
     if isinstance(val, torch.Tensor):
         return {
             "t": [

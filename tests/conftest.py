@@ -307,3 +307,14 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         for report in state[1]:
             terminalreporter.write_line(report)
     terminalreporter.write_line(state[2])
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test starts with Dynamo's caches empty, as a new process would: Dynamo keeps state per
+    code object (compiled entries, sizes seen for automatic dynamic) that would otherwise carry
+    over between tests calling the same function."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
+    yield

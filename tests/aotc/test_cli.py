@@ -60,9 +60,18 @@ def test_explain_prints_a_table_per_graph(script, tmp_path):
     assert out.count("== graph") == 3
     assert "training (forward + backward)" in out and "inference (forward)" in out
     assert "compiled because  first call" in out
-    assert "input 0 shape (5, 8) -> (6, 8)" in out
-    assert "grad mode True -> False" in out
+    # The default capture mode: Dynamo's guards say why it recompiled.
+    assert "tensor 'x' size mismatch at index 0. expected 5, actual 6" in out
+    assert "grad_mode" in out
     assert "aotc: compiling step" in result.stderr  # progress lines
+
+
+def test_explain_gives_strict_mode_reasons(script, tmp_path):
+    script.write_text(SCRIPT.replace("@aotc.compile\n", '@aotc.compile(capture="trace")\n'))
+    result = run_cli("explain", str(script), "--", "5", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "input 0 shape (5, 8) -> (6, 8)" in result.stdout
+    assert "grad mode True -> False" in result.stdout
 
 
 def test_dump_writes_every_graph_and_an_index(script, tmp_path):
@@ -106,7 +115,7 @@ def test_unsupported_program_exits_1_with_aotc_error(tmp_path):
     bad.write_text(
         textwrap.dedent("""
         import torch, aotc
-        f = aotc.compile(lambda x: x * 2 if x.sum() > 0 else x)
+        f = aotc.compile(lambda x: x * 2 if x.sum() > 0 else x, capture="trace")
         f(torch.randn(3))
     """)
     )
@@ -181,7 +190,7 @@ def test_metadata_dump_shows_dedupe_and_synthetic_bases(tmp_path):
         a.add_(1)
         return a * b + c
 
-    compiled = aotc.compile(f, dump=str(tmp_path))
+    compiled = aotc.compile(f, dump=str(tmp_path), capture="trace")  # aotc's own conventions
     base = torch.randn(2, 3)
     x = torch.randn(3)
     compiled(base[0], base[1], x)

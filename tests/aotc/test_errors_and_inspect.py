@@ -32,19 +32,19 @@ def test_data_dependent_control_flow_raises_naming_the_line():
         return x
 
     with pytest.raises(aotc.UnsupportedError, match="depends on tensor values") as info:
-        aotc.compile(f)(torch.randn(3))
+        aotc.compile(f, capture="trace")(torch.randn(3))
     assert "test_errors_and_inspect.py" in str(info.value)
     assert "torch.where" in str(info.value)
 
 
 def test_item_raises():
     with pytest.raises(aotc.UnsupportedError, match=r"\.item\(\)"):
-        aotc.compile(lambda x: x * x.max().item())(torch.randn(3))
+        aotc.compile(lambda x: x * x.max().item(), capture="trace")(torch.randn(3))
 
 
 def test_data_dependent_output_shape_raises():
     with pytest.raises(aotc.UnsupportedError):
-        aotc.compile(lambda x: x.nonzero())(torch.randn(5))
+        aotc.compile(lambda x: x.nonzero(), capture="trace")(torch.randn(5))
 
 
 def test_unknown_output_type_raises():
@@ -52,12 +52,12 @@ def test_unknown_output_type_raises():
         """An object aotc has no way to return from a graph."""
 
     with pytest.raises(aotc.UnsupportedError, match="output 1 has type Opaque"):
-        aotc.compile(lambda x: (x * 2, Opaque()))(torch.randn(3))
+        aotc.compile(lambda x: (x * 2, Opaque()), capture="trace")(torch.randn(3))
 
 
 def test_new_parameter_output_raises():
     with pytest.raises(aotc.UnsupportedError, match="nn.Parameter created inside"):
-        aotc.compile(lambda x: (x + 1, torch.nn.Parameter(x * 2)))(torch.randn(3))
+        aotc.compile(lambda x: (x + 1, torch.nn.Parameter(x * 2)), capture="trace")(torch.randn(3))
 
 
 def test_bad_options_name_the_option():
@@ -93,7 +93,7 @@ def test_storage_swap_of_input_raises():
         return x * 2
 
     with pytest.raises(aotc.UnsupportedError, match="set_ / resize_") as info:
-        aotc.compile(f)(torch.randn(3), torch.randn(3))
+        aotc.compile(f, capture="trace")(torch.randn(3), torch.randn(3))
     assert "'x'" in str(info.value)
 
 
@@ -155,7 +155,7 @@ def test_inputs_with_statically_no_gradient_are_detached():
     def f(x, unused):
         return x * 2, unused.shape[0]
 
-    compiled = aotc.compile(f)
+    compiled = aotc.compile(f, capture="trace")  # aotc's graph takes `unused` as an input
     x, unused = torch.randn(3, requires_grad=True), torch.randn(2, requires_grad=True)
     out, n = compiled(x, unused)
     assert n == 2

@@ -1,5 +1,9 @@
 """Every unsupported situation raises an aotc exception that says where (op, argument or source
-line) and what to do. One row per situation; the message is checked, not only the type."""
+line) and what to do. One row per situation; the message is checked, not only the type.
+
+These are strict mode's errors (`capture="trace"`); the default capture mode runs most of these
+programs (Dynamo breaks the graph around what it cannot trace): tests/e2e/test_capture_dynamo.py
+checks each against eager there."""
 
 from __future__ import annotations
 
@@ -212,7 +216,7 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_error_names_where_and_what_to_do(name):
     case = CASES[name]
-    compiled = aotc.compile(case.fn, **case.options)
+    compiled = aotc.compile(case.fn, capture="trace", **case.options)
     with pytest.raises(aotc.AotcError) as info:
         compiled(*case.make_args())
         if case.backward:
@@ -229,7 +233,7 @@ def test_error_names_where_and_what_to_do(name):
 
 
 def test_too_many_signatures_is_a_guard_error():
-    compiled = aotc.compile(lambda x: x * 2, max_signatures=2)
+    compiled = aotc.compile(lambda x: x * 2, max_signatures=2, capture="trace")
     compiled(torch.randn(1))
     compiled(torch.randn(2))
     with pytest.raises(aotc.GuardError, match="max_signatures=2") as info:
@@ -239,7 +243,7 @@ def test_too_many_signatures_is_a_guard_error():
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
 def test_call_inside_torch_func_transform_is_an_aotc_error(transform):
-    compiled = aotc.compile(lambda x: (x.sin() * 2).sum(), cache=False)
+    compiled = aotc.compile(lambda x: (x.sin() * 2).sum(), cache=False, capture="trace")
     wrapped = torch.func.grad(compiled) if transform == "grad" else torch.func.vmap(compiled)
     with pytest.raises(aotc.UnsupportedError) as info:
         wrapped(torch.randn(4, 3))

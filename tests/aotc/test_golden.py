@@ -14,7 +14,7 @@ def step(x, buf):
 
 
 def _compile_once():
-    compiled = aotc.compile(step)
+    compiled = aotc.compile(step, capture="trace")  # the strict tracer's own graphs
     x = torch.randn(3, 4, requires_grad=True) * 1.0
     out = compiled(x, torch.randn(3, 4))
     out[0].sum().backward()

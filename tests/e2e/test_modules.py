@@ -237,7 +237,7 @@ def test_unliftable_tensor_raises_clear_error():
         return x * helper.table
 
     with pytest.raises(aotc.UnsupportedError, match="Pass it as an argument"):
-        aotc.compile(f)(torch.randn(3))
+        aotc.compile(f, capture="trace")(torch.randn(3))
 
 
 # ---------------------------------------------------------------- recompiles
@@ -260,14 +260,16 @@ def test_new_shape_recompiles_and_matches():
 
 
 def test_recompile_warning_after_limit():
-    compiled = aotc.compile(lambda x: x * 2, recompile_warn_limit=2)
+    compiled = aotc.compile(lambda x: x * 2, recompile_warn_limit=2, capture="trace")
     with pytest.warns(UserWarning, match="recompiled 2 times"):
         for n in range(1, 5):
             compiled(torch.randn(n))
 
 
 def test_max_signatures_raises_guard_error():
-    compiled = aotc.compile(lambda x: x + 1, max_signatures=2, recompile_warn_limit=100)
+    compiled = aotc.compile(
+        lambda x: x + 1, max_signatures=2, recompile_warn_limit=100, capture="trace"
+    )
     compiled(torch.randn(1))
     compiled(torch.randn(2))
     with pytest.raises(aotc.GuardError, match="max_signatures"):
@@ -371,7 +373,8 @@ def test_optimizer_first_step_creating_state_runs_eagerly_then_compiles():
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=False)
-    compiled_step = aotc.compile(lambda: opt.step())
+    # Strict mode; the default mode: tests/e2e/test_capture_dynamo.py.
+    compiled_step = aotc.compile(lambda: opt.step(), capture="trace")
     for _ in range(3):
         x = torch.randn(4, 3)
         model(x).sum().backward()
@@ -399,5 +402,5 @@ def test_assigning_grad_inside_is_refused():
         opt.zero_grad(set_to_none=True)
 
     with pytest.raises(aotc.UnsupportedError, match="assigns .grad"):
-        aotc.compile(zero)()
+        aotc.compile(zero, capture="trace")()  # the default mode runs it (test_capture_dynamo)
     assert model.weight.grad is not None

@@ -400,4 +400,4 @@ def test_sparse_input_raises_unsupported():
 
     dense = torch.randn(5, 3)
     with pytest.raises(aotc.UnsupportedError, match="sparse_csr"):
-        aotc.compile(lambda a, b: a @ b)(torch.randn(5, 5).to_sparse_csr(), dense)
+        aotc.compile(lambda a, b: a @ b, capture="trace")(torch.randn(5, 5).to_sparse_csr(), dense)

@@ -65,15 +65,18 @@ def variations() -> dict[str, object]:
     }
 
 
+@pytest.mark.parametrize("capture", ["dynamo", "trace"])
 @pytest.mark.parametrize("name", sorted(variations()))
-def test_one_tensor_property_changed(name):
-    compiled = aotc.compile(f)
+def test_one_tensor_property_changed(name, capture):
+    compiled = aotc.compile(f, capture=capture)
     assert_matches_eager(f, base_args, compiled=compiled, runs=1)
     assert len(aotc.inspect(compiled)) == 1
     assert_matches_eager(f, variations()[name], compiled=compiled, runs=2)
     n = len(aotc.inspect(compiled))
     assert n in (1, 2)
-    if name != "offset":  # a storage offset alone changes nothing the graph depends on
+    # A storage offset alone changes nothing the graph depends on; Dynamo does not guard on
+    # leafness (the graph is the same for a non-leaf w: its gradient flows on through autograd).
+    if name != "offset" and not (capture == "dynamo" and name == "w_non_leaf"):
         assert n == 2, f"{name}: expected a recompile"
     # Back to the first signature: reuses the first entry, still correct.
     assert_matches_eager(f, base_args, compiled=compiled, runs=1)
@@ -114,8 +117,12 @@ def mutate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a + b
 
 
+@pytest.mark.parametrize("capture", ["dynamo", "trace"])
 @pytest.mark.parametrize("pattern", ["same", "overlapping_views", "disjoint_views"])
-def test_aliasing_between_inputs(pattern):
+def test_aliasing_between_inputs(pattern, capture):
+    """In the default mode, views of one storage reach a graph compiled for separate inputs
+    (Dynamo guards identity, not overlap): see Note [Inputs that alias at run time]."""
+
     def separate():
         return torch.randn(4), torch.randn(4)
 
@@ -131,7 +138,7 @@ def test_aliasing_between_inputs(pattern):
         t = torch.randn(4)
         return t, t
 
-    compiled = aotc.compile(mutate)
+    compiled = aotc.compile(mutate, capture=capture)
     assert_matches_eager(mutate, separate, compiled=compiled, runs=1, backward=False)
     make = same if pattern == "same" else aliased
     assert_matches_eager(mutate, make, compiled=compiled, runs=2, backward=False)

@@ -53,7 +53,7 @@ def test_compiled_function_and_entries_are_collectable():
 
         return f
 
-    compiled = aotc.compile(fresh())
+    compiled = aotc.compile(fresh(), capture="trace")
     x, w = torch.randn(3, 4), torch.randn(4, 2, requires_grad=True)
     compiled(x, w).backward()
     with torch.no_grad():
@@ -64,6 +64,32 @@ def test_compiled_function_and_entries_are_collectable():
     for e in compiled._dispatch.entries:  # the graph callables and autograd.Function classes
         refs += [weakref.ref(e._fwd)] + ([weakref.ref(e._fn)] if e._fn is not None else [])
     del compiled, record, e
+    gc.collect()
+    alive = [r() for r in refs if r() is not None]
+    assert not alive, [type(a).__name__ for a in alive]
+
+
+def test_default_mode_graphs_are_freed_with_dynamos_cache():
+    """In the default capture mode Dynamo's cache entries (on the function's code object) hold
+    the compiled graphs, as for torch.compile: they go with `torch._dynamo.reset()`."""
+    import torch._dynamo
+
+    def fresh():
+        def f(x, w):
+            return (x @ w).relu().sum()
+
+        return f
+
+    compiled = aotc.compile(fresh())
+    x, w = torch.randn(3, 4), torch.randn(4, 2, requires_grad=True)
+    compiled(x, w).backward()
+    with torch.no_grad():
+        compiled(x, w)
+    refs = [weakref.ref(compiled)]
+    for record in aotc.inspect(compiled):
+        refs += [weakref.ref(record.forward), weakref.ref(record.joint)]
+    del compiled, record
+    torch._dynamo.reset()
     gc.collect()
     alive = [r() for r in refs if r() is not None]
     assert not alive, [type(a).__name__ for a in alive]

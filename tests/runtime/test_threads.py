@@ -76,7 +76,13 @@ def test_different_functions_compile_concurrently():
 
     compiled_a, compiled_b = aotc.compile(step), aotc.compile(other)
     run_threads(lambda i: check(compiled_a, i) if i % 2 else other_ref(i))
-    assert len(aotc.inspect(compiled_a)) == 1 and len(aotc.inspect(compiled_b)) == 1
+    # One signature each. Dynamo may compile a frame again when another thread was compiling
+    # while its guards ran ("Unexpected recompilation", with any backend); those repeats are
+    # the same graph, served from aotc's cache.
+    for compiled in (compiled_a, compiled_b):
+        records = aotc.inspect(compiled)
+        assert len({r.signature for r in records}) == 1
+        assert all("trace" not in r.stage_seconds for r in records[1:])
 
 
 def test_module_from_threads_under_no_grad_and_grad():
@@ -94,7 +100,8 @@ def test_module_from_threads_under_no_grad_and_grad():
         assert got.requires_grad == (i % 2 == 0)
 
     run_threads(body)
-    assert len(aotc.inspect(compiled)) == 2  # one grad-enabled, one no_grad signature
+    records = aotc.inspect(compiled)  # one grad-enabled, one no_grad signature (see above)
+    assert len({(r.signature, r.training) for r in records}) == 2
 
 
 class Counter(torch.nn.Module):
@@ -112,7 +119,7 @@ def test_concurrent_calls_keep_every_buffer_update():
     """8 threads x 5 calls of a module that counts its calls: eager ends at 40, and so must aotc
     (issue #13: updates were lost). Entries that mutate nothing take no lock."""
     module = Counter()
-    compiled = aotc.compile(module)
+    compiled = aotc.compile(module, capture="trace")
     compiled(torch.randn(4, 32))  # compile once
     module.steps.zero_()
 
@@ -124,7 +131,7 @@ def test_concurrent_calls_keep_every_buffer_update():
     assert int(module.steps) == THREADS * 5
     (entry,) = compiled._compiled._dispatch.entries
     assert entry.call == entry._call_locked
-    pure = aotc.compile(step)
+    pure = aotc.compile(step, capture="trace")
     pure(*inputs(0))
     (pure_entry,) = pure._dispatch.entries
     assert pure_entry.call != pure_entry._call_locked

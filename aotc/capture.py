@@ -1,0 +1,333 @@
+"""The default capture mode of `aotc.compile`: Dynamo captures the program, aotc compiles its graphs.
+
+Stage: `capture(fn_or_module, options) -> DynamoFunction | DynamoModule`.
+Requires: `options.capture is Capture.DYNAMO`.
+Ensures: calls run through Dynamo (`torch._dynamo.optimize`, what `torch.compile` wraps) with a
+backend of this object's own: every FX graph Dynamo captures (one per graph break, per
+recompilation, per DDP bucket) is compiled by `aotc.backend.compile_graph` with these options, and
+its record lands in this object's `records` (`aotc.inspect`). Everything Python-level is Dynamo's:
+guards on Python values (module attributes, `dropout.p`, globals, optimizer hyper-parameters,
+submodule identity), module hooks, Python side effects replayed after each call, graph breaks
+around what it cannot trace, DDP's bucketed graphs, lazily created optimizer state.
+
+Note [Dynamo capture]
+~~~~~~~~~~~~~~~~~~~~~
+Why Dynamo and not aotc's tracer by default: the tracer runs the program once on fake tensors and
+keeps only the ATen ops, so anything the program *reads* from Python (a float attribute, a hook
+dict, an optimizer's `lr`) is baked into the graph with no way to notice a change, and anything it
+*does* in Python (append to a list, create optimizer state) happens once. Dynamo symbolically
+executes the bytecode instead: each Python value it reads becomes a guard (a change recompiles),
+each side effect is replayed after the graph runs, and what it cannot model splits the program
+into graphs with eager Python in between. aotc keeps what it is good at: the functional joint
+graph, the min-cut partition, the runtime wrappers and the kernels, applied to each Dynamo graph.
+
+How options map (see docs/guide.md, "Capture modes"):
+- `dynamic`: None (the default) is Dynamo's automatic dynamic: a graph is first compiled with
+  static sizes, and a size that changes between calls recompiles it once with that dimension
+  symbolic. False specializes every size (one graph per shape, as `aotc.compile` did before);
+  True makes every dimension symbolic from the first call.
+- `max_signatures`: Dynamo's recompile limit for this object's frames (counted for this object
+  alone, `isolate_recompiles`). Past it Dynamo runs the frame eagerly (with its warning), as
+  torch.compile does: correct, only not compiled. `recompile_warn_limit`: aotc warns once when a
+  frame has been recompiled that many times, naming the last guard that failed.
+- `recompile_reasons`: the guards that failed, as Dynamo words them, in order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+import sys
+import threading
+import time
+import types
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from aotc.options import Capture, CompileOptions
+from aotc.pipeline import CompiledRecord
+
+log = logging.getLogger("aotc.recompiles")
+_OPTIMIZE_TAKES_LIMITS = (
+    "isolate_recompiles" in inspect.signature(torch._dynamo.eval_frame._optimize).parameters
+)
+progress = logging.getLogger("aotc.progress")
+
+
+class _Capture:
+    """What one `aotc.compile` object shares with its Dynamo backend: options, name, the graphs
+    compiled so far, the guard failures Dynamo reported."""
+
+    def __init__(self, options: CompileOptions, name: str, owner: Any) -> None:
+        self.options = dataclasses.replace(options, capture=Capture.DYNAMO)
+        self.name = name
+        self.graphs: list[Any] = []  # each has `.records` (a compiled graph or a lazy fallback)
+        self.recompile_reasons: list[str] = []
+        self._pending: list[str] = []
+        self._owner = weakref.ref(owner)
+        self._lock = threading.Lock()
+        self._warned = False
+        self._first_lock = threading.RLock()
+        self.warm: frozenset[bool] = frozenset()  # grad modes a call has completed in
+
+    def backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        """Dynamo's backend protocol (see aotc/backend.py)."""
+        from aotc.backend import compile_graph
+
+        sound_guards_for_this_compile()
+        with self._lock:
+            reason = "; ".join(self._pending) if self._pending else None
+            self._pending.clear()
+        if reason is not None:
+            self.recompile_reasons.append(reason)
+            log.info("recompiling %s: %s", self.name, reason)
+        n = len(self.graphs) + 1
+        progress.info("aotc: compiling %s (graph %d) ...", self.name, n)
+        start = time.perf_counter()
+        run = compile_graph(
+            gm, example_inputs, self.options, self.name, self._owner(), reason, self.graphs.append
+        )
+        progress.info(
+            "aotc: compiled %s (graph %d) in %.2f s", self.name, n, time.perf_counter() - start
+        )
+        return run
+
+    def guard_failed(self, failure: Any) -> None:
+        """Dynamo's `guard_fail_fn`: called for each cached graph whose guard failed before a
+        recompilation. Must not raise (Dynamo calls it while evaluating guards)."""
+        # Dynamo appends the user's stack to each reason: keep the guard itself.
+        reason = str(getattr(failure, "reason", failure)).split("\nUser stack trace")[0].strip()
+        if "BACKEND_MATCH" in reason:
+            # Another aotc.compile object of the same code ran into this one's cached graph
+            # (Dynamo calls the guard_fail_fn the graph was compiled with): not a recompile here.
+            return
+        with self._lock:
+            self._pending.append(reason)
+        count = len(self.recompile_reasons) + 1
+        if count >= self.options.recompile_warn_limit and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"aotc: {self.name} recompiled {count} times; the last guard that failed: "
+                f"{reason}. Frequent recompiles cost compile time (`recompile_reasons` lists "
+                "every guard that failed; a Python flag or string that changes every call is a "
+                "constant of each graph: pass it as a tensor).",
+                stacklevel=2,
+            )
+
+    @property
+    def records(self) -> list[CompiledRecord]:
+        return [r for g in self.graphs for r in g.records]
+
+    def first_call(self, call: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """The first call in each grad mode, one thread at a time (see Note [First calls from
+        many threads]); later calls skip this (one frozenset lookup)."""
+        grad = torch.is_grad_enabled()
+        with self._first_lock:
+            out = call(*args, **kwargs)
+            self.warm = self.warm | {grad}
+            return out
+
+    def optimize(self) -> Any:
+        """The Dynamo context that compiles through this capture's backend."""
+        dynamic = self.options.dynamic
+        extra: dict[str, Any] = {}
+        if _OPTIMIZE_TAKES_LIMITS:  # torch >= 2.13; before, Dynamo's global recompile limit
+            extra = {"recompile_limit": self.options.max_signatures, "isolate_recompiles": True}
+        return torch._dynamo.optimize(
+            self.backend,
+            dynamic=None if dynamic is None else bool(dynamic),
+            guard_fail_fn=self.guard_failed,
+            **extra,
+        )
+
+
+# Note [First calls from many threads]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Dynamo compiles one frame at a time, but threads that entered the frame while another compiled
+# it compile it again afterwards (each adding a cache entry). The first call of an aotc.compile
+# object in each grad mode therefore runs one thread at a time, so the others find the entry it
+# made; once a call in that grad mode has returned, calls run concurrently.
+
+
+# Note [Sound guards]
+# ~~~~~~~~~~~~~~~~~~~
+# Two of Dynamo's defaults trade soundness for guard speed: it does not guard on modules' hook
+# dicts (a hook added after the first compile is never run: a stale graph), nor on parameters
+# passed as two arguments aliasing each other. The default capture mode must not give a stale
+# result, so for the compilations it owns those guards are on. A compile-start callback turns
+# them on when one of this module's call frames is on the stack (a frame Dynamo compiles inside
+# a call of an aotc.compile object, graph or not), the backend does too (it runs in the middle of
+# each compilation, before Dynamo builds the guards), and the compile-end callback puts the
+# user's settings back. Dynamo compiles one frame at a time under its compile lock, so other
+# torch.compile users see their own settings. (Flipping the settings around every call instead
+# would cost ~10 us a call.)
+_SOUND = {"skip_nnmodule_hook_guards": False, "skip_no_tensor_aliasing_guards_on_parameters": False}
+_saved_config: dict[str, object] | None = None
+_callbacks_installed = False
+_CALL_CODES: set[types.CodeType] = set()  # filled below with the call paths of this module
+
+
+def sound_guards_for_this_compile() -> None:
+    """See Note [Sound guards]. Called inside a Dynamo compilation."""
+    global _saved_config
+    install_callbacks()
+    if _saved_config is None:
+        config = torch._dynamo.config
+        _saved_config = {k: getattr(config, k) for k in _SOUND}
+        for k, v in _SOUND.items():
+            setattr(config, k, v)
+
+
+def install_callbacks() -> None:
+    global _callbacks_installed
+    if not _callbacks_installed:
+        _callbacks_installed = True
+        handler = torch._dynamo.callback.callback_handler
+        handler.register_start_callback(_on_compile_start)
+        handler.register_end_callback(_restore_config)
+
+
+def _on_compile_start(_args: object = None) -> None:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _CALL_CODES:
+            sound_guards_for_this_compile()
+            return
+        frame = frame.f_back
+
+
+def _restore_config(_args: object = None) -> None:
+    global _saved_config
+    if _saved_config is not None:
+        for k, v in _saved_config.items():
+            setattr(torch._dynamo.config, k, v)
+        _saved_config = None
+
+
+class DynamoFunction:
+    """A function compiled by aotc through Dynamo (the default capture mode). Call it like the
+    original; `aotc.inspect` lists every graph compiled for it."""
+
+    def __init__(self, fn: Callable[..., Any], options: CompileOptions, name: str) -> None:
+        self._fn = fn
+        self._name = name
+        self._options = options
+        self._capture = _Capture(options, name, self)
+        self._call = self._capture.optimize()(fn)
+        functools.update_wrapper(self, fn, updated=())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() in self._capture.warm:
+            return self._call(*args, **kwargs)
+        return self._capture.first_call(self._call, args, kwargs)
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        """`@aotc.compile` on a method (also `nn.Module.forward`): see aotc.api.bind_method."""
+        from aotc.api import bind_method
+
+        return bind_method(
+            self, obj, lambda bound: DynamoFunction(bound, self._options, self._name)
+        )
+
+    @property
+    def records(self) -> list[CompiledRecord]:
+        return self._capture.records
+
+    @property
+    def recompile_reasons(self) -> list[str]:
+        return list(self._capture.recompile_reasons)
+
+    def __repr__(self) -> str:
+        return f"<aotc.DynamoFunction {self._name}>"
+
+
+class DynamoModule(torch.nn.Module):
+    """An nn.Module whose calls run through Dynamo and aotc (the default capture mode). Shares the
+    original's live parameters and buffers: state_dict, parameters(), train()/eval(), attribute
+    reads and writes go to the original. Its forward hooks, pre-hooks and full backward hooks run
+    as in eager (the original's `__call__` is what Dynamo compiles)."""
+
+    _own_attributes = frozenset(
+        {"_orig_mod", "_capture", "_optimized", "_name", "_options", "training"}
+    )
+
+    def __init__(self, module: torch.nn.Module, options: CompileOptions) -> None:
+        super().__init__()
+        self._orig_mod = module
+        name = type(module).__name__
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_options", options)
+        object.__setattr__(self, "_capture", _Capture(options, name, self))
+        # Dynamo's own module wrapper decides how the call is entered (hooks run in the
+        # original's `__call__`; built-in modules get a frame Dynamo can capture). Only its
+        # `forward` is used: the wrapper is not registered, so it adds no parameters.
+        object.__setattr__(self, "_optimized", self._capture.optimize()(module))
+        self.training = module.training
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() in self._capture.warm:
+            return self._optimized.forward(*args, **kwargs)
+        return self._capture.first_call(self._optimized.forward, args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["_orig_mod"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The wrapper's own state (and nn.Module's, set by its methods) stays here; the rest
+        # (a swapped submodule, a changed hyper-parameter) goes to the original, where the
+        # compiled program reads it.
+        if (
+            name in DynamoModule._own_attributes
+            or name in self.__dict__
+            or "_orig_mod" not in self.__dict__.get("_modules", {})
+        ):
+            super().__setattr__(name, value)
+        else:
+            setattr(self._orig_mod, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in DynamoModule._own_attributes:
+            super().__delattr__(name)
+        else:
+            delattr(self._orig_mod, name)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._orig_mod.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._orig_mod.load_state_dict(*args, **kwargs)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+        return self._orig_mod.named_parameters(*args, **kwargs)
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Any:
+        return self._orig_mod.named_buffers(*args, **kwargs)
+
+    @property
+    def records(self) -> list[CompiledRecord]:
+        return self._capture.records
+
+    @property
+    def recompile_reasons(self) -> list[str]:
+        return list(self._capture.recompile_reasons)
+
+
+_CALL_CODES.update(
+    (DynamoFunction.__call__.__code__, DynamoModule.forward.__code__, _Capture.first_call.__code__)
+)
+
+
+def capture(fn: Any, options: CompileOptions, name: str) -> DynamoFunction | DynamoModule:
+    install_callbacks()
+    if isinstance(fn, torch.nn.Module):
+        return DynamoModule(fn, options)
+    return DynamoFunction(fn, options, name)

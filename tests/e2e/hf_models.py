@@ -1,0 +1,115 @@
+"""Hugging Face models built from small configs (nothing is downloaded), for the tests and
+bench/capture.py: `MODELS[name](layers, hidden, batch, seq) -> (model, make_batch)`, where
+`make_batch()` returns the keyword arguments of one training call (inputs and labels)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import transformers
+
+transformers.logging.set_verbosity_error()
+
+Batch = Callable[[], dict[str, Any]]
+VOCAB = 50
+
+
+def _lm_batch(batch: int, seq: int) -> Batch:
+    def make() -> dict[str, Any]:
+        return {
+            "input_ids": torch.randint(0, VOCAB, (batch, seq)),
+            "labels": torch.randint(0, VOCAB, (batch, seq)),
+        }
+
+    return make
+
+
+def gpt2(layers: int = 1, hidden: int = 16, batch: int = 2, seq: int = 6):
+    """GPT-2: the LM head is tied to the token embedding."""
+    cfg = transformers.GPT2Config(
+        n_layer=layers, n_head=2, n_embd=hidden, vocab_size=VOCAB, n_positions=max(16, seq)
+    )
+    return transformers.GPT2LMHeadModel(cfg), _lm_batch(batch, seq)
+
+
+def bert(layers: int = 1, hidden: int = 16, batch: int = 2, seq: int = 6):
+    """BERT masked LM: the decoder is tied to the word embedding."""
+    cfg = transformers.BertConfig(
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        vocab_size=VOCAB,
+        max_position_embeddings=max(16, seq),
+    )
+    return transformers.BertForMaskedLM(cfg), _lm_batch(batch, seq)
+
+
+def llama(layers: int = 1, hidden: int = 16, batch: int = 2, seq: int = 6):
+    """Llama with its default `use_cache=True`: the output carries a DynamicCache."""
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        vocab_size=VOCAB,
+        max_position_embeddings=max(16, seq),
+    )
+    assert cfg.use_cache
+    return transformers.LlamaForCausalLM(cfg), _lm_batch(batch, seq)
+
+
+def t5(layers: int = 1, hidden: int = 16, batch: int = 2, seq: int = 6):
+    """T5: one embedding module shared by the encoder, the decoder and the LM head."""
+    cfg = transformers.T5Config(
+        num_layers=layers,
+        num_decoder_layers=layers,
+        num_heads=2,
+        d_model=hidden,
+        d_kv=hidden // 2,
+        d_ff=2 * hidden,
+        vocab_size=VOCAB,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+
+    def make() -> dict[str, Any]:
+        return {
+            "input_ids": torch.randint(1, VOCAB, (batch, seq)),
+            "labels": torch.randint(1, VOCAB, (batch, max(2, seq - 2))),
+        }
+
+    return transformers.T5ForConditionalGeneration(cfg), make
+
+
+def vit(layers: int = 1, hidden: int = 16, batch: int = 2, seq: int = 6):
+    """ViT image classifier (`seq` is unused: 4 patches of 4x4 pixels)."""
+    cfg = transformers.ViTConfig(
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        image_size=8,
+        patch_size=4,
+        num_labels=3,
+    )
+
+    def make() -> dict[str, Any]:
+        return {
+            "pixel_values": torch.randn(batch, 3, 8, 8),
+            "labels": torch.randint(0, 3, (batch,)),
+        }
+
+    return transformers.ViTForImageClassification(cfg), make
+
+
+MODELS: dict[str, Callable[..., tuple[torch.nn.Module, Batch]]] = {
+    "gpt2": gpt2,
+    "bert": bert,
+    "llama": llama,
+    "t5": t5,
+    "vit": vit,
+}
