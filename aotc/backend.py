@@ -48,6 +48,7 @@ from aotc.lifting import find_free_tensors, swapped
 from aotc.options import Capture, CompileOptions
 from aotc.pipeline import compile_signature
 from aotc.provenance import graph_input_names
+from aotc.runtime.epilogue import StepKind
 from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.wrappers import CompiledEntry
 from aotc.symbolic import check_static_geometry, symbolic_leaves
@@ -330,9 +331,9 @@ def _mutated_leaves(entry: CompiledEntry) -> tuple[int, ...]:
     return tuple(
         sorted(
             {
-                sources[m.arg]
+                sources[m.target]
                 for m in entry.plan.epilogue.mutations
-                if m.new_value is not None and sources[m.arg] is not None
+                if m.kind is StepKind.COPY and sources[m.target] is not None
             }
         )
     )

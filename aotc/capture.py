@@ -81,6 +81,7 @@ class _Capture:
         from aotc.backend import compile_graph
 
         sound_guards_for_this_compile()
+        _run_unconvertible_frames_eagerly()
         with self._lock:
             reason = "; ".join(self._pending) if self._pending else None
             self._pending.clear()
@@ -127,6 +128,7 @@ class _Capture:
     def first_call(self, call: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         """The first call in each grad mode, one thread at a time (see Note [First calls from
         many threads]); later calls skip this (one frozenset lookup)."""
+        install_callbacks()
         grad = torch.is_grad_enabled()
         with self._first_lock:
             out = call(*args, **kwargs)
@@ -169,7 +171,6 @@ class _Capture:
 # would cost ~10 us a call.)
 _SOUND = {"skip_nnmodule_hook_guards": False, "skip_no_tensor_aliasing_guards_on_parameters": False}
 _saved_config: dict[str, object] | None = None
-_callbacks_installed = False
 _CALL_CODES: set[types.CodeType] = set()  # filled below with the call paths of this module
 
 
@@ -185,11 +186,12 @@ def sound_guards_for_this_compile() -> None:
 
 
 def install_callbacks() -> None:
-    global _callbacks_installed
-    if not _callbacks_installed:
-        _callbacks_installed = True
-        handler = torch._dynamo.callback.callback_handler
+    """Register the compile-start/end callbacks (again after `torch._dynamo.reset()`, which
+    clears Dynamo's callbacks): called on every first call and every compile."""
+    handler = torch._dynamo.callback.callback_handler
+    if _on_compile_start not in handler.start_callbacks:
         handler.register_start_callback(_on_compile_start)
+    if _restore_config not in handler.end_callbacks:
         handler.register_end_callback(_restore_config)
 
 
@@ -198,8 +200,53 @@ def _on_compile_start(_args: object = None) -> None:
     while frame is not None:
         if frame.f_code in _CALL_CODES:
             sound_guards_for_this_compile()
+            _run_unconvertible_frames_eagerly()
             return
         frame = frame.f_back
+
+
+# Note [Frames Dynamo cannot convert]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Dynamo itself fails on some frames eager runs: its fake-tensor copy of an input can fail an
+# internal assertion (a view whose base had its metadata changed in place by an earlier frame,
+# `b.t_()` on one of two views of a buffer), and an aotc backend failure surfaces as
+# BackendCompilerFailed. torch.compile raises those; `aotc.compile` must behave as eager, so for
+# frames converted inside a call of one of its objects, Dynamo's `suppress_errors` is on: the
+# frame that failed to convert runs eagerly, before any of it ran (the conversion precedes the
+# frame's execution), with Dynamo's warning naming the frame and the error. The setting is a
+# ContextVar override set by the compile-start callback (only this thread, only while such a call
+# is on the stack) and reset when that call returns (one list check per call); setting the
+# global config around every call would cost ~10 us a call.
+_SUPPRESS_ERRORS: Any = None
+_suppress_state = threading.local()
+_suppressing = [0]  # threads holding an override: calls check this before looking further
+
+
+def _run_unconvertible_frames_eagerly() -> None:
+    """See Note [Frames Dynamo cannot convert]. Called inside a Dynamo compilation."""
+    global _SUPPRESS_ERRORS
+    if _SUPPRESS_ERRORS is None:
+        try:
+            _SUPPRESS_ERRORS = torch._dynamo.config._config["suppress_errors"].user_override
+        except (AttributeError, KeyError):  # another torch's config: leave Dynamo's default
+            _SUPPRESS_ERRORS = False
+    if _SUPPRESS_ERRORS is False or getattr(_suppress_state, "token", None) is not None:
+        return
+    _suppress_state.token = _SUPPRESS_ERRORS.set(True)
+    _suppressing[0] += 1
+
+
+def _release_suppression() -> None:
+    """Undo `_run_unconvertible_frames_eagerly` for this thread, once its call returns."""
+    token = getattr(_suppress_state, "token", None)
+    if token is None:
+        return
+    _suppress_state.token = None
+    _suppressing[0] -= 1
+    try:
+        _SUPPRESS_ERRORS.reset(token)
+    except ValueError:  # set in another context (should not happen): clear the override
+        _SUPPRESS_ERRORS.set(torch.utils._config_module._UNSET_SENTINEL)
 
 
 def _restore_config(_args: object = None) -> None:
@@ -223,9 +270,13 @@ class DynamoFunction:
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled() in self._capture.warm:
-            return self._call(*args, **kwargs)
-        return self._capture.first_call(self._call, args, kwargs)
+        try:
+            if torch.is_grad_enabled() in self._capture.warm:
+                return self._call(*args, **kwargs)
+            return self._capture.first_call(self._call, args, kwargs)
+        finally:
+            if _suppressing[0]:  # See Note [Frames Dynamo cannot convert]
+                _release_suppression()
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         """`@aotc.compile` on a method (also `nn.Module.forward`): see aotc.api.bind_method."""
@@ -271,9 +322,13 @@ class DynamoModule(torch.nn.Module):
         self.training = module.training
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled() in self._capture.warm:
-            return self._optimized.forward(*args, **kwargs)
-        return self._capture.first_call(self._optimized.forward, args, kwargs)
+        try:
+            if torch.is_grad_enabled() in self._capture.warm:
+                return self._optimized.forward(*args, **kwargs)
+            return self._capture.first_call(self._optimized.forward, args, kwargs)
+        finally:
+            if _suppressing[0]:  # See Note [Frames Dynamo cannot convert]
+                _release_suppression()
 
     def __getattr__(self, name: str) -> Any:
         try:

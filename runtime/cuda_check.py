@@ -35,6 +35,7 @@ from __future__ import annotations
 import atexit
 import enum
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -264,8 +265,11 @@ def submit(
     launch: LaunchSignature,
     cache_dir: str | None = None,
     jobs: int | None = None,
+    background: bool = False,
 ) -> Future[CompileResult]:
-    """Start one compile (or return its cached result) without waiting for it."""
+    """Start one compile (or return its cached result) without waiting for it. `background`
+    compiles (the test suite's check of every kernel) wait behind all others, so a caller waiting
+    for its own compile is not queued behind a backlog."""
     request = {
         "source": kernel.source,
         "name": kernel.name,
@@ -287,7 +291,7 @@ def submit(
             return fut
         pending = _PENDING.get(key)
         if pending is None:
-            pending = _pool(jobs).submit(request)
+            pending = _pool(jobs).submit(request, background)
             _PENDING[key] = pending
             pending.add_done_callback(lambda f: _remember(key, f, cache_dir))
     out: Future[CompileResult] = Future()
@@ -380,9 +384,11 @@ class _Pool:
     def __init__(self, jobs: int, nice: int) -> None:
         self.nice = nice
         self.procs: dict[int, subprocess.Popen[str]] = {}  # thread index -> its live worker
-        self.requests: queue.Queue[tuple[dict[str, Any], Future[dict[str, Any]]] | None] = (
-            queue.Queue()
-        )
+        # (priority, order, request, future); priority 2 with no request stops a thread
+        self.requests: queue.PriorityQueue[
+            tuple[int, int, dict[str, Any] | None, Future[dict[str, Any]] | None]
+        ] = queue.PriorityQueue()
+        self._order = itertools.count()
         self.threads = [
             threading.Thread(
                 target=self._serve, args=(i,), name=f"aotc-cuda-check-{i}", daemon=True
@@ -392,14 +398,14 @@ class _Pool:
         for t in self.threads:
             t.start()
 
-    def submit(self, request: dict[str, Any]) -> Future[dict[str, Any]]:
+    def submit(self, request: dict[str, Any], background: bool = False) -> Future[dict[str, Any]]:
         fut: Future[dict[str, Any]] = Future()
-        self.requests.put((request, fut))
+        self.requests.put((int(background), next(self._order), request, fut))
         return fut
 
     def close(self) -> None:
         for _ in self.threads:
-            self.requests.put(None)
+            self.requests.put((2, next(self._order), None, None))
         for t in self.threads:
             t.join(timeout=30)
 
@@ -416,8 +422,10 @@ class _Pool:
     def _serve(self, slot: int) -> None:
         proc: subprocess.Popen[str] | None = None
         try:
-            while (item := self.requests.get()) is not None:
-                request, fut = item
+            while True:
+                _, _, request, fut = self.requests.get()
+                if request is None or fut is None:
+                    break
                 if proc is None or proc.poll() is not None:
                     proc = _start_worker(self.nice)
                     self.procs[slot] = proc

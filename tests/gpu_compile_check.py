@@ -47,7 +47,7 @@ class GpuCompileCheck:
                 self.sources[kernel.key] = kernel
             for target in self.cc.DEFAULT_TARGETS:
                 for launch in self.cc.launch_signatures(kernel, target):
-                    fut = self.cc.submit(kernel, target, launch, self.cache_dir)
+                    fut = self.cc.submit(kernel, target, launch, self.cache_dir, background=True)
                     with self.lock:
                         self.futures.append(fut)
 
