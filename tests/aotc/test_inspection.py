@@ -97,7 +97,7 @@ def test_real_names_and_user_lines_in_every_graph_file(dynamo_dump):
 
 def test_user_lines_without_dynamo(tmp_path):
     """aotc's own capture: source lines from the trace's Python stack, not torch's frames."""
-    compiled = aotc.compile(GPT(layers=1, dropout=0.0), dump=str(tmp_path))
+    compiled = aotc.compile(GPT(layers=1, dropout=0.0), dump=str(tmp_path), capture="trace")
     compiled(*gpt_batch()).backward()
     (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     bwd = _code(folder / "05_backward.py")
@@ -151,7 +151,7 @@ FAILING = textwrap.dedent("""
     def ok(x):
         return x.sin()
 
-    @aotc.compile
+    @aotc.compile(capture="trace")  # the default mode would break the graph and run it
     def bad(x):
         if x.sum() > 0:
             return x * 2
@@ -249,7 +249,7 @@ def test_tracing_errors_hide_internal_frames(monkeypatch):
         return x
 
     with pytest.raises(aotc.UnsupportedError) as caught:
-        aotc.compile(data_dependent)(torch.randn(3))
+        aotc.compile(data_dependent, capture="trace")(torch.randn(3))
     text = "".join(traceback.format_exception(caught.value))
     assert "depends on tensor values" in text and "test_inspection.py" in text
     assert caught.value.__cause__ is None and caught.value.__suppress_context__
@@ -258,7 +258,7 @@ def test_tracing_errors_hide_internal_frames(monkeypatch):
     assert "AOTC_FULL_TRACEBACK=1" in text
     monkeypatch.setenv("AOTC_FULL_TRACEBACK", "1")
     with pytest.raises(aotc.UnsupportedError) as full:
-        aotc.compile(data_dependent)(torch.randn(3))
+        aotc.compile(data_dependent, capture="trace")(torch.randn(3))
     assert full.value.__cause__ is not None
     assert len(traceback.format_exception(full.value)) > len(
         traceback.format_exception(caught.value)

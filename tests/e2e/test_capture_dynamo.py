@@ -457,7 +457,6 @@ def test_unknown_option_and_bad_capture_are_refused():
 # graph around what it cannot capture) or fails like eager.
 DEFAULT_MODE_REFUSALS = {
     "double_backward": ("double backward", "create_graph"),
-    "custom_op_without_fake_kernel": ("opaque_op", "register_fake"),
 }
 
 
