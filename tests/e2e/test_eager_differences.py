@@ -296,6 +296,7 @@ def test_15_triton_views_with_a_storage_offset(view):
 
 def test_16_each_error_says_what_is_true_for_it():
     """Strict mode's errors (the default mode graph-breaks on these and runs them eagerly)."""
+
     def tolist(x):
         return torch.tensor(x.tolist()) * 2
 

@@ -101,7 +101,7 @@ def _f(x, w, k):
 
 
 def test_dispatcher_switches_entries_and_recompiles_on_each_change():
-    compiled = aotc.compile(_f)
+    compiled = aotc.compile(_f, capture="trace")  # aotc's own dispatcher
     calls = [
         (torch.randn(4, 3), torch.randn(3, 2, requires_grad=True), 2.0),
         (torch.randn(5, 3), torch.randn(3, 2, requires_grad=True), 2.0),
@@ -128,7 +128,10 @@ def test_dispatcher_switches_entries_and_recompiles_on_each_change():
 @pytest.mark.parametrize("k", [2.0, -0.0, math.inf])
 def test_repeated_calls_take_the_checked_entry(k):
     compiled = assert_matches_eager(
-        _f, lambda: (torch.randn(4, 3), torch.randn(3, 2, requires_grad=True), k), runs=3
+        _f,
+        lambda: (torch.randn(4, 3), torch.randn(3, 2, requires_grad=True), k),
+        runs=3,
+        capture="trace",
     )
     assert len(compiled.records) == 1
     assert compiled._dispatch._last is not None

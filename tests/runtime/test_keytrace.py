@@ -221,9 +221,9 @@ def _spy_verification(monkeypatch):
     standalone = {"fake": 0}
     real_trace, real_verify = keytrace.trace_text, persist.verify_key
 
-    def trace_text(program, leaves, grad_enabled, tracer):
+    def trace_text(program, leaves, grad_enabled, tracer, facts=None):
         standalone[tracer] = standalone.get(tracer, 0) + 1
-        return real_trace(program, leaves, grad_enabled, tracer)
+        return real_trace(program, leaves, grad_enabled, tracer, facts)
 
     def verify_key(key, program, leaves, grad_enabled, fake_text=None):
         reference = real_trace(program, leaves, grad_enabled, "fake")
@@ -242,12 +242,12 @@ def test_cold_compile_verifies_on_its_own_fake_run(name, tmp_path, monkeypatch):
     stores under the meta key (the next compile hits)."""
     fn, make = PROGRAMS[name]
     seen, standalone = _spy_verification(monkeypatch)
-    cold = assert_matches_eager(fn, make, cache_dir=str(tmp_path), runs=1)
+    cold = assert_matches_eager(fn, make, cache_dir=str(tmp_path), runs=1, capture="trace")
     assert len(seen) == 1
     observed, reference, meta = seen[0]
     assert observed is not None and observed == reference == meta
     assert standalone["fake"] == 0 and standalone["meta"] == 1
-    warm = assert_matches_eager(fn, make, cache_dir=str(tmp_path), runs=1)
+    warm = assert_matches_eager(fn, make, cache_dir=str(tmp_path), runs=1, capture="trace")
     assert "cache_load" not in aotc.inspect(cold)[0].stage_seconds
     assert "cache_load" in aotc.inspect(warm)[0].stage_seconds
 
@@ -257,7 +257,7 @@ def test_cold_compile_verifies_models_on_its_own_fake_run(name, tmp_path, monkey
     make_model, batch = MODELS[name]
     seen, standalone = _spy_verification(monkeypatch)
     torch.manual_seed(0)
-    model = aotc.compile(make_model(), cache_dir=str(tmp_path))
+    model = aotc.compile(make_model(), cache_dir=str(tmp_path), capture="trace")
     model(*batch()).float().sum().backward()
     ((observed, reference, meta),) = seen
     assert observed is not None and observed == reference == meta
