@@ -48,6 +48,7 @@ from aotc.lifting import find_free_tensors, swapped
 from aotc.options import Capture, CompileOptions
 from aotc.pipeline import compile_signature
 from aotc.provenance import graph_input_names
+from aotc.runtime.epilogue import StepKind
 from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.wrappers import CompiledEntry
 from aotc.symbolic import check_static_geometry, symbolic_leaves
@@ -327,15 +328,8 @@ def _compile_ahead(
 def _mutated_leaves(entry: CompiledEntry) -> tuple[int, ...]:
     """User leaves (graph inputs, then lifted tensors) whose data the graph writes."""
     sources = entry.plan.convention.graph_sources
-    return tuple(
-        sorted(
-            {
-                sources[m.arg]
-                for m in entry.plan.epilogue.mutations
-                if m.new_value is not None and sources[m.arg] is not None
-            }
-        )
-    )
+    written = {sources[m.target] for m in entry.plan.epilogue.mutations if m.kind is StepKind.COPY}
+    return tuple(sorted(s for s in written if s is not None))
 
 
 def _share_storage(leaves: list[Any], mutated: tuple[int, ...]) -> bool:
