@@ -32,6 +32,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/python .ci/typecheck.py
 
+# The worked examples (>>>) in docstrings of aotc/, passes/ and runtime/ (also part of `make test`).
+doctest: $(STAMP)
+	$(BIN)/python -m pytest -p no:cacheprovider tests/test_doctests.py
+
 opinfo: $(STAMP)
 	$(BIN)/python -m pytest -m opinfo tests/opinfo -p no:cacheprovider
 

@@ -28,7 +28,15 @@ MAPPED = ("passes", "runtime")  # top-level folders installed as aotc.<name>
 
 def main() -> int:
     os.chdir(ROOT)
-    args = ["--config-file", "pyproject.toml", *sys.argv[1:]]
+    # Extra files (e.g. a script using aotc) are checked along with the package, whose folders
+    # must be sources for the mapping below.
+    extra = sys.argv[1:]
+    args = [
+        "--config-file",
+        "pyproject.toml",
+        *extra,
+        *(["aotc", "passes", "runtime"] * bool(extra)),
+    ]
     t0 = time.time()
     fscache = FileSystemCache()
     sources, options = process_options(args, fscache=fscache)
