@@ -460,7 +460,7 @@ def partition(
         saved=tuple(_saved_value(n) for n in saved_nodes),
         recomputed=tuple(n.name for n in recomputed),
         seconds=time.perf_counter() - start,
-        plan=plan,
+        plan=str(plan),  # a Partitioner member is its string; cache hits load a str
         save_everything_bytes=_bytes(everything),
         simple_bytes=_bytes(simple),
         budget_bytes=budget_bytes,
