@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint opinfo bench bench-gpu clean
+.PHONY: setup demo test lint typecheck doctest opinfo bench bench-gpu clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,10 +21,20 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
-# Lint and format checks (CI runs them before the tests).
+# Lint, format and type checks (CI runs them before the tests).
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(MAKE) typecheck
+
+# mypy (pinned in constraints.txt) over aotc/, passes/ and runtime/ as the one package `aotc`;
+# levels in pyproject.toml [tool.mypy], the import mapping in .ci/typecheck.py.
+typecheck: $(STAMP)
+	$(BIN)/python .ci/typecheck.py
+
+# The worked examples (>>>) in docstrings of aotc/, passes/ and runtime/ (also part of `make test`).
+doctest: $(STAMP)
+	$(BIN)/python -m pytest -p no:cacheprovider tests/test_doctests.py
 
 opinfo: $(STAMP)
 	$(BIN)/python -m pytest -m opinfo tests/opinfo -p no:cacheprovider

@@ -63,7 +63,7 @@ from aotc.runtime.errors import (  # noqa: E402  (needs _map_checkout in a check
 if TYPE_CHECKING:
     from aotc.api import CompiledFunction, CompiledModule, compile, inspect
     from aotc.capture import DynamoFunction, DynamoModule
-    from aotc.options import CompileOptions, configure_logging
+    from aotc.options import Backend, Capture, CompileOptions, Partitioner, configure_logging
 
 # Public name -> the module that defines it (imported on first access).
 _LAZY = {
@@ -74,6 +74,9 @@ _LAZY = {
     "compile": "aotc.api",
     "inspect": "aotc.api",
     "CompileOptions": "aotc.options",
+    "Backend": "aotc.options",
+    "Capture": "aotc.options",
+    "Partitioner": "aotc.options",
     "configure_logging": "aotc.options",
 }
 
@@ -93,7 +96,9 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AotcError",
+    "Backend",
     "CacheError",
+    "Capture",
     "CompileOptions",
     "CompiledFunction",
     "CompiledModule",
@@ -101,6 +106,7 @@ __all__ = [
     "DynamoModule",
     "GraphInvariantError",
     "GuardError",
+    "Partitioner",
     "UnsupportedError",
     "__version__",
     "compile",

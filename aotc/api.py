@@ -15,7 +15,7 @@ import threading
 import time
 import types
 from collections.abc import Callable
-from typing import Any, overload
+from typing import Any, Never, TypedDict, Unpack, cast, overload
 
 import torch
 import torch.utils._pytree as pytree
@@ -31,7 +31,8 @@ from aotc.lifting import (
     module_training_flags,
     swapped,
 )
-from aotc.options import Capture, CompileOptions, configure_logging
+from aotc.options import Backend, Capture, CompileOptions, Partitioner, configure_logging
+from aotc.passes.recompute import RecomputePolicy
 from aotc.pipeline import CompiledRecord, compile_signature
 from aotc.recording import Recorder, refuse_distributed
 from aotc.runtime.convention import alias_groups
@@ -148,7 +149,9 @@ class CompiledFunction:
                 )
                 self._switch(self._relift())
         gen = self._gen
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves, tree = pytree.tree_flatten((args, kwargs))
+        # A flat call of plain tensors is keyed by its arity (no spec to compare).
+        spec: pytree.TreeSpec | int = tree
         if not kwargs and {*map(type, args)} <= _PLAIN_TENSOR:
             spec = len(args)
         if gen.read is not None:
@@ -174,7 +177,7 @@ class CompiledFunction:
             options.recompile_warn_limit,
             options.max_signatures,
             self._history,
-            symbolic=options.dynamic,
+            symbolic=bool(options.dynamic),
         )
         self._gens.append(gen)
         del self._gens[:-_MAX_GENERATIONS]
@@ -264,6 +267,7 @@ class CompiledFunction:
         if isinstance(spec, int):
             in_spec = pytree.tree_flatten((tuple(leaves[:num_user]), {}))[1]
         else:
+            assert isinstance(spec, pytree.TreeSpec), spec
             in_spec = spec
         names = _leaf_names(self._fn, in_spec, num_user) + gen.names
         fn = self._fn
@@ -355,7 +359,7 @@ _BOUND_LOCK = threading.Lock()
 _BOUND_ATTR = "_aotc_compiled_methods"
 
 
-class _BoundMethods(dict):  # type: ignore[type-arg]
+class _BoundMethods(dict[int, Any]):
     """An instance's compiled methods (`bind_method`), kept in the instance's `__dict__`: they go
     with the instance (a reference cycle the collector frees), and a copy or a pickle of the
     instance starts empty (the copy compiles its own, bound to itself)."""
@@ -398,7 +402,7 @@ def bind_method(compiled: Any, obj: Any, make: Callable[[Any], Any]) -> Any:
 def _refuse_mutated_aliases(entry: CompiledEntry, leaves: list[object], name: str) -> None:
     """Symbolic entries have no synthetic bases (see Note [Symbolic compilations])."""
     graph_of = dict(entry.plan.convention.leaf_to_graph)
-    inputs = entry.record.meta.inputs  # type: ignore[union-attr]
+    inputs = cast(CompiledRecord, entry.record).meta.inputs
     for group in alias_groups(leaves):
         if any(inputs[graph_of[m]].mutation.value != "none" for m in group):
             raise UnsupportedError(
@@ -490,7 +494,7 @@ class CompiledModule(torch.nn.Module):
             override = forward_override(module)  # `module.forward = ...` (monkeypatching)
             if override is MISSING:
                 return type(module).forward(module, *args, **kwargs)
-            return override(*args, **kwargs)
+            return cast(Callable[..., Any], override)(*args, **kwargs)
 
         call_forward.__signature__ = _drop_self(forward)  # type: ignore[attr-defined]
         name = type(module).__name__
@@ -515,8 +519,9 @@ class CompiledModule(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         module = self._modules["_orig_mod"]
+        assert module is not None
         if has_hooks(module):
-            return call_with_hooks(module, self._compiled, args, kwargs)  # type: ignore[arg-type]
+            return call_with_hooks(module, self._compiled, args, kwargs)
         return self._compiled(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -570,35 +575,120 @@ def _drop_self(fn: Callable[..., Any]) -> pyinspect.Signature | None:
     return sig.replace(parameters=list(sig.parameters.values())[1:])
 
 
+class CompileKwargs(TypedDict, total=False):
+    """The keyword arguments of `aotc.compile` (for its overloads; see `compile`)."""
+
+    capture: Capture | str
+    backend: Backend | str | None
+    partitioner: Partitioner | str
+    dynamic: bool | None
+    memory_budget: float | int | None
+    recompute: RecomputePolicy | None
+    check_invariants: bool | None
+    dump_dir: str | None
+    dump: str | None
+    cache: bool | None
+    cache_dir: str | None
+    cache_max_bytes: int | None
+    recompile_warn_limit: int | None
+    max_signatures: int | None
+
+
+# A module is callable too: the first overload wins for it (mypy flags the overlap).
 @overload
-def compile(fn: torch.nn.Module, **options: Any) -> CompiledModule: ...
+def compile(  # type: ignore[overload-overlap]
+    fn: torch.nn.Module, **options: Unpack[CompileKwargs]
+) -> CompiledModule: ...
 @overload
-def compile(fn: Callable[..., Any], **options: Any) -> CompiledFunction: ...
+def compile(fn: Callable[..., Any], **options: Unpack[CompileKwargs]) -> CompiledFunction: ...
 @overload
 def compile(
-    fn: None = None, **options: Any
+    fn: None = None, **options: Unpack[CompileKwargs]
 ) -> Callable[[Callable[..., Any]], CompiledFunction]: ...
 
 
-def compile(fn: Any = None, **options: Any) -> Any:
+def compile(
+    fn: Any = None,
+    *,
+    capture: Capture | str = Capture.DYNAMO,
+    backend: Backend | str | None = None,
+    partitioner: Partitioner | str = Partitioner.MIN_CUT,
+    dynamic: bool | None = None,
+    memory_budget: float | int | None = None,
+    recompute: RecomputePolicy | None = None,
+    check_invariants: bool | None = None,
+    dump_dir: str | None = None,
+    dump: str | None = None,
+    cache: bool | None = None,
+    cache_dir: str | None = None,
+    cache_max_bytes: int | None = None,
+    recompile_warn_limit: int | None = None,
+    max_signatures: int | None = None,
+    **unknown: Never,
+) -> Any:
     """Compile a function or nn.Module ahead of time into forward and backward graphs.
 
     Usable as `aotc.compile(f)`, `@aotc.compile` or `@aotc.compile(check_invariants=True)`.
-    Options are the fields of `aotc.options.CompileOptions` (`dump=` is short for `dump_dir=`).
+    The options are the fields of `aotc.options.CompileOptions` (see docs/guide.md, "Options"):
+
+    - `capture`: `Capture.DYNAMO` (default; through Dynamo, with graph breaks) or
+      `Capture.TRACE` (aotc's strict whole-program tracer).
+    - `backend`: `Backend.AUTO` (Triton kernels for CUDA graphs, ATen calls elsewhere),
+      `Backend.ATEN` or `Backend.TRITON`; None reads AOTC_BACKEND, else "auto".
+    - `partitioner`: `Partitioner.MIN_CUT` (fewest saved bytes) or `Partitioner.SIMPLE`.
+    - `dynamic`: None (Dynamo's automatic dynamic; static in strict mode), True (symbolic sizes
+      from the first call) or False (one compilation per shape).
+    - `memory_budget`: cap on saved activations, a fraction in (0, 1] or a byte count.
+    - `recompute`: a `RecomputePolicy`; `check_invariants`: lint graphs between stages
+      (None: AOTC_CHECK_INVARIANTS); `dump_dir` (or `dump`): write every stage's record there.
+    - `cache`, `cache_dir`, `cache_max_bytes`: the persistent compile cache (None: the AOTC_CACHE*
+      environment variables); `recompile_warn_limit`, `max_signatures`: recompilation limits.
+
+    Each enum option also takes its string (`backend="aten"` is `backend=Backend.ATEN`); a
+    misspelt value or option name raises at once, listing the choices.
+
+    >>> import torch, aotc
+    >>> def f(x, w):
+    ...     return (x @ w).relu().sum()
+    >>> cf = aotc.compile(f, capture="trace", backend=aotc.Backend.ATEN)
+    >>> x, w = torch.randn(4, 3), torch.randn(3, 2, requires_grad=True)
+    >>> loss = cf(x, w)
+    >>> loss.backward()
+    >>> torch.allclose(loss, f(x, w)), w.grad.shape
+    (True, torch.Size([3, 2]))
+    >>> aotc.compile(f, backend="trion")
+    Traceback (most recent call last):
+        ...
+    ValueError: aotc.compile(backend='trion'): expected one of 'auto', 'aten', 'triton' (or aotc.Backend.<NAME>); did you mean 'triton'?
     """
-    if "dump" in options:
-        options["dump_dir"] = options.pop("dump")
+    options: dict[str, Any] = {
+        "capture": capture,
+        "backend": backend,
+        "partitioner": partitioner,
+        "dynamic": dynamic,
+        "memory_budget": memory_budget,
+        "recompute": recompute,
+        "check_invariants": check_invariants,
+        "dump_dir": dump_dir if dump is None else dump,
+        "cache": cache,
+        "cache_dir": cache_dir,
+        "cache_max_bytes": cache_max_bytes,
+        "recompile_warn_limit": recompile_warn_limit,
+        "max_signatures": max_signatures,
+        **unknown,  # refused by from_env, naming them (type checkers refuse them already)
+    }
     opts = CompileOptions.from_env(**options)
     if fn is None:
         return lambda f: compile(f, **options)
-    from aotc.capture import DynamoFunction, DynamoModule, capture
+    from aotc.capture import DynamoFunction, DynamoModule
+    from aotc.capture import capture as dynamo_capture
 
     if isinstance(fn, (CompiledFunction, CompiledModule, DynamoFunction, DynamoModule)):
         return fn
     if not isinstance(fn, torch.nn.Module) and not callable(fn):
         raise TypeError(f"aotc.compile() expects a function or nn.Module, got {type(fn).__name__}")
     if opts.capture is Capture.DYNAMO:
-        return capture(fn, opts, _qualname(fn))
+        return dynamo_capture(fn, opts, _qualname(fn))
     if isinstance(fn, torch.nn.Module):
         return CompiledModule(fn, opts)
     return CompiledFunction(fn, opts, find_free_tensors(fn), _qualname(fn))
@@ -613,7 +703,24 @@ def _qualname(fn: Any) -> str:
 def inspect(compiled: Any) -> list[CompiledRecord]:
     """One record per compiled graph: joint, forward and backward graphs, metadata, partition
     report, and compile time by stage. In the default capture mode, one per graph Dynamo
-    captured (each recompilation and each piece between graph breaks)."""
+    captured (each recompilation and each piece between graph breaks).
+
+    >>> import torch, aotc
+    >>> cf = aotc.compile(lambda x: (x.sin() * 2).sum(), capture="trace")
+    >>> cf(torch.randn(5, requires_grad=True)).backward()
+    >>> [record] = aotc.inspect(cf)
+    >>> print(record.signature)
+    x: float32[5] stride=(1,) cpu requires_grad
+    grad_enabled=True
+    >>> [(s.name, s.nbytes) for s in record.partition.saved]  # the backward needs only x
+    [('arg0_1', 20)]
+    >>> print(record.forward.code.strip())
+    def forward(self, arg0_1):
+        sin = torch.ops.aten.sin.default(arg0_1)
+        mul = torch.ops.aten.mul.Tensor(sin, 2);  sin = None
+        sum_1 = torch.ops.aten.sum.default(mul);  mul = None
+        return (sum_1, arg0_1)
+    """
     from aotc.capture import DynamoFunction, DynamoModule
 
     if isinstance(compiled, (CompiledFunction, CompiledModule, DynamoFunction, DynamoModule)):

@@ -35,7 +35,7 @@ import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -277,7 +277,7 @@ def _compile_ahead(
     def program(user_leaves: list[object]) -> tuple[list[object], object]:
         args = list(user_leaves[:num_inputs])
         for k, (i, d) in bindings.items():  # type: ignore[misc]
-            args[k] = args[i].size(d)  # type: ignore[union-attr]
+            args[k] = cast(torch.Tensor, args[i]).size(d)
         with swapped(lifted, user_leaves[num_inputs:]):
             out = _run_with_user_lines(gm, args)
         return _flatten_output(out)
@@ -328,15 +328,8 @@ def _compile_ahead(
 def _mutated_leaves(entry: CompiledEntry) -> tuple[int, ...]:
     """User leaves (graph inputs, then lifted tensors) whose data the graph writes."""
     sources = entry.plan.convention.graph_sources
-    return tuple(
-        sorted(
-            {
-                sources[m.target]
-                for m in entry.plan.epilogue.mutations
-                if m.kind is StepKind.COPY and sources[m.target] is not None
-            }
-        )
-    )
+    written = {sources[m.target] for m in entry.plan.epilogue.mutations if m.kind is StepKind.COPY}
+    return tuple(sorted(s for s in written if s is not None))
 
 
 def _share_storage(leaves: list[Any], mutated: tuple[int, ...]) -> bool:

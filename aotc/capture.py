@@ -196,7 +196,7 @@ def install_callbacks() -> None:
 
 
 def _on_compile_start(_args: object = None) -> None:
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code in _CALL_CODES:
             sound_guards_for_this_compile()

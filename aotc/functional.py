@@ -35,7 +35,8 @@ FlatProgram = Callable[[list[object]], tuple[list[object], object]]
 
 def to_functional(t: torch.Tensor) -> torch.Tensor:
     wrapped = torch._to_functional_tensor(t)
-    torch._mirror_autograd_meta_to(t, wrapped)  # keeps requires_grad and non-leafness
+    # keeps requires_grad and non-leafness (in torch._C, not declared in torch's stubs)
+    torch._mirror_autograd_meta_to(t, wrapped)  # type: ignore[attr-defined]
     return wrapped
 
 
@@ -60,7 +61,7 @@ def functionalization() -> Iterator[None]:
 
 
 _OWN_DIRS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__)) + os.sep  # type: ignore[arg-type]
+    os.path.dirname(os.path.abspath(str(m.__file__))) + os.sep
     for m in (torch, sys.modules["aotc"], sys.modules["aotc.passes"], sys.modules["aotc.runtime"])
 )
 
@@ -206,7 +207,7 @@ def fakeify(
         return [fresh_fake(t, as_leaves=as_leaves) for t in tensors]
     if not as_leaves:
         return [mode.from_tensor(t) for t in tensors]
-    fakes = []
+    fakes: list[torch.Tensor] = []
     with torch._subclasses.fake_tensor.unset_fake_temporarily():
         detached = [t.detach() for t in tensors]
     for t, d in zip(tensors, detached):
@@ -227,7 +228,7 @@ def fresh_fake(t: torch.Tensor, *, as_leaves: bool) -> torch.Tensor:
     fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
     memo = getattr(t, "item_memo", None)
     if memo is not None:
-        fake.item_memo = memo
+        fake.item_memo = memo  # type: ignore[attr-defined]  # FakeTensor's, set on an empty
     if t.requires_grad:
         fake.requires_grad_(True)
         if not as_leaves and not t.is_leaf:
@@ -250,12 +251,12 @@ def compiling() -> Iterator[None]:
         with session():
             yield
         return
-    old = torch.compiler._is_compiling_flag  # type: ignore[attr-defined]
-    torch.compiler._is_compiling_flag = True  # type: ignore[attr-defined]
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
     try:
         yield
     finally:
-        torch.compiler._is_compiling_flag = old  # type: ignore[attr-defined]
+        torch.compiler._is_compiling_flag = old
 
 
 class EagerChecks(TorchDispatchMode):

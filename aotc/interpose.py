@@ -202,7 +202,7 @@ def _caller_line(skip: int) -> str:
 def _on_print(rec: Recorder, orig: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
     where = _caller_line(2)
     if not where:
-        return orig(*args, **kwargs)  # type: ignore[no-any-return]
+        return orig(*args, **kwargs)
     rec.side_effect(
         f"print at {where}",
         f"print() at {where} runs only while aotc traces the program (on fake tensors), "

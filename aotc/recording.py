@@ -144,10 +144,10 @@ class Recorder:
         self._running = False
         # per run
         self._patched: list[type] = []
-        self._swapped_modules: list[tuple[types.ModuleType, type]] = []
+        self._swapped_modules: list[tuple[types.ModuleType, type[types.ModuleType]]] = []
         self._written: set[tuple[int, str]] = set()
         self._writes: list[tuple[object, str, object, str]] = []
-        self._snapshots: dict[int, tuple[object, object, str]] = {}
+        self._snapshots: dict[int, tuple[object, list[Any], str]] = {}
         self._slot_snapshots: dict[tuple[object, ...], object] = {}
         self._lifting: frozenset[int] = frozenset()
 
@@ -191,7 +191,7 @@ class Recorder:
                 self._containers[id(value)] = (value, label)
                 if self._running:
                     self._snapshot(value, label)
-            items = value.items() if isinstance(value, dict) else enumerate(value)  # type: ignore[arg-type]
+            items = value.items() if isinstance(value, dict) else enumerate(value)
             for key, item in items:
                 text = "<tensor>" if isinstance(key, Tensor) else repr(key)
                 self.track(item, f"{label}[{text}]", depth + 1)
@@ -248,7 +248,7 @@ class Recorder:
         globals_ = fn.__globals__
         module = globals_.get("__name__", "?")
         for name, line in facts.load_globals.items():
-            key = ("global", id(globals_), name)
+            key: tuple[object, ...] = ("global", id(globals_), name)
             if key in self.slot_reads:
                 continue
             value = globals_.get(name, MISSING)
@@ -459,7 +459,7 @@ class Recorder:
     def _refuse_optimizer_hooks(self, opt: object, hooks: object, label: str) -> None:
         from torch.optim import optimizer as optim_module
 
-        tables = [
+        tables: list[Any] = [  # dicts of hooks, or None
             hooks,
             getattr(optim_module, "_global_optimizer_pre_hooks", None),
             getattr(optim_module, "_global_optimizer_post_hooks", None),
@@ -479,7 +479,7 @@ class Recorder:
         if id(container) in self._snapshots:
             return
         if isinstance(container, dict):
-            copy: object = list(container.items())
+            copy: list[Any] = list(container.items())
         else:
             copy = list(container)  # type: ignore[call-overload]
         self._snapshots[id(container)] = (container, copy, label)
@@ -623,7 +623,7 @@ def _current(obj: object, name: str) -> object:
     return MISSING
 
 
-def _set_item(container: dict, key: object, value: object) -> None:  # type: ignore[type-arg]
+def _set_item(container: dict[Any, Any], key: object, value: object) -> None:
     container[key] = value
 
 

@@ -83,8 +83,9 @@ import itertools
 import operator
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
+from typing import Any, cast
 
 import torch
 
@@ -165,7 +166,7 @@ class _Builder:
         self.lifted = lifted
         self.name = name
         self.items: list[GuardItem] = []
-        self._guarded: set[tuple[int, ...]] = set()  # (id(reader target), ...) already covered
+        self._guarded: set[tuple[int, str]] = set()  # (id(reader target), ...) already covered
         self._contents: set[int] = set()  # containers whose contents are guarded
 
     def add(self, reader: Callable[[], object], expected: object, compare: Compare, what: str,
@@ -242,7 +243,7 @@ class _Builder:
         elif isinstance(container, (set, frozenset)):
             entries = []
         else:
-            entries = list(enumerate(container))  # type: ignore[call-overload]
+            entries = list(enumerate(cast(Iterable[object], container)))  # a list or tuple
         others = [(k, v) for k, v in entries if not isinstance(v, torch.Tensor)]
         if len(others) > MAX_GUARDED_ELEMENTS or isinstance(container, (set, frozenset)):
             if not all(is_constant(v) for _, v in others) or not all(
@@ -255,7 +256,9 @@ class _Builder:
                     "store tensors, or use the default capture mode."
                 )
             copy = (
-                type(container)(container) if not isinstance(container, dict) else dict(container)
+                cast(Any, type(container))(container)
+                if not isinstance(container, dict)
+                else dict(container)
             )
             self.add(itertools.repeat(container).__next__, copy, Compare.EQUAL,
                      f"contents of {label}", where)  # fmt: skip
@@ -299,14 +302,14 @@ class _KeyIds:
 
     __slots__ = ("container",)
 
-    def __init__(self, container: dict) -> None:  # type: ignore[type-arg]
+    def __init__(self, container: dict[Any, Any]) -> None:
         self.container = container
 
     def __call__(self) -> list[int]:
         return list(map(id, self.container))
 
 
-class _IdList(list):  # type: ignore[type-arg]
+class _IdList(list[int]):
     """The expected key identities; holds the keys too, so their ids stay theirs."""
 
     def __init__(self, keys: list[object]) -> None:
@@ -314,9 +317,9 @@ class _IdList(list):  # type: ignore[type-arg]
         self.keys = keys
 
 
-def _instance_dict(obj: object) -> dict | None:  # type: ignore[type-arg]
+def _instance_dict(obj: object) -> dict[str, Any] | None:
     try:
-        return object.__getattribute__(obj, "__dict__")  # type: ignore[no-any-return]
+        return object.__getattribute__(obj, "__dict__")
     except AttributeError:
         return None
 

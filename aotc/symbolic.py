@@ -33,6 +33,7 @@ every batch size >= 2.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -76,7 +77,7 @@ def symbolic_leaves(
             continue
         if dynamic[i] and leaf.dim() > 0:
             assert shape_env is not None, "symbolic_leaves: dynamic dims need a ShapeEnv"
-            context = StatelessSymbolicContext(
+            context: StatelessSymbolicContext[..., Any] = StatelessSymbolicContext(
                 dynamic_sizes=[DimDynamic.DYNAMIC] * leaf.dim(),
                 constraint_sizes=[None] * leaf.dim(),
             )
@@ -108,8 +109,8 @@ def guard_expression(mode: FakeTensorMode, fake_leaves: Sequence[object]) -> str
     admitted by what the trace assumed; None when nothing is assumed."""
     shape_env = mode.shape_env
     assert shape_env is not None
-    tensors = [t for t in fake_leaves if isinstance(t, torch.Tensor)]
-    return shape_env.produce_guards_expression(tensors, ignore_static=False)
+    tensors = [t for t in fake_leaves if isinstance(t, torch.Tensor)]  # fakes of `mode`
+    return shape_env.produce_guards_expression(cast(list[FakeTensor], tensors), ignore_static=False)
 
 
 def static_guard_expression(leaves: Sequence[object]) -> str:

@@ -26,6 +26,8 @@ updated value into the user's tensor, which gives it the same autograd history e
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -40,7 +42,14 @@ from aotc.functional import (
     user_errors,
 )
 from aotc.metadata import MetadataResult
-from aotc.passes.descriptors import FwdOutput, GradOutput, PrimalInput, TangentInput
+from aotc.passes.descriptors import (
+    FwdOutput,
+    GradOutput,
+    InputDesc,
+    OutputDesc,
+    PrimalInput,
+    TangentInput,
+)
 from aotc.passes.ir import JointGraph
 from aotc.provenance import Recorder, recording
 from aotc.runtime.convention import apply_convention, expand_graph_args
@@ -76,7 +85,7 @@ def trace_joint(
     tangent_outs = [FwdOut(k) for k, needs in enumerate(plan.needs_tangent) if needs]
     recorder = Recorder()  # See Note [Node provenance] in aotc/provenance.py
 
-    def run_program(primals: list[torch.Tensor]) -> list[torch.Tensor]:
+    def run_program(primals: list[torch.Tensor]) -> list[object]:
         user_args = [p.clone() if g in clone_args else p for g, p in enumerate(primals)]
         user_leaves = expand_graph_args(convention, user_args, constants)
         outs, _ = program(user_leaves)
@@ -94,7 +103,8 @@ def trace_joint(
                 fwd = run_program(primals)
             grads: list[object] = [None] * num_primals
             if training:
-                diff = [fwd[k] for k in tangent_outs]
+                # Outputs that take a tangent are tensors.
+                diff = [cast(torch.Tensor, fwd[k]) for k in tangent_outs]
                 wrt = [g for g, p in enumerate(primals) if p.requires_grad]
                 if diff and wrt:
                     with torch.enable_grad(), recorder.backward(diff):
@@ -128,9 +138,9 @@ def trace_joint(
             module = make_fx(joint, record_stack_traces=True)(*primals, *tangents)
         recorder.annotate(module)
 
-    inputs = tuple(PrimalInput(GraphArg(g)) for g in range(num_primals))
+    inputs: tuple[InputDesc, ...] = tuple(PrimalInput(GraphArg(g)) for g in range(num_primals))
     inputs += tuple(TangentInput(k) for k in tangent_outs) if training else ()
-    outputs = tuple(FwdOutput(FwdOut(k)) for k in range(plan.num_outputs))
+    outputs: tuple[OutputDesc, ...] = tuple(FwdOutput(FwdOut(k)) for k in range(plan.num_outputs))
     outputs += tuple(GradOutput(GraphArg(g)) for g in range(num_primals)) if training else ()
     _flatten_output(module, _view_bases(meta, plan))
     return JointGraph(module=module, inputs=inputs, outputs=outputs)

@@ -123,10 +123,7 @@ def _is_noop(node: fx.Node) -> bool:
 def _known_equal(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
     """Equal sizes/strides, deciding symbolic ones without adding a guard to the ShapeEnv (a
     comparison that is not known statically counts as different)."""
-    return len(a) == len(b) and all(
-        statically_known_true(x == y)
-        for x, y in zip(a, b)  # type: ignore[arg-type]
-    )
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
 
 
 def remove_noop_views(graph: StageGraph) -> StageGraph:

@@ -314,10 +314,10 @@ class _Emitter:
             lanes = "xmask & rmask" if self.uses_r(e.index) else "xmask"
             if self.uses_r(e.index):
                 self.r_symbols.add(e.symbol)
-            size = index_code(sympy.sympify(e.size))
+            bound = index_code(sympy.sympify(e.size))
             target.lines += [
                 f"{target.indent}{name} = {value}",
-                f"{target.indent}tl.device_assert((({name} >= 0) & ({name} < {size})) | "
+                f"{target.indent}tl.device_assert((({name} >= 0) & ({name} < {bound})) | "
                 f'~({lanes}), "index out of bounds")',
             ]
             body = self.emit(e.body, scope)
@@ -358,7 +358,11 @@ class _Emitter:
         return _TEMPLATES[e.name].format(*args)
 
     def dtype_of(self, e: Expr) -> torch.dtype:
-        return self.buffers[e.buf][3] if isinstance(e, Load) else e.dtype
+        if isinstance(e, Load):
+            return self.buffers[e.buf][3]
+        if isinstance(e, Indirect):  # the value of its body, read at the bound index
+            return self.dtype_of(e.body)
+        return e.dtype
 
     def round_half(self, value: str, dtype: torch.dtype) -> str:
         if dtype == torch.bfloat16 and self.interpret:
@@ -639,7 +643,7 @@ def _arg_reduce(em: _Emitter, m: Computed, e: Expr, outer: _Scope, persistent: b
     (NaN-propagating), a second the smallest r holding it (both in registers when persistent)."""
     red = m.reduction
     assert red is not None
-    dtype = e.dtype if not isinstance(e, Load) else em.buffers[e.buf][3]
+    dtype = em.dtype_of(e)
     kind = "max" if red.kind == "argmax" else "min"
     init = _init(kind, dtype)
     isfloat = dtype.is_floating_point

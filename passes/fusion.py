@@ -248,6 +248,9 @@ class _Group:
     rnumel: Size
     first: int  # item position of the first member
 
+    def items(self) -> list[Computed | Extern]:
+        return [*self.members, *self.externs]
+
     def is_reduction(self) -> bool:
         return any(m.reduction is not None for m in self.members)
 
@@ -314,8 +317,8 @@ def plan_fusion(lowered: LoweredGraph) -> FusionPlan:
     order = _toposort(groups, group_of)
     outputs = {o for o in lowered.outputs if isinstance(o, str)}
     readers: dict[str, set[int]] = {}
-    for gi, g in enumerate(groups):
-        for item in [*g.members, *g.externs]:
+    for gi, grp in enumerate(groups):
+        for item in grp.items():
             for b in item.reads:
                 readers.setdefault(b, set()).add(gi)
     records = []
@@ -326,7 +329,7 @@ def plan_fusion(lowered: LoweredGraph) -> FusionPlan:
 
 def _deps_of(group: _Group, group_of: dict[str, int], self_pos: int) -> set[int]:
     out = set()
-    for item in [*group.members, *group.externs]:
+    for item in group.items():
         for b in item.reads:
             if b in group_of and group_of[b] != self_pos:
                 out.add(group_of[b])

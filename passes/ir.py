@@ -35,7 +35,7 @@ class StageGraph:
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.module.graph.nodes if n.op == "placeholder"]
 
-    def output_values(self) -> list[object]:
+    def output_values(self) -> list[fx.node.Argument]:
         out = next(n for n in reversed(self.module.graph.nodes) if n.op == "output")
         return list(out.args[0])
 
@@ -52,9 +52,9 @@ class StageGraph:
             in_roles[node.name] = describe_named(desc, arg_names, saved_names)
             lines.append(f"# input  {node.name}: {in_roles[node.name]}{_meta_text(node)}")
         out_roles = []
-        for value, desc in zip(self.output_values(), self.outputs, strict=True):
+        for value, out in zip(self.output_values(), self.outputs, strict=True):
             name = value.name if isinstance(value, fx.Node) else repr(value)
-            out_roles.append(describe_named(desc, arg_names, saved_names))
+            out_roles.append(describe_named(out, arg_names, saved_names))
             lines.append(f"# output {name}: {out_roles[-1]}")
         lines.append(annotated_code(self.module, in_roles, out_roles))
         return "\n".join(lines) + "\n"

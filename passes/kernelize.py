@@ -26,7 +26,7 @@ from aotc.passes.decompose import decompose
 from aotc.passes.fusion import FusionPlan, GroupKind, plan_fusion
 from aotc.passes.kernel_figures import kernel_figures
 from aotc.passes.loop_ir import is_static, static_or_expr
-from aotc.passes.lowering import Extern, _non_overlapping, lower, view_output_positions
+from aotc.passes.lowering import Computed, Extern, _non_overlapping, lower, view_output_positions
 from aotc.runtime.kernels import (
     AtenStep,
     BufferSpec,
@@ -83,7 +83,9 @@ def lower_graph(
                 )
             )
             continue
-        nodes = sorted({n for m in group.members for n in m.cone}, key=_position(decomposed))
+        computed = [m for m in group.members if isinstance(m, Computed)]
+        assert len(computed) == len(group.members), group  # only extern groups hold externs
+        nodes = sorted({n for m in computed for n in m.cone}, key=_position(decomposed))
         fallback = _node_runner(nodes, list(group.stores), plan.lowered.aliases, sources)
         try:
             kernel = generate_kernel(plan, group, device, interpret)
@@ -196,6 +198,7 @@ def _prepare_call(
         return node.name, lambda: value, [], {}, None
     target = node.target
     fn = target._op if isinstance(target, torch._ops.OpOverload) else target
+    assert callable(fn), node.format_node()  # call_function nodes only (no call_method)
     if any(isinstance(v, fx.Node) for v in fx.node.map_arg(node.kwargs, lambda n: n).values()):
         args = [_to_ref(a) for a in node.args]
         kw_refs = {k: _to_ref(v) for k, v in node.kwargs.items()}
@@ -212,7 +215,7 @@ def _prepare_call(
         [_to_ref(a) for a in node.args],
         dict(node.kwargs),
         _stride_fix(node, keep, sources),
-    )  # type: ignore[return-value]
+    )
 
 
 def _with_kwargs(fn: Callable[..., Any], names: list[str]) -> Callable[..., Any]:

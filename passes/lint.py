@@ -45,4 +45,6 @@ def lint_graph(graph: StageGraph, stage: str) -> None:
 
 def _context(nodes: list[fx.Node], i: int) -> str:
     lo, hi = max(0, i - _CONTEXT), min(len(nodes), i + _CONTEXT + 1)
-    return "\n".join(("> " if j == i else "  ") + nodes[j].format_node() for j in range(lo, hi))
+    return "\n".join(
+        ("> " if j == i else "  ") + (nodes[j].format_node() or "") for j in range(lo, hi)
+    )

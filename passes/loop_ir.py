@@ -36,6 +36,7 @@ import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import sympy
 import torch
@@ -52,7 +53,7 @@ class ModIdx(sympy.Function):
 
 
 Ranges = dict[sympy.Symbol, "Size"]  # symbol -> exclusive upper bound; lower bound is 0
-Size = int | sympy.Expr  # a size or stride: an int, or an expression over size symbols
+Size: TypeAlias = int | sympy.Expr  # a size or stride: an int, or an expression over size symbols
 _UNKNOWN = 2**62
 
 
@@ -349,11 +350,11 @@ def dense_order(size: Sequence[Size], stride: Sequence[Size]) -> list[int] | Non
         dims = sorted(
             (int(st), d) for d, (s, st) in enumerate(zip(size, stride)) if not at_most_one(s)
         )
-        expect = 1
+        step = 1
         for st, d in dims:
-            if st != expect:
+            if st != step:
                 return None
-            expect = st * int(size[d])
+            step = st * int(size[d])
         return [d for _, d in dims]
     left = [d for d, s in enumerate(size) if not at_most_one(s)]
     order: list[int] = []

@@ -527,7 +527,12 @@ def _compute_dtype(node: fx.Node) -> torch.dtype:
     ]
     vals = [2 if isinstance(v, torch.SymInt) else v for v in vals]  # only its type matters
     try:
-        return torch.result_type(*vals[:2]) if len(vals) >= 2 else vals[0].dtype
+        if len(vals) >= 2:
+            return torch.result_type(*vals[:2])
+        first = vals[0]
+        if not isinstance(first, torch.Tensor):
+            raise TypeError(f"no dtype for {first!r}")
+        return first.dtype
     except Exception as e:
         raise Unsupported(f"type promotion: {e}") from e
 
@@ -751,6 +756,7 @@ def _clamp(ctx: _Lowering, node: fx.Node, a: _Value, lo: Any = None, hi: Any = N
 @register(aten._to_copy.default, torch.ops.prims.convert_element_type.default, aten.clone.default)
 def _to_copy(ctx: _Lowering, node: fx.Node, a: _Value, *args: Any, **kwargs: Any) -> _Value:
     out = _val(node)
+    assert isinstance(node.args[0], fx.Node), node.format_node()
     src = _val(node.args[0])
     if out.device != src.device or out.layout != torch.strided:
         raise Unsupported("device or layout change")

@@ -185,7 +185,7 @@ class _Roles:
 
     primals: tuple[fx.Node, ...]
     tangents: tuple[fx.Node, ...]
-    fwd_values: tuple[object, ...]  # fwd outputs (nodes or constants)
+    fwd_values: tuple[fx.node.Argument, ...]  # fwd outputs (nodes or constants)
     grad_pairs: tuple[tuple[fx.Node, GradOutput], ...]  # non-None gradients
     fwd_required: frozenset[fx.Node]  # what the forward must compute anyway
     random: frozenset[fx.Node]  # random ops: run once, in the forward
@@ -214,7 +214,9 @@ def _roles(joint: JointGraph) -> _Roles:
     tangents = tuple(n for n, d in zip(placeholders, joint.inputs) if isinstance(d, TangentInput))
     fwd_values = tuple(v for v, d in zip(values, joint.outputs) if isinstance(d, FwdOutput))
     grad_pairs = tuple(
-        (v, d) for v, d in zip(values, joint.outputs) if isinstance(d, GradOutput) and v is not None
+        (v, d)
+        for v, d in zip(values, joint.outputs)
+        if isinstance(d, GradOutput) and isinstance(v, fx.Node)
     )
     random_nodes = frozenset(n for n in graph.nodes if is_random(n))
     fwd_required = _ancestors([*fwd_values, *random_nodes]) | set(primals)
@@ -305,7 +307,7 @@ def _min_cut_saved(
         val = node.meta.get("val")
         # Saving a view keeps its root's whole storage alive: charge the root's bytes.
         if isinstance(val, torch.Tensor):
-            capacity = node_nbytes(_view_root(node)) * _TIE_SCALE
+            capacity: float = node_nbytes(_view_root(node)) * _TIE_SCALE
         else:  # See Note [Saved SymInts]
             capacity = _SYM_BYTES * _TIE_SCALE if is_sym_node(node) else inf
         if capacity != inf and node not in roles.fwd_required:
@@ -458,7 +460,7 @@ def partition(
         saved=tuple(_saved_value(n) for n in saved_nodes),
         recomputed=tuple(n.name for n in recomputed),
         seconds=time.perf_counter() - start,
-        plan=plan,
+        plan=str(plan),  # a Partitioner member is its string; cache hits load a str
         save_everything_bytes=_bytes(everything),
         simple_bytes=_bytes(simple),
         budget_bytes=budget_bytes,
@@ -608,18 +610,17 @@ def _aliases(node: fx.Node, roots: set[fx.Node]) -> bool:
         node = first
 
 
-def _lookup(env: dict[fx.Node, fx.Node], value: object) -> object:
+def _lookup(env: dict[fx.Node, fx.Node], value: fx.node.Argument) -> fx.node.Argument:
     return env[value] if isinstance(value, fx.Node) else value
 
 
 def _saved_value(node: fx.Node) -> SavedValue:
     val = node.meta.get("val")
-    is_tensor = isinstance(val, torch.Tensor)
     return SavedValue(
         name=node.name,
         nbytes=node_nbytes(node),
-        shape=tuple(val.shape) if is_tensor else None,
-        dtype=val.dtype if is_tensor else None,
+        shape=tuple(val.shape) if isinstance(val, torch.Tensor) else None,
+        dtype=val.dtype if isinstance(val, torch.Tensor) else None,
         producer="input" if node.op == "placeholder" else str(node.target),
         source=source_line(node),
         is_symint=is_sym_node(node),

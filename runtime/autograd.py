@@ -148,7 +148,7 @@ def _picker(diff: tuple[int, ...], n_out: int) -> Callable[[tuple[torch.Tensor, 
     if len(diff) == 1:
         (k,) = diff
         return lambda outs: (outs[k],)
-    return operator.itemgetter(*diff)  # type: ignore[return-value]
+    return operator.itemgetter(*diff)
 
 
 def _placer(slots: tuple[int, ...], n_result: int) -> Callable[[tuple], tuple]:
@@ -250,4 +250,4 @@ def autograd_nodes(roots: Iterable[object]) -> Iterator[Any]:
             continue
         visited.add(id(node))
         yield node
-        stack.extend(fn for fn, _ in node.next_functions)
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)

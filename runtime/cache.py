@@ -329,7 +329,9 @@ def decode(value: Any, graphs: Sequence[fx.GraphModule] | None = None) -> Any:
         case "R":
             cls = _choice(arg, _RECORDS)
             fields = value.get("f")
-            if not dataclasses.is_dataclass(cls) or not isinstance(fields, dict):
+            if not isinstance(cls, type) or not dataclasses.is_dataclass(cls):
+                raise CacheError(f"bad record {arg!r}")
+            if not isinstance(fields, dict):
                 raise CacheError(f"bad record {arg!r}")
             try:
                 return cls(**{k: dec(v) for k, v in fields.items()})
@@ -534,7 +536,9 @@ class ValueTensor(torch.Tensor):
     geometry); building one costs a fraction of a fake tensor, which made up most of a Triton
     hit's load."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # torch's stubs type Tensor.__torch_function__ as a 4-argument classmethod; this is the
+    # documented way to disable it on a subclass.
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
     def __new__(  # noqa: PYI034

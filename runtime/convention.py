@@ -33,6 +33,7 @@ graph args. Duplicates (the same tensor object twice) are folded first: `f(x, x)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -120,27 +121,35 @@ def plan_convention(
 def _plan_base(
     leaves: Sequence[object], members: Sequence[UserArg], names: Sequence[str]
 ) -> SyntheticBase:
-    tensors = [leaves[m] for m in members]
-    assert all(isinstance(t, torch.Tensor) for t in tensors)
+    tensors: list[torch.Tensor] = []
+    for m in members:
+        t = leaves[m]
+        assert isinstance(t, torch.Tensor), (m, type(t))
+        tensors.append(t)
     label = [names[m] if m < len(names) else f"argument {m}" for m in members]
-    dtypes = {t.dtype for t in tensors}  # type: ignore[union-attr]
+    dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1:
         raise UnsupportedError(
             f"inputs {label} share storage with different dtypes ({sorted(map(str, dtypes))}) "
             "and one of them is mutated. Pass a .clone() of one of them, or avoid the in-place op."
         )
-    roots = {id(_root(t)) for t in tensors}  # type: ignore[arg-type]
+    roots = {id(_root(t)) for t in tensors}
     common = len(roots) == 1
-    if not common and any(t.requires_grad for t in tensors):  # type: ignore[union-attr]
+    if not common and any(t.requires_grad for t in tensors):
         raise UnsupportedError(
             f"inputs {label} share storage without a common base tensor, one of them is mutated "
             "and one requires grad, so gradients could not flow to the right tensor. Pass views "
             "of one common tensor, or a .clone() of one of them."
         )
-    base = _runtime_base(tensors, common)  # type: ignore[arg-type]
+    base = _runtime_base(tensors, common)
     geometries = tuple(
-        Geometry(tuple(t.shape), tuple(t.stride()), t.storage_offset() - base.storage_offset())
-        for t in tensors  # type: ignore[union-attr]
+        # Real tensors, so int offsets (torch's stubs say int | SymInt).
+        Geometry(
+            tuple(t.shape),
+            tuple(t.stride()),
+            cast(int, t.storage_offset() - base.storage_offset()),
+        )
+        for t in tensors
     )
     return SyntheticBase(members=tuple(members), geometries=geometries, base_is_common=common)
 

@@ -24,7 +24,9 @@ Worked example (f(x) = (x.mul_(2), x.t()), x a non-leaf requiring grad):
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -143,40 +145,40 @@ def plan_epilogue(
     new_leaves = [fwd_of_user[UserOut(j)] for j, o in enumerate(meta.outputs) if o.new_leaf]
     new_leaves += [base0 + b for b in meta.new_leaf_bases]
     steps = []
-    for j, info in enumerate(meta.outputs):
+    for j, out in enumerate(meta.outputs):
         base: int | None = None
         source: int | None
-        match info.kind:
+        match out.kind:
             case OutputKind.FRESH:
                 source = fwd_of_user[UserOut(j)]
             case OutputKind.ALIAS_OF_OUTPUT:
-                source, base = fwd_of_user[UserOut(j)], info.base_out
+                source, base = fwd_of_user[UserOut(j)], out.base_out
             case OutputKind.ALIAS_OF_INTERMEDIATE:
-                assert info.base_intermediate is not None
-                source, base = fwd_of_user[UserOut(j)], base0 + info.base_intermediate
+                assert out.base_intermediate is not None
+                source, base = fwd_of_user[UserOut(j)], base0 + out.base_intermediate
             case OutputKind.IS_INPUT | OutputKind.ALIAS_OF_INPUT:
-                source = info.base_arg
+                source = out.base_arg
             case OutputKind.IS_OUTPUT:
-                source = info.base_out
+                source = out.base_out
             case OutputKind.DETACHED:
-                source = info.base_root
+                source = out.base_root
             case OutputKind.NOT_TENSOR:
                 source = None
         steps.append(
             OutputStep(
-                info.kind,
-                info.requires_grad,
+                out.kind,
+                out.requires_grad,
                 source,
                 base,
-                info.geometry,
-                info.constant,
-                track_grad=info.requires_grad and not info.view_without_grad,
-                lazy_conj=info.lazy_conj,
-                lazy_neg=info.lazy_neg,
-                multi_output_view=info.multi_output_view,
-                new_leaf=info.new_leaf and info.kind is not OutputKind.FRESH,
-                stale_view=info.stale_view,
-                via_geometry=info.via_geometry,
+                out.geometry,
+                out.constant,
+                track_grad=out.requires_grad and not out.view_without_grad,
+                lazy_conj=out.lazy_conj,
+                lazy_neg=out.lazy_neg,
+                multi_output_view=out.multi_output_view,
+                new_leaf=out.new_leaf and out.kind is not OutputKind.FRESH,
+                stale_view=out.stale_view,
+                via_geometry=out.via_geometry,
             )
         )
     late = (OutputKind.ALIAS_OF_OUTPUT, OutputKind.IS_OUTPUT)
@@ -197,12 +199,12 @@ def apply_mutations(
     plan: EpiloguePlan,
     leaves: list[object],
     graph_args: list[torch.Tensor],
-    fwd_outs: list[torch.Tensor],
+    fwd_outs: Sequence[torch.Tensor],
 ) -> None:
     versions = [
         (t, t._version + n)
-        for t, n in ((leaves[a], n) for a, n in plan.versions)
-        if not t.is_inference()  # type: ignore[union-attr]
+        for t, n in ((cast(torch.Tensor, leaves[a]), n) for a, n in plan.versions)
+        if not t.is_inference()
     ]
     dest = {
         m.target: graph_args[m.target].as_strided(
@@ -224,7 +226,7 @@ def apply_mutations(
                 assert isinstance(leaf, torch.Tensor) and g is not None
                 leaf.as_strided_(g.size, g.stride, leaf.storage_offset() + g.offset)
     if versions:
-        _set_versions(tuple(t for t, _ in versions), tuple(v for _, v in versions))  # type: ignore[misc]
+        _set_versions(tuple(t for t, _ in versions), tuple(v for _, v in versions))
 
 
 def stale_input_views(plan: EpiloguePlan, leaves: list[object]) -> dict[int, torch.Tensor]:
@@ -243,7 +245,7 @@ def stale_input_views(plan: EpiloguePlan, leaves: list[object]) -> dict[int, tor
 def build_outputs(
     plan: EpiloguePlan,
     leaves: list[object],
-    fwd_outs: list[torch.Tensor],
+    fwd_outs: Sequence[torch.Tensor],
     early: dict[int, torch.Tensor] | None = None,
 ) -> list[object]:
     for k in plan.new_leaves:
@@ -281,7 +283,7 @@ def build_outputs(
 
 
 def _materialize(
-    root: DetachedRoot, leaves: list[object], fwd_outs: list[torch.Tensor]
+    root: DetachedRoot, leaves: list[object], fwd_outs: Sequence[torch.Tensor]
 ) -> torch.Tensor:
     """The detached alias of one call (see Note [Detached aliases] in aotc/aliasing.py)."""
     src = leaves[root.index] if root.source is RootSource.INPUT else fwd_outs[root.index]
@@ -309,7 +311,8 @@ def _view(base: torch.Tensor, g: Geometry, s: OutputStep, bump: bool = True) -> 
         with torch.no_grad():
             inner = base.as_strided(v.size, v.stride, base.storage_offset() + v.offset)
         offset, base = base.storage_offset() + g.offset, inner
-        g = Geometry(g.size, g.stride, offset - inner.storage_offset())
+        # Real tensors here, so the offsets are ints (torch's stubs say int | SymInt).
+        g = Geometry(g.size, g.stride, cast(int, offset - inner.storage_offset()))
     with torch.set_grad_enabled(s.track_grad):
         view = base.as_strided(g.size, g.stride, base.storage_offset() + g.offset)
         if s.lazy_conj:

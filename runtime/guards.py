@@ -18,6 +18,7 @@ alias regeneration depend on. The tree structure of the arguments is covered by 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -65,13 +66,13 @@ def signature_key(leaves: Sequence[object]) -> tuple[object, ...]:
 # tests/runtime/test_guard_matrix.py checks check == (key == signature) over many changes.
 
 
-def signature_check(signature: tuple[object, ...]) -> Callable[[Sequence[object]], bool] | None:
+def signature_check(signature: tuple[Any, ...]) -> Callable[[Sequence[object]], bool] | None:
     """`leaves -> signature_key(leaves) == signature`, generated (see Note [Guard checks]);
     None when the signature has shared storage or autocast state."""
-    parts, pattern, grad_enabled, autocast = signature  # type: ignore[misc]
+    parts, pattern, grad_enabled, autocast = signature
     if pattern is not None or autocast is not None:
         return None
-    n = len(parts)  # type: ignore[arg-type]
+    n = len(parts)
     namespace: dict[str, object] = {
         "Tensor": Tensor,
         "grad_enabled": torch.is_grad_enabled,
@@ -79,7 +80,7 @@ def signature_check(signature: tuple[object, ...]) -> Callable[[Sequence[object]
     }
     conds: list[str] = []
     tensors: list[str] = []
-    for i, part in enumerate(parts):  # type: ignore[arg-type]
+    for i, part in enumerate(parts):
         leaf = f"l{i}"
         if len(part) == 6 and isinstance(part[0], torch.dtype):
             dtype, device, shape, stride, requires_grad, is_leaf = part

@@ -111,7 +111,7 @@ def make_callable(module: fx.GraphModule) -> Callable[..., Any]:
                 f"launch: unsupported node kind {node.op} ({node.format_node()})"
             )
         for inp in node.all_input_nodes:
-            if last_use.get(inp) is node:
+            if last_use.get(inp) is node and node is not None:
                 frees.setdefault(node, []).append(names[inp])
         if node.users == {} or not node.users:
             frees.setdefault(node, []).append(name)
@@ -198,7 +198,8 @@ def _verified_binding(target: torch._ops.OpOverload, node: fx.Node) -> Callable[
     name = target._schema.name.split("::", 1)[-1]
     candidates = [
         getattr(module, name, None)
-        for module in (torch._C._VariableFunctions, torch._C._nn, torch._C._special)
+        # torch._C._special exists at run time; torch's stubs do not declare it.
+        for module in (torch._C._VariableFunctions, torch._C._nn, torch._C._special)  # type: ignore[attr-defined]
     ]
     candidates.append(getattr(torch._C.TensorBase, name, None))
     try:
@@ -214,7 +215,7 @@ def _verified_binding(target: torch._ops.OpOverload, node: fx.Node) -> Callable[
     return None
 
 
-class _Dispatched(list):  # type: ignore[type-arg]
+class _Dispatched(list[tuple[object, object, object]]):
     """(op, args, kwargs) of each call that reached the dispatcher; compares tensors by id."""
 
     def __eq__(self, other: object) -> bool:
@@ -227,7 +228,7 @@ class _Dispatched(list):  # type: ignore[type-arg]
             )
         )
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None
 
 
 def _same(a: Any, b: Any) -> bool:

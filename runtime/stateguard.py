@@ -64,7 +64,7 @@ class StateGuard:
         self.check = _generate_check(self.items, self._expected, self._refresh)
 
     def __call__(self) -> bool:
-        return self.check()  # type: ignore[no-any-return]
+        return self.check()
 
     def _refresh(self, k: int) -> bool:
         """Item k (VALUE) read a different object: equal constants pass, and the new object is
@@ -263,9 +263,9 @@ class GuardedDispatcher:
             except (RuntimeError, TypeError):  # e.g. a sparse leaf: the key path explains it
                 hit = False
             if hit:
-                link = last[2]
-                if link.state is None or link.state():
-                    return link.entry.call(leaves)  # type: ignore[attr-defined]
+                cached = last[2]
+                if cached.state is None or cached.state():
+                    return cached.entry.call(leaves)  # type: ignore[attr-defined]
         try:
             key = (extra, self._key(leaves))
             link = self._heads.get(key)
@@ -346,4 +346,4 @@ def _shape_guard(code: str | None) -> Callable[[list[object]], bool] | None:
         return None
     guard = make_guard(code)
     tensor = torch.Tensor
-    return lambda leaves: guard([t for t in leaves if isinstance(t, tensor)])  # type: ignore[misc]
+    return lambda leaves: guard([t for t in leaves if isinstance(t, tensor)])

@@ -106,4 +106,5 @@ def compile_sizes(
     src = f"def sizes(values):\n    {unpack}return ({body}{',' if exprs else ''})\n"
     scope: dict[str, Any] = {}
     exec(compile(src, "<aotc sizes>", "exec"), scope)  # noqa: S102 - generated from sympy above
-    return scope["sizes"]
+    sizes: Callable[[Sequence[int]], tuple[int, ...]] = scope["sizes"]
+    return sizes

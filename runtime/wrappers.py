@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -91,14 +92,15 @@ class CompiledEntry:
         if plan.autograd is None:
             fwd = _without_grad(fwd)  # an inference entry's outputs never require grad
         self._fwd = fwd
-        self._fn = None
-        self._apply = None
+        self._fn: type[torch.autograd.Function] | None = None
+        self._apply: Callable[..., Any] | None = None
         self._diff: tuple[int, ...] = ()
         if plan.autograd is not None:
             assert bwd is not None
             self._fn = make_autograd_function(fwd, bwd, plan.autograd, plan.name)
             # See Note [Direct apply]
-            self._apply = super(torch.autograd.Function, self._fn).apply
+            # torch's stubs declare `apply` on Function only, not on its C base (_FunctionBase).
+            self._apply = super(torch.autograd.Function, self._fn).apply  # type: ignore[misc]
             _direct_backward(self._fn)
             self._diff = plan.autograd.diff_outs
         self._detach = frozenset(plan.detach_args)
@@ -107,6 +109,7 @@ class CompiledEntry:
         self._anchor = plan.autograd is not None and plan.autograd.anchor
         self._enable_grad = plan.enable_grad
         self._unflatten = _unflattener(plan.out_spec)
+        self.call: Callable[[list[object]], object]
         if self._mutates:
             self.call = self._call_locked
         else:
@@ -129,7 +132,7 @@ class CompiledEntry:
     def _run(self, leaves: list[object]) -> object:
         plan = self.plan
         for a in plan.epilogue.make_require_grad:
-            leaves[a].requires_grad_()  # type: ignore[union-attr]
+            cast(torch.Tensor, leaves[a]).requires_grad_()
         args = apply_convention(plan.convention, leaves)
         if self._fn is not None:
             if self._detach:
@@ -141,10 +144,11 @@ class CompiledEntry:
                 if torch._C._are_functorch_transforms_active():
                     diff = self._fn.apply(holder, *args)
                 else:
+                    assert self._apply is not None  # set with _fn
                     diff = self._apply(holder, *args)
             for pos, k in enumerate(self._diff):
                 holder[k] = diff[pos]
-            fwd_outs = holder
+            fwd_outs: Sequence[torch.Tensor] = holder
         else:
             fwd_outs = self._fwd(*args)
         early = None
@@ -249,10 +253,10 @@ def _unflattener(spec: pytree.TreeSpec) -> Callable[[list[object]], object]:
 _TENSOR_FIELDS = ("dtype", "device", "shape", "stride", "requires_grad", "is_leaf")
 
 
-def describe_change(old: tuple[object, ...], new: tuple[object, ...]) -> str:
+def describe_change(old: tuple[Any, ...], new: tuple[Any, ...]) -> str:
     """Why a guard key differs from the previous one, in words (see runtime/guards.py)."""
-    (old_extra, (old_parts, old_alias, old_grad, old_ac)) = old  # type: ignore[misc]
-    (new_extra, (new_parts, new_alias, new_grad, new_ac)) = new  # type: ignore[misc]
+    (old_extra, (old_parts, old_alias, old_grad, old_ac)) = old
+    (new_extra, (new_parts, new_alias, new_grad, new_ac)) = new
     reasons: list[str] = []
     if old_grad != new_grad:
         reasons.append(f"grad mode {old_grad} -> {new_grad}")
@@ -260,9 +264,9 @@ def describe_change(old: tuple[object, ...], new: tuple[object, ...]) -> str:
         reasons.append(f"autocast {old_ac} -> {new_ac}")
     if old_extra != new_extra:
         reasons.append("argument structure or module training flags changed")
-    if len(old_parts) != len(new_parts):  # type: ignore[arg-type]
-        reasons.append(f"{len(old_parts)} -> {len(new_parts)} inputs")  # type: ignore[arg-type]
-    for i, (a, b) in enumerate(zip(old_parts, new_parts)):  # type: ignore[call-overload]
+    if len(old_parts) != len(new_parts):
+        reasons.append(f"{len(old_parts)} -> {len(new_parts)} inputs")
+    for i, (a, b) in enumerate(zip(old_parts, new_parts)):
         if a == b:
             continue
         if len(a) == len(_TENSOR_FIELDS) and len(b) == len(_TENSOR_FIELDS):
