@@ -63,7 +63,9 @@ from aotc.runtime.errors import (  # noqa: E402  (needs _map_checkout in a check
 if TYPE_CHECKING:
     from aotc.api import CompiledFunction, CompiledModule, compile, inspect
     from aotc.capture import DynamoFunction, DynamoModule
+    from aotc.exporting import export
     from aotc.options import CompileOptions, configure_logging
+    from aotc.runtime.artifact import ArtifactError, LoadedArtifact, load
 
 # Public name -> the module that defines it (imported on first access).
 _LAZY = {
@@ -75,6 +77,11 @@ _LAZY = {
     "inspect": "aotc.api",
     "CompileOptions": "aotc.options",
     "configure_logging": "aotc.options",
+    # export needs the compiler; load and its records only the runtime (runtime/artifact.py)
+    "export": "aotc.exporting",
+    "load": "aotc.runtime.artifact",
+    "LoadedArtifact": "aotc.runtime.artifact",
+    "ArtifactError": "aotc.runtime.artifact",
 }
 
 
@@ -93,6 +100,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AotcError",
+    "ArtifactError",
     "CacheError",
     "CompileOptions",
     "CompiledFunction",
@@ -101,9 +109,12 @@ __all__ = [
     "DynamoModule",
     "GraphInvariantError",
     "GuardError",
+    "LoadedArtifact",
     "UnsupportedError",
     "__version__",
     "compile",
     "configure_logging",
+    "export",
     "inspect",
+    "load",
 ]
