@@ -9,7 +9,7 @@ runtime/artifact.py) that `aotc.load` runs without the compiler, exactly as the 
 function runs this signature; a readable summary.txt next to it. Refuses (ArtifactError, naming
 what and what to do) programs whose artifact could not run alone: tensors read from closures or
 globals (pass them as arguments, or export an nn.Module), Python state the strict tracer would
-guard on, outputs or arguments without a plain encoding, and dynamic=True with Triton kernels.
+outputs or arguments without a plain encoding, and dynamic=True with Triton kernels.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from aotc.runtime.kernels import CompiledGraph
 from aotc.runtime.stateguard import Compare, StateGuard
 from aotc.runtime.steps import GraphProgram, graph_program
 from aotc.runtime.symbolic import coarse_key
-from aotc.runtime.wrappers import CompiledEntry
 
 
 def export(
@@ -81,7 +80,7 @@ def export(
         entry, shape_guard, state = cf._compile_symbolic(gen, leaves, key)
     else:
         entry, shape_guard, state = cf._compile_static(gen, leaves, key)
-    checks = _state_checks(state, name, is_module)
+    checks, baked = _state_checks(state, is_module)
     record: CompiledRecord = entry.record  # type: ignore[assignment]
     symbolic_entry = dynamic and shape_guard is not None and "size() ==" not in shape_guard
     artifact_dynamic = dynamic
@@ -112,7 +111,7 @@ def export(
         state_checks=checks,
     )
     folder = os.fspath(path)
-    summary = _summary(artifact, record, entry, symbolic_entry, kernels)
+    summary = _summary(artifact, record, symbolic_entry, kernels, baked)
     write_artifact(folder, artifact, summary, kernels, current_versions())
     return folder
 
@@ -122,34 +121,39 @@ _PLAIN = (int, float, bool, str, type(None))
 
 
 def _state_checks(
-    state: StateGuard | None, name: str, is_module: bool
-) -> tuple[tuple[str, object], ...]:
-    """The Python state the strict tracer guards on, as checks a loaded artifact can make: the
-    default dtype and device, and plain attributes of the bound module ("self.drop.p"). Items
-    about the module's structure, instance overrides and hooks are left to the binding (a loaded
-    artifact calls no module and runs no hooks); anything else (globals, closures) refuses the
-    export."""
+    state: StateGuard | None, is_module: bool
+) -> tuple[tuple[tuple[str, object], ...], list[str]]:
+    """The Python state the strict tracer guards on, split into checks a loaded artifact makes
+    per call (the default dtype and device; plain attributes of the bound module, "self.drop.p")
+    and the rest, which the graphs bake in (see Note [What an artifact bakes in]): returned as
+    readable lines for summary.txt."""
     checks: list[tuple[str, object]] = []
-    refused = []
+    baked: list[str] = []
     for item in state.items if state is not None else ():
         what = item.what
         if what in _AMBIENT:
             checks.append((what, item.expected))
-        elif is_module and what.startswith("self."):
+            continue
+        if is_module and what.startswith("self."):
             path = what[len("self.") :]
             plain = item.compare is Compare.VALUE and isinstance(item.expected, _PLAIN)
             if plain and all(part.isidentifier() or part.isdigit() for part in path.split(".")):
                 checks.append((what, item.expected))
-        elif not what.startswith("torch.nn.modules.module._global_"):  # hooks: not run
-            refused.append(item)
-    if refused:
-        lines = "\n".join(f"  {i.what} = {i.expected!r}  {i.where}".rstrip() for i in refused)
-        raise ArtifactError(
-            f"cannot export {name}: its compiled graphs depend on Python state it reads besides "
-            f"its arguments, which a loaded artifact cannot check:\n{lines}\nPass such values "
-            "as arguments (tensors or constants), or make them attributes of an exported module."
-        )
-    return tuple(checks)
+                continue
+        value = item.expected
+        shown = repr(value) if isinstance(value, (*_PLAIN, tuple, list)) else type(value).__name__
+        baked.append(f"{what} = {shown[:80]}  {item.where}".rstrip())
+    return tuple(checks), baked
+
+
+# Note [What an artifact bakes in]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Strict capture guards on the Python state a program reads (aotc/strict.py): a compiled function
+# recompiles when a global constant or a called function changes. An artifact has no program
+# left to re-read: like `jax.export`, it is the program as it was at export, with every Python
+# value it read baked into the graphs. What a loaded artifact still checks per call: the default
+# dtype and device, the bound module's plain attributes (`self.drop.p`) and training flags, and
+# the call's signature. summary.txt lists everything else that was baked in.
 
 
 def _lowerings(
@@ -210,9 +214,9 @@ def _device_kind(leaves: list[object]) -> str:
 def _summary(
     artifact: CompiledArtifact,
     record: CompiledRecord,
-    entry: CompiledEntry,
     symbolic: bool,
     kernels: dict[str, str],
+    baked: list[str],
 ) -> str:
     versions = current_versions()
     mode = "training (forward and backward)" if artifact.backward is not None else "inference"
@@ -235,6 +239,8 @@ def _summary(
             "# state read from the module given to aotc.load(path, module=m), per call",
             *artifact.state_names,
         ]
+    if baked:
+        lines += ["# Python state baked into the graphs (not checked when loaded)", *baked]
     lines += [
         "",
         record.meta.format(),

@@ -518,7 +518,7 @@ def _state_checker(
 def _state_reader(module: torch.nn.Module, name: str, path: str) -> Callable[[object], object]:
     prefix = "self."
     dotted = name[len(prefix) :] if name.startswith(prefix) else None
-    if dotted is None or not all(p.isidentifier() for p in dotted.split(".")):
+    if dotted is None or not all(p.isidentifier() or p.isdigit() for p in dotted.split(".")):
         raise ArtifactError(f"{path}: cannot bind state {name!r} to a module")
     read = operator.attrgetter(dotted)
     try:
