@@ -52,6 +52,7 @@ import hashlib
 import json
 import operator
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -215,9 +216,8 @@ def _replace(artifact: CompiledArtifact, **changes: object) -> CompiledArtifact:
 
 
 def current_versions() -> dict[str, object]:
-    from aotc import __version__
-
-    return {"aotc": __version__, "torch": torch.__version__, "triton": _triton_version()}
+    aotc = sys.modules["aotc"]  # the package this runtime belongs to (imported before it)
+    return {"aotc": aotc.__version__, "torch": torch.__version__, "triton": _triton_version()}
 
 
 def _triton_version() -> str | None:
