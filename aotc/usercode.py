@@ -11,9 +11,9 @@ the cells it stores, and the names it calls mutating methods on, each with its f
 from __future__ import annotations
 
 import contextlib
-import importlib
 import dis
 import enum
+import importlib
 import linecache
 import os
 import sys
