@@ -323,3 +323,12 @@ def test_import_aotc_and_load_are_lazy():
     )
     env = dict(os.environ, PYTHONPATH=ROOT)
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+
+
+@needs_interpreter
+def test_dynamic_triton_is_refused_with_a_reason(tmp_path):
+    def f(x):
+        return (x * 2).sin().sum(0)
+
+    with pytest.raises(ArtifactError, match="dynamic=True and backend='triton'.*backend='aten'"):
+        aotc.export(f, torch.randn(6, 4), path=tmp_path / "a", dynamic=True, backend="triton")
