@@ -275,7 +275,26 @@ _LOADER = textwrap.dedent(
         h = torch.tanh(x @ w1 + b)
         return (h @ w2).softmax(-1), h.sum()
 
-    for path in sys.argv[1:]:
+    def make_seq():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.ReLU())
+
+    for arg in sys.argv[1:]:
+        kind, path = arg.split(":", 1)
+        if kind == "mod":  # a module artifact bound to a fresh module; eager on a twin
+            bound, eager = make_seq(), make_seq()
+            loaded = aotc.load(path, module=bound)
+            x = torch.randn(6, 3)
+            got, want = loaded(x), eager(x)
+            got.pow(2).sum().backward()
+            want.pow(2).sum().backward()
+            torch.testing.assert_close(got, want)
+            for (n, a), (_, b) in zip(bound.named_parameters(), eager.named_parameters()):
+                torch.testing.assert_close(a.grad, b.grad, msg=n)
+            for (n, a), (_, b) in zip(bound.named_buffers(), eager.named_buffers()):
+                torch.testing.assert_close(a, b, msg=n)  # running stats updated in place
+            print("ok", path, type(got.grad_fn).__name__)
+            continue
         loaded = aotc.load(path)
         torch.manual_seed(3)
         x = torch.randn(4, 3)
@@ -296,9 +315,14 @@ _LOADER = textwrap.dedent(
 
 
 def test_load_runs_without_the_compiler(tmp_path):
-    paths = [aotc.export(mlp_step, *mlp_args(), path=tmp_path / "aten")]
+    seq = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.ReLU())
+    paths = [
+        "fn:" + aotc.export(mlp_step, *mlp_args(), path=tmp_path / "aten"),
+        "mod:" + aotc.export(seq, torch.randn(6, 3), path=tmp_path / "seq"),
+    ]
     if importlib.util.find_spec("triton") is not None:
-        paths.append(aotc.export(mlp_step, *mlp_args(), path=tmp_path / "tri", backend="triton"))
+        tri = aotc.export(mlp_step, *mlp_args(), path=tmp_path / "tri", backend="triton")
+        paths.append("fn:" + tri)
     script = tmp_path / "loader.py"
     script.write_text(_LOADER)
     env = dict(os.environ, PYTHONPATH=ROOT)
