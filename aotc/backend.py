@@ -330,9 +330,9 @@ def _mutated_leaves(entry: CompiledEntry) -> tuple[int, ...]:
     return tuple(
         sorted(
             {
-                sources[m.arg]
+                sources[m.target]
                 for m in entry.plan.epilogue.mutations
-                if m.new_value is not None and sources[m.arg] is not None
+                if m.new_value is not None and sources[m.target] is not None
             }
         )
     )

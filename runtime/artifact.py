@@ -46,6 +46,7 @@ part of the guard (each call checks that every submodule's `training` is what it
 from __future__ import annotations
 
 import ast
+import dataclasses
 import enum
 import functools
 import hashlib
@@ -143,6 +144,10 @@ def write_artifact(path: str, artifact: CompiledArtifact, summary: str, kernels:
     for name, source in kernels.items():
         files[name] = source.encode()
     os.makedirs(os.path.join(path, KERNEL_DIR) if kernels else path, exist_ok=True)
+    old = os.path.join(path, KERNEL_DIR)
+    for name in os.listdir(old) if os.path.isdir(old) else ():  # a previous export's kernels
+        if f"{KERNEL_DIR}/{name}" not in files and name.endswith(".py"):
+            os.unlink(os.path.join(old, name))
     for name, data in files.items():
         _write_file(os.path.join(path, name), data)
     manifest = {
@@ -210,8 +215,6 @@ def _native(key: object) -> object:
 
 
 def _replace(artifact: CompiledArtifact, **changes: object) -> CompiledArtifact:
-    import dataclasses
-
     return dataclasses.replace(artifact, **changes)  # type: ignore[arg-type]
 
 
