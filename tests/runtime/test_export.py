@@ -308,7 +308,8 @@ _LOADER = textwrap.dedent(
         for g, w in zip([*got, *(t.grad for t in got_w)], [*want, *(t.grad for t in want_w)]):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
         print("ok", path, type(got[0].grad_fn).__name__)
-    compiler = [m for m in sys.modules if m.startswith(("aotc.passes", "aotc.pipeline", "aotc.tracer"))]
+    compiler = [m for m in sys.modules
+                if m.startswith(("aotc.passes", "aotc.pipeline", "aotc.tracer", "aotc.api"))]
     assert not compiler, compiler
     """
 )
@@ -337,16 +338,6 @@ def test_load_runs_without_the_compiler(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("ok ") == len(paths), result.stdout
     assert "AotcFunction" in result.stdout
-
-
-def test_import_aotc_and_load_are_lazy():
-    code = (
-        "import sys, aotc; aotc.load; "
-        "bad = [m for m in sys.modules if m.startswith(('aotc.passes', 'aotc.pipeline', "
-        "'aotc.tracer', 'aotc.api'))]; assert not bad, bad"
-    )
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
 
 
 @needs_interpreter
