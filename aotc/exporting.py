@@ -22,6 +22,7 @@ import torch.utils._pytree as pytree
 
 from aotc.api import CompiledFunction, CompiledModule, _qualname
 from aotc.api import compile as aotc_compile
+from aotc.lifting import StateCreated
 from aotc.options import Capture
 from aotc.pipeline import CompiledRecord
 from aotc.runtime.artifact import (
@@ -34,7 +35,7 @@ from aotc.runtime.artifact import (
 )
 from aotc.runtime.guards import signature_key
 from aotc.runtime.kernels import CompiledGraph
-from aotc.runtime.stateguard import Compare, StateGuard
+from aotc.runtime.stateguard import Compare, Retry, StateGuard
 from aotc.runtime.steps import GraphProgram, graph_program
 from aotc.runtime.symbolic import coarse_key
 
@@ -76,10 +77,15 @@ def export(
     extra_key = cf._extra_key
     extra = (in_spec, extra_key()) if extra_key is not None else in_spec
     key = (extra, signature_key(leaves))
-    if dynamic:
-        entry, shape_guard, state = cf._compile_symbolic(gen, leaves, key)
-    else:
-        entry, shape_guard, state = cf._compile_static(gen, leaves, key)
+    compile_entry = cf._compile_symbolic if dynamic else cf._compile_static
+    try:
+        entry, shape_guard, state = compile_entry(gen, leaves, key)
+    except (Retry, StateCreated) as e:
+        raise ArtifactError(
+            f"cannot export {name}: it creates state or moves the tensors it reads on this call "
+            f"({type(e).__name__}: {e}). Call it once eagerly (so optimizer state and lazily "
+            "created attributes exist), then export."
+        ) from e
     checks, baked = _state_checks(state, is_module)
     record: CompiledRecord = entry.record  # type: ignore[assignment]
     symbolic_entry = dynamic and shape_guard is not None and "size() ==" not in shape_guard
