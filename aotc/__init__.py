@@ -30,7 +30,9 @@ def _map_checkout() -> None:
     """See Note [One import name]: in a checkout (this package has no runtime/ of its own and the
     repository's runtime/ and passes/ sit beside it), bind aotc.runtime and aotc.passes to them.
     Decided by the layout on disk, so a second checkout on PYTHONPATH uses its own folders even
-    where an editable install of another checkout is present."""
+    where an editable install of another checkout is present. `aotc.runtime` is imported here
+    (the errors below live in it); `aotc.passes` only when first imported (a finder at the front of
+    `sys.meta_path`), so a process that only loads artifacts never imports the compiler."""
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
     for name in ("runtime", "passes"):
@@ -40,14 +42,29 @@ def _map_checkout() -> None:
             continue  # already bound, or installed inside this package
         if not os.path.isfile(init):
             continue  # not a checkout: the installer's mapping finds it
-        spec = importlib.util.spec_from_file_location(
-            full, init, submodule_search_locations=[os.path.dirname(init)]
-        )
+        if name == "passes":
+            sys.meta_path.insert(0, _CheckoutFinder(full, init))  # before an editable install's
+            continue
+        spec = _CheckoutFinder(full, init).find_spec(full)
         assert spec is not None and spec.loader is not None, init
         module = importlib.util.module_from_spec(spec)
         sys.modules[full] = module
         spec.loader.exec_module(module)
         globals()[name] = module
+
+
+class _CheckoutFinder:
+    """Finds one package of the checkout (`aotc.passes` -> <root>/passes) by its full name."""
+
+    def __init__(self, name: str, init: str) -> None:
+        self.name, self.init = name, init
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> Any:
+        if fullname != self.name:
+            return None
+        return importlib.util.spec_from_file_location(
+            fullname, self.init, submodule_search_locations=[os.path.dirname(self.init)]
+        )
 
 
 _map_checkout()
@@ -63,7 +80,9 @@ from aotc.runtime.errors import (  # noqa: E402  (needs _map_checkout in a check
 if TYPE_CHECKING:
     from aotc.api import CompiledFunction, CompiledModule, compile, inspect
     from aotc.capture import DynamoFunction, DynamoModule
+    from aotc.exporting import export
     from aotc.options import Backend, Capture, CompileOptions, Partitioner, configure_logging
+    from aotc.runtime.artifact import ArtifactError, LoadedArtifact, load
 
 # Public name -> the module that defines it (imported on first access).
 _LAZY = {
@@ -78,6 +97,11 @@ _LAZY = {
     "Capture": "aotc.options",
     "Partitioner": "aotc.options",
     "configure_logging": "aotc.options",
+    # export needs the compiler; load and its records only the runtime (runtime/artifact.py)
+    "export": "aotc.exporting",
+    "load": "aotc.runtime.artifact",
+    "LoadedArtifact": "aotc.runtime.artifact",
+    "ArtifactError": "aotc.runtime.artifact",
 }
 
 
@@ -97,6 +121,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "AotcError",
     "Backend",
+    "ArtifactError",
     "CacheError",
     "Capture",
     "CompileOptions",
@@ -107,9 +132,12 @@ __all__ = [
     "GraphInvariantError",
     "GuardError",
     "Partitioner",
+    "LoadedArtifact",
     "UnsupportedError",
     "__version__",
     "compile",
     "configure_logging",
+    "export",
     "inspect",
+    "load",
 ]

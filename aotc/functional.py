@@ -8,6 +8,7 @@ every in-place op becomes a functional op plus a record of the mutation.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import sys
 import traceback
@@ -62,7 +63,12 @@ def functionalization() -> Iterator[None]:
 
 _OWN_DIRS = tuple(
     os.path.dirname(os.path.abspath(str(m.__file__))) + os.sep
-    for m in (torch, sys.modules["aotc"], sys.modules["aotc.passes"], sys.modules["aotc.runtime"])
+    for m in (
+        torch,
+        sys.modules["aotc"],
+        importlib.import_module("aotc.passes"),
+        sys.modules["aotc.runtime"],
+    )
 )
 
 

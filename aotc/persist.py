@@ -74,34 +74,15 @@ from aotc.passes.ir import StageGraph
 from aotc.passes.partition import PartitionResult, Recomputation, RecomputeReason, SavedValue
 from aotc.passes.recompute import CostKind, Executor, RecomputeCost
 from aotc.passes.select import select_backend
-from aotc.runtime import autograd, epilogue, schema, wrappers
 from aotc.runtime import cache as store
+from aotc.runtime import records  # noqa: F401  (registers the runtime records)
 from aotc.runtime.errors import CacheError
 from aotc.runtime.kernels import CompiledGraph
 from aotc.symkey import ShapeFacts
 
 log = logging.getLogger("aotc.cache")
 
-store.register_records(
-    schema.MutationKind,
-    schema.OutputKind,
-    schema.Geometry,
-    schema.InputInfo,
-    schema.OutputInfo,
-    schema.MutationAliasInfo,
-    schema.SyntheticBase,
-    schema.CallingConvention,
-    schema.FwdOutputPlan,
-    schema.LeafChange,
-    schema.DetachedRoot,
-    schema.RootGrad,
-    schema.RootSource,
-    epilogue.StepKind,
-    epilogue.MutationStep,
-    epilogue.OutputStep,
-    epilogue.EpiloguePlan,
-    autograd.AutogradPlan,
-    wrappers.RuntimePlan,
+store.register_records(  # the runtime registers its own records (runtime/records.py)
     descriptors.PrimalInput,
     descriptors.TangentInput,
     descriptors.SavedInput,

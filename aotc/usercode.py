@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dis
 import enum
+import importlib
 import linecache
 import os
 import sys
@@ -76,9 +77,9 @@ def _library_dirs() -> tuple[str, ...]:
         os.path.dirname(os.path.abspath(torch.__file__)),
         os.path.dirname(os.path.abspath(aotc.__file__)),
     }
-    for name in ("aotc.passes", "aotc.runtime"):
-        module = sys.modules.get(name)
-        if module is not None and module.__file__:
+    for name in ("aotc.passes", "aotc.runtime"):  # imported here: aotc.passes is lazy
+        module = importlib.import_module(name)
+        if module.__file__:
             dirs.add(os.path.dirname(os.path.abspath(module.__file__)))
     paths = sysconfig.get_paths()
     for key in ("stdlib", "platstdlib", "purelib", "platlib"):

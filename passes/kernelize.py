@@ -36,6 +36,7 @@ from aotc.runtime.kernels import (
     Step,
     load_kernel,
 )
+from aotc.runtime.steps import node_runner
 from aotc.runtime.symsizes import SymSource, bind_symbols, compile_sizes
 
 log = logging.getLogger("aotc.kernels")
@@ -79,7 +80,10 @@ def lower_graph(
             assert isinstance(ext, Extern)
             steps.append(
                 AtenStep(
-                    ext.name, _node_runner([ext.node], [ext.name], plan.lowered.aliases, sources)
+                    ext.name,
+                    _node_runner([ext.node], [ext.name], plan.lowered.aliases, sources),
+                    nodes=(ext.node.name,),
+                    keep=(ext.name,),
                 )
             )
             continue
@@ -87,6 +91,7 @@ def lower_graph(
         assert len(computed) == len(group.members), group  # only extern groups hold externs
         nodes = sorted({n for m in computed for n in m.cone}, key=_position(decomposed))
         fallback = _node_runner(nodes, list(group.stores), plan.lowered.aliases, sources)
+        as_data = {"nodes": tuple(n.name for n in nodes), "keep": tuple(group.stores)}
         try:
             kernel = generate_kernel(plan, group, device, interpret)
             if interpret:  # the kernel a GPU would run for this group (see KernelSource.cuda)
@@ -99,12 +104,12 @@ def lower_graph(
                 type(e).__name__,
                 e,
             )
-            steps.append(AtenStep(group.name, fallback))
+            steps.append(AtenStep(group.name, fallback, **as_data))
             continue
         kernels.append(kernel)
         generated.add(group.name)
         specs = tuple(_spec(plan, name, device) for name in group.stores)
-        steps.append(KernelStep(kernel, specs, fallback))
+        steps.append(KernelStep(kernel, specs, fallback, **as_data))
     steps, num_slots = _plan_buffers(steps, plan, outputs | extern_reads)
     compiled = CompiledGraph(
         kernels=tuple(kernels),
@@ -117,6 +122,7 @@ def lower_graph(
         symbols=sources,
         decomposed=decomposed,
         figures=kernel_figures(plan, generated),
+        aliases=tuple(sorted(plan.lowered.aliases.items())),
     )
     for listener in KERNEL_LISTENERS:
         listener(compiled)
@@ -145,85 +151,8 @@ def _node_runner(
     aliases: dict[str, str],
     sources: tuple[SymSource, ...] = (),
 ) -> Callable[[dict[str, Any]], None]:
-    """Run fx nodes as ATen calls, reading and writing buffers by node name. Each node's call is
-    prepared once here (its C++ op entry, which arguments are buffers, whether its result's
-    strides need fixing), so a run does little more than the ATen calls themselves."""
-    calls = [_prepare_call(node, node.name in keep, sources) for node in nodes]
-    produced = {node.name for node in nodes}
-
-    def run(env: dict[str, Any]) -> None:
-        local: dict[str, Any] = {}
-        for name, fn, arg_refs, kwargs, fix in calls:
-            args = [_resolve(a, local, env, aliases, produced) for a in arg_refs]
-            out = fn(*args, **kwargs)
-            local[name] = fix(out, env) if fix is not None else out
-        for name in keep:
-            env[name] = local[name]
-
-    return run
-
-
-class _Ref:
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-
-def _to_ref(a: Any) -> Any:
-    if isinstance(a, fx.Node):
-        return _Ref(a.name)
-    if isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a):
-        return [_to_ref(x) for x in a]
-    return a
-
-
-def _resolve(
-    a: Any, local: dict[str, Any], env: dict[str, Any], aliases: dict[str, str], produced: set[str]
-) -> Any:
-    if isinstance(a, _Ref):
-        if a.name in produced:
-            return local[a.name]
-        return env[a.name] if a.name in env else env[aliases[a.name]]
-    if isinstance(a, list):
-        return [_resolve(x, local, env, aliases, produced) for x in a]
-    return a
-
-
-def _prepare_call(
-    node: fx.Node, keep: bool, sources: tuple[SymSource, ...]
-) -> tuple[str, Callable[..., Any], list[Any], dict[str, Any], Any]:
-    if node.op == "get_attr":
-        value = _fetch_attr(node.graph.owning_module, str(node.target))
-        return node.name, lambda: value, [], {}, None
-    target = node.target
-    fn = target._op if isinstance(target, torch._ops.OpOverload) else target
-    assert callable(fn), node.format_node()  # call_function nodes only (no call_method)
-    if any(isinstance(v, fx.Node) for v in fx.node.map_arg(node.kwargs, lambda n: n).values()):
-        args = [_to_ref(a) for a in node.args]
-        kw_refs = {k: _to_ref(v) for k, v in node.kwargs.items()}
-        return (
-            node.name,
-            _with_kwargs(fn, list(kw_refs)),
-            [*args, *kw_refs.values()],
-            {},
-            _stride_fix(node, keep, sources),
-        )
-    return (
-        node.name,
-        fn,
-        [_to_ref(a) for a in node.args],
-        dict(node.kwargs),
-        _stride_fix(node, keep, sources),
-    )
-
-
-def _with_kwargs(fn: Callable[..., Any], names: list[str]) -> Callable[..., Any]:
-    def call(*values: Any) -> Any:
-        n = len(values) - len(names)
-        return fn(*values[:n], **dict(zip(names, values[n:], strict=True)))
-
-    return call
+    """runtime.steps.node_runner with this module's stride fix (symbolic sizes too)."""
+    return node_runner(nodes, keep, aliases, lambda node, kept: _stride_fix(node, kept, sources))
 
 
 def _stride_fix(
@@ -272,12 +201,6 @@ def _symbolic_stride_fix(
     return fix
 
 
-def _fetch_attr(module: Any, target: str) -> Any:
-    for part in target.split("."):
-        module = getattr(module, part)
-    return module
-
-
 def _plan_buffers(steps: list[Step], plan: FusionPlan, pinned: set[str]) -> tuple[list[Step], int]:
     """Free each buffer after its last reader; share storage between kernel outputs that are
     neither graph outputs nor read by ATen calls when their lifetimes do not overlap."""
@@ -305,13 +228,9 @@ def _plan_buffers(steps: list[Step], plan: FusionPlan, pinned: set[str]) -> tupl
                 specs.append(
                     BufferSpec(spec.name, spec.size, spec.stride, spec.dtype, spec.device, slot)
                 )
-            step = KernelStep(step.kernel, tuple(specs), step.fallback)
+            step = replace(step, outputs=tuple(specs))
         frees = tuple(sorted(b for b, last in last_use.items() if last == i and b not in pinned))
-        step = (
-            KernelStep(step.kernel, step.outputs, step.fallback, frees)
-            if isinstance(step, KernelStep)
-            else AtenStep(step.name, step.run, frees)
-        )
+        step = replace(step, frees=frees)
         out.append(step)
         for key, slot in releases.get(i, []):
             free_slots[key].append(slot)

@@ -89,6 +89,10 @@ class KernelStep:
     outputs: tuple[BufferSpec, ...]  # len == len(kernel.outputs)
     fallback: Callable[[dict[str, Any]], None]  # computes the outputs with ATen into env
     frees: tuple[str, ...] = ()  # buffers dead after this step
+    # The fallback as data (runtime.steps.StepProgram): the decomposed graph's nodes it runs,
+    # and those whose values it keeps.
+    nodes: tuple[str, ...] = ()
+    keep: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,8 @@ class AtenStep:
     name: str
     run: Callable[[dict[str, Any]], None]
     frees: tuple[str, ...] = ()
+    nodes: tuple[str, ...] = ()  # as in KernelStep: what `run` runs, as data
+    keep: tuple[str, ...] = ()
 
 
 Step = KernelStep | AtenStep
@@ -148,6 +154,9 @@ class CompiledGraph:
         None  # the decomposed fx graph the kernels come from (the disk cache keeps it)
     )
     figures: KernelFigures | None = None
+    # names of the decomposed graph's view nodes -> the buffer they read (ATen steps resolve
+    # them; runtime.steps)
+    aliases: tuple[tuple[str, str], ...] = ()
 
     @property
     def gpu_kernels(self) -> tuple[KernelSource, ...]:

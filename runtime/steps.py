@@ -1,0 +1,266 @@
+"""ATen steps of a lowered graph, as data and as the functions that run them.
+
+Records: `StepProgram` (one step of a lowered graph: a kernel launch or ATen calls, naming the
+nodes of the decomposed graph it computes), `GraphProgram` (a whole lowered graph as data: the
+decomposed graph, the steps, the buffer plan).
+Stage: `node_runner(nodes, keep, aliases, ...) -> run(env)` (used by passes.kernelize when it
+lowers a graph, and here when a program is rebuilt); `build_compiled_graph(program, sources)
+-> CompiledGraph` (an exported artifact's lowered graph, see runtime/artifact.py).
+Requires: a functional ATen fx graph (the decomposed graph) with `meta["val"]` on every node.
+Ensures: a rebuilt graph runs the same steps as the one lowering made: the same kernels, the same
+ATen fallbacks (the same nodes), the same buffer slots and frees. Nothing here imports
+`aotc.passes`: the node runner only reads fx nodes, so a loaded artifact runs without the
+compiler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from aotc.runtime.kernels import AtenStep, BufferSpec, CompiledGraph, KernelSource, KernelStep, Step
+
+Env = dict[str, Any]
+StrideFix = Callable[[Any, Env], Any]
+# (node, the step keeps its value) -> a fix of the result's strides, or None
+StrideFixer = Callable[[fx.Node, bool], StrideFix | None]
+
+
+# --------------------------------------------------------------------------- running nodes
+
+
+def node_runner(
+    nodes: Sequence[fx.Node],
+    keep: Sequence[str],
+    aliases: dict[str, str],
+    stride_fix: StrideFixer | None = None,
+) -> Callable[[Env], None]:
+    """Run fx nodes as ATen calls, reading and writing buffers by node name. Each node's call is
+    prepared once here (its C++ op entry, which arguments are buffers, whether its result's
+    strides need fixing), so a run does little more than the ATen calls themselves.
+    `stride_fix`: how a kept result is brought to its traced strides (default: static sizes,
+    `static_stride_fix`; passes.kernelize passes one that also handles symbolic sizes)."""
+    fixer = stride_fix or static_stride_fix
+    kept = set(keep)
+    calls = [_prepare_call(node, fixer(node, node.name in kept)) for node in nodes]
+    produced = {node.name for node in nodes}
+    keep = list(keep)
+
+    def run(env: Env) -> None:
+        local: dict[str, Any] = {}
+        for name, fn, arg_refs, kwargs, fix in calls:
+            args = [_resolve(a, local, env, aliases, produced) for a in arg_refs]
+            out = fn(*args, **kwargs)
+            local[name] = fix(out, env) if fix is not None else out
+        for name in keep:
+            env[name] = local[name]
+
+    return run
+
+
+class _Ref:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _to_ref(a: Any) -> Any:
+    if isinstance(a, fx.Node):
+        return _Ref(a.name)
+    if isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a):
+        return [_to_ref(x) for x in a]
+    return a
+
+
+def _resolve(
+    a: Any, local: dict[str, Any], env: Env, aliases: dict[str, str], produced: set[str]
+) -> Any:
+    if isinstance(a, _Ref):
+        if a.name in produced:
+            return local[a.name]
+        return env[a.name] if a.name in env else env[aliases[a.name]]
+    if isinstance(a, list):
+        return [_resolve(x, local, env, aliases, produced) for x in a]
+    return a
+
+
+def _prepare_call(
+    node: fx.Node, fix: StrideFix | None
+) -> tuple[str, Callable[..., Any], list[Any], dict[str, Any], StrideFix | None]:
+    if node.op == "get_attr":
+        value = _fetch_attr(node.graph.owning_module, str(node.target))
+        return node.name, lambda: value, [], {}, None
+    target = node.target
+    fn = target._op if isinstance(target, torch._ops.OpOverload) else target
+    assert callable(fn), node.format_node()
+    if any(isinstance(v, fx.Node) for v in fx.node.map_arg(node.kwargs, lambda n: n).values()):
+        args = [_to_ref(a) for a in node.args]
+        kw_refs = {k: _to_ref(v) for k, v in node.kwargs.items()}
+        return (
+            node.name,
+            _with_kwargs(fn, list(kw_refs)),
+            [*args, *kw_refs.values()],
+            {},
+            fix,
+        )
+    return node.name, fn, [_to_ref(a) for a in node.args], dict(node.kwargs), fix
+
+
+def _with_kwargs(fn: Callable[..., Any], names: list[str]) -> Callable[..., Any]:
+    def call(*values: Any) -> Any:
+        n = len(values) - len(names)
+        return fn(*values[:n], **dict(zip(names, values[n:], strict=True)))
+
+    return call
+
+
+def static_stride_fix(node: fx.Node, keep: bool) -> StrideFix | None:
+    """ATen results whose strides differ from the traced ones (which kernels index with) are
+    copied into the traced layout. Static sizes only: None for a node with symbolic ones."""
+    val = node.meta.get("val")
+    if not keep or not isinstance(val, torch.Tensor):
+        return None
+    shape, stride = tuple(val.shape), tuple(val.stride())
+    if not all(isinstance(v, int) for v in (*shape, *stride)):
+        return None
+    if math.prod(shape) <= 1 or not non_overlapping(shape, stride):
+        return None
+
+    def fix(out: Any, env: Env) -> Any:
+        if not isinstance(out, torch.Tensor) or out.stride() == stride:
+            return out
+        return torch.empty_strided(shape, stride, dtype=out.dtype, device=out.device).copy_(out)
+
+    return fix
+
+
+def non_overlapping(size: Sequence[int], stride: Sequence[int]) -> bool:
+    """No two indices share an element (gaps allowed): each stride covers the smaller dims."""
+    dims = sorted((st, s) for s, st in zip(size, stride) if s > 1)
+    extent = 1
+    for st, s in dims:
+        if st < extent:
+            return False
+        extent = st * (s - 1) + extent
+    return True
+
+
+def _fetch_attr(module: Any, target: str) -> Any:
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
+
+
+# --------------------------------------------------------------------------- programs as data
+
+
+@dataclass(frozen=True, slots=True)
+class StepProgram:
+    """One step of a lowered graph as data. A kernel step launches `kernel` (whose source text
+    lives in the artifact's file `kernel_file`) into `outputs` and falls back to its `nodes` as
+    ATen calls; an ATen step runs its `nodes`. `keep`: the nodes whose values outlive the step
+    (the buffers it writes); `frees`: buffers dead after it."""
+
+    name: str
+    nodes: tuple[str, ...]  # nodes of the decomposed graph, in execution order
+    keep: tuple[str, ...]
+    frees: tuple[str, ...]
+    kernel: KernelSource | None  # None: an ATen step. Its `source` is "" (see kernel_file)
+    kernel_file: str | None
+    outputs: tuple[BufferSpec, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GraphProgram:
+    """A lowered graph (`CompiledGraph`) as data: what `build_compiled_graph` runs."""
+
+    decomposed: fx.GraphModule
+    steps: tuple[StepProgram, ...]
+    placeholders: tuple[str, ...]
+    outputs: tuple[object, ...]  # per graph output: a buffer name or a constant
+    num_slots: int
+    input_strides: tuple[tuple[int, ...] | None, ...]
+    aliases: tuple[tuple[str, str], ...]
+
+
+def graph_program(graph: CompiledGraph, kernel_files: dict[str, str]) -> GraphProgram:
+    """`graph` as data; `kernel_files`: each kernel's key -> the file its source goes to.
+    Raises ValueError for graphs with symbolic sizes (their sizes are sympy expressions)."""
+    if graph.symbols:
+        raise ValueError("the lowered graph has symbolic sizes")
+    if graph.decomposed is None:
+        raise ValueError("the lowered graph keeps no decomposed graph")
+    steps = []
+    for step in graph.steps:
+        if isinstance(step, KernelStep):
+            kernel = dataclasses.replace(step.kernel, source="", cuda=None)
+            steps.append(
+                StepProgram(
+                    step.kernel.name,
+                    step.nodes,
+                    step.keep,
+                    step.frees,
+                    kernel,
+                    kernel_files[step.kernel.key],
+                    step.outputs,
+                )
+            )
+        else:
+            steps.append(StepProgram(step.name, step.nodes, step.keep, step.frees, None, None, ()))
+    strides = graph.input_strides or (None,) * len(graph.placeholders)
+    return GraphProgram(
+        decomposed=graph.decomposed,
+        steps=tuple(steps),
+        placeholders=graph.placeholders,
+        outputs=graph.outputs,
+        num_slots=graph.num_slots,
+        input_strides=tuple(
+            tuple(int(s) for s in st) if st is not None else None for st in strides
+        ),
+        aliases=graph.aliases,
+    )
+
+
+def build_compiled_graph(program: GraphProgram, sources: dict[str, str]) -> CompiledGraph:
+    """The runnable graph of `program`; `sources`: kernel file -> kernel source text."""
+    nodes = {n.name: n for n in program.decomposed.graph.nodes}
+    aliases = dict(program.aliases)
+    steps: list[Step] = []
+    kernels = []
+    for sp in program.steps:
+        fallback = node_runner([nodes[n] for n in sp.nodes], sp.keep, aliases)
+        if sp.kernel is None:
+            steps.append(AtenStep(sp.name, fallback, sp.frees, sp.nodes, sp.keep))
+            continue
+        assert sp.kernel_file is not None
+        kernel = dataclasses.replace(sp.kernel, source=sources[sp.kernel_file])
+        kernels.append(kernel)
+        steps.append(KernelStep(kernel, sp.outputs, fallback, sp.frees, sp.nodes, sp.keep))
+    return CompiledGraph(
+        kernels=tuple(kernels),
+        steps=tuple(steps),
+        placeholders=program.placeholders,
+        outputs=program.outputs,
+        num_slots=program.num_slots,
+        input_strides=program.input_strides,
+        decomposed=program.decomposed,
+        aliases=program.aliases,
+    )
+
+
+__all__ = [
+    "GraphProgram",
+    "StepProgram",
+    "build_compiled_graph",
+    "graph_program",
+    "node_runner",
+    "non_overlapping",
+    "static_stride_fix",
+]
