@@ -60,7 +60,7 @@ def export(
     kwargs = dict(example_kwargs or {})
     compiled = aotc_compile(fn_or_module, **options)
     is_module = isinstance(compiled, CompiledModule)
-    cf: CompiledFunction = compiled._compiled if is_module else compiled  # type: ignore[union-attr]
+    cf: CompiledFunction = compiled._compiled if is_module else compiled
     name = _qualname(fn_or_module)
     leaves, in_spec = pytree.tree_flatten((example_args, kwargs))
     num_user = len(leaves)
