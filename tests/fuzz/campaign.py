@@ -1,7 +1,7 @@
 """The fuzz campaign: many random programs, every mode, with counts and shrunk failures.
 
     PYTHONPATH=. nice -n 10 python -m tests.fuzz.campaign --programs 2000 --seed 0 \
-        --modes trace,dynamo,triton --out /tmp/aotc-fuzz
+        --modes trace,default,dynamo,triton --out /tmp/aotc-fuzz
 
 Prints one line per program that does not match eager, and at the end (and into
 `<out>/summary.json`) how many programs ran per mode, how many matched, how many aotc refused
@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--programs", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--modes", default="trace,dynamo,triton")
+    parser.add_argument("--modes", default="trace,default,dynamo,triton")
     parser.add_argument("--out", default="/tmp/aotc-fuzz")
-    parser.add_argument("--every", type=int, default=5, help="run dynamo/triton every n-th program")
+    parser.add_argument("--every", type=int, default=5, help="run the modes other than trace every n-th program")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     warnings.simplefilter("ignore")

@@ -1,8 +1,9 @@
 """Run one program under eager and under aotc and compare everything a user can observe.
 
 `check(f, make_inputs, backward, write_outputs, mode) -> Outcome`. Modes: "trace"
-(`aotc.compile`), "triton" (`aotc.compile(backend="triton")`, Triton's interpreter on CPU) and
-"dynamo" (`torch.compile(backend="aotc")`). Compared, for two calls on fresh inputs: the output
+(`aotc.compile(capture="trace")`, strict mode), "default" (`aotc.compile`, captured through
+Dynamo), "triton" (strict mode with `backend="triton"`, Triton's interpreter on CPU) and "dynamo"
+(`torch.compile(backend="aotc")`). Compared, for two calls on fresh inputs: the output
 structure and every output's values, dtype, shape, strides, requires_grad, is_leaf, grad_fn
 presence and view-ness; which outputs and inputs share storage and which output is the `._base`
 of which; every input's values, shape, strides, requires_grad, leafness, grad_fn presence and
@@ -48,9 +49,12 @@ class _Differs(Exception):
 
 def _compiled(f: Callable[..., Any], mode: str) -> Callable[..., Any]:
     if mode == "trace":
+        return aotc.compile(f, capture="trace", check_invariants=True)
+    if mode == "default":
+        torch._dynamo.reset()
         return aotc.compile(f, check_invariants=True)
     if mode == "triton":
-        return aotc.compile(f, backend="triton", check_invariants=True)
+        return aotc.compile(f, capture="trace", backend="triton", check_invariants=True)
     if mode == "dynamo":
         torch._dynamo.reset()
         return torch.compile(f, backend="aotc")

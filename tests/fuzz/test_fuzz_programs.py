@@ -19,9 +19,15 @@ from tests.fuzz.shrink import shrink
 
 # Heuristic: sizes of the two profiles, chosen so the default one stays under ~60 s on a loaded
 # 2-core CI machine (trace ~0.2 s, dynamo ~0.5 s, triton interpreter ~1 s per program).
-CI_SEEDS = {"trace": range(0, 60), "dynamo": range(0, 10), "triton": range(0, 8)}
+CI_SEEDS = {
+    "trace": range(0, 60),
+    "default": range(0, 10),
+    "dynamo": range(0, 10),
+    "triton": range(0, 8),
+}
 SLOW_SEEDS = {
     "trace": range(10_000, 10_600),
+    "default": range(10_000, 10_150),
     "dynamo": range(10_000, 10_150),
     "triton": range(10_000, 10_100),
 }
