@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", default="trace,default,dynamo,triton")
     parser.add_argument("--out", default="/tmp/aotc-fuzz")
-    parser.add_argument("--every", type=int, default=5, help="run the modes other than trace every n-th program")
+    parser.add_argument(
+        "--every", type=int, default=5, help="run the modes other than trace every n-th program"
+    )
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     warnings.simplefilter("ignore")
