@@ -57,7 +57,19 @@ def _inputs_fill():
     return [torch.randn((4, 3), requires_grad=True).t()]
 
 
+def _transpose_of_a_saved_output(a0):
+    v2 = a0.abs().tanh()  # tanh saves its output for the backward
+    v4 = v2.view(-1)
+    v2.transpose_(0, 1)  # bumps the version eager's backward checks
+    return (v4,)
+
+
+def _inputs_saved():
+    return [torch.randn((2, 3), dtype=torch.float64, requires_grad=True)]
+
+
 CASES = {
+    "transpose_of_a_saved_output": (_transpose_of_a_saved_output, _inputs_saved, [0]),
     # Dynamo's own answer (torch.compile(backend="eager") returns 1 too)
     "size_after_transpose_of_a_view": (_size_after_transpose_of_a_view, _inputs_size, []),
     "stride_of_detached_diagonal": (_stride_of_detached_diagonal, _inputs_stride, []),
@@ -78,6 +90,7 @@ KNOWN = {
     ("version_bump_by_as_strided_", "default"),
     ("fill_of_expanded_view_under_no_grad", "default"),
     ("fill_of_expanded_view_under_no_grad", "trace"),
+    ("transpose_of_a_saved_output", "trace"),
 }
 
 
