@@ -278,7 +278,7 @@ def compile_aotc(wl: Workload, plan: str) -> dict[str, Any]:
     reset_state()
     gc.collect()
     inputs = wl.inputs()
-    compiled = aotc.compile(wl.fn, partitioner=plan)
+    compiled = aotc.compile(wl.fn, partitioner=plan, capture="trace")
     compiled(*inputs).backward()
     _clear_grads(wl, inputs)
     record = aotc.inspect(compiled)[0]
@@ -407,7 +407,7 @@ def step_worker(name: str, rounds: int, target_round_s: float = 0.1) -> dict[str
     inputs = wl.inputs()
     systems: dict[str, Callable[..., torch.Tensor]] = {
         "eager": wl.fn,
-        "aotc": aotc.compile(wl.fn, cache=False),
+        "aotc": aotc.compile(wl.fn, cache=False, capture="trace"),
         "aot_autograd": make_aot(wl, min_cut_rematerialization_partition),
     }
 
@@ -565,7 +565,7 @@ def run_scaling(n_ops: int, with_torch: bool, reruns: int = 2) -> dict[str, Any]
     reset_state()
     gc.collect()
     x = torch.randn(16, requires_grad=True)
-    compiled = aotc.compile(fn)
+    compiled = aotc.compile(fn, capture="trace")
     t0 = time.perf_counter()
     compiled(x).backward()
     compile_s = time.perf_counter() - t0
