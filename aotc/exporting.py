@@ -184,7 +184,7 @@ def _lowerings(
             continue
         if compiled.symbols or dynamic and _has_symbols(module):
             raise ArtifactError(
-                f"cannot export {name} with dynamic=True and backend={options.backend!r}: its "
+                f"cannot export {name} with dynamic=True and backend='{options.backend.value}': its "
                 "Triton kernels have symbolic sizes, which artifacts do not store yet. Export "
                 "with backend='aten', or with dynamic=False."
             )
