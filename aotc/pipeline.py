@@ -572,12 +572,15 @@ def _grad_dependencies(
     for node in backward.module.graph.nodes:
         if node.op not in ("placeholder", "output"):
             deps[node] = frozenset().union(*(deps[a] for a in node.all_input_nodes))
+    every = tuple(range(len(diff_outs)))
+    # A gradient computed from no cotangent (a backward formula that returns zeros, such as
+    # copysign's for `other`) still exists in eager whenever autograd runs that formula: treat it
+    # as depending on every output, so it is materialized (zeros) rather than None.
     result = tuple(
-        tuple(sorted(deps[v])) if isinstance(v, fx.Node) else ()
+        (tuple(sorted(deps[v])) or every) if isinstance(v, fx.Node) else ()
         for v, desc in zip(backward.output_values(), backward.outputs, strict=True)
         if isinstance(desc, GradOutput)
     )
-    every = tuple(range(len(diff_outs)))
     return None if all(d == every for d in result) else result
 
 

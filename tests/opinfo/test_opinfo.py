@@ -82,15 +82,8 @@ SKIPS: dict[str, str] = {}
 
 # test id -> reason for xfail(strict=True). Category first: "aotc bug", "unsupported by design"
 # or "test harness limitation".
-_UNSAFE_VIEW = (
-    "aotc limitation: unsafe_split/unsafe_chunk outputs share the input's storage "
-    "without being views; aotc regenerates aliases of inputs as real views "
-    "(_is_view() True), so view metadata differs from eager (values and gradients match)"
-)
-XFAILS: dict[str, str] = {
-    "unsafe_split": _UNSAFE_VIEW,
-    "unsafe_chunk": _UNSAFE_VIEW,
-}
+# (unsafe_split/unsafe_chunk were here until issue #13: their outputs now match eager's.)
+XFAILS: dict[str, str] = {}
 
 
 # ------------------------------------------------------------------------------ parametrization
