@@ -418,3 +418,20 @@ def test_21_dynamic_in_place_squeeze_and_size_output():
     compiled = aotc.compile(g, dynamic=True)
     for n in (4, 6):
         assert compiled(torch.randn(n, 3))[0] == n
+
+
+@pytest.mark.parametrize("capture", ["trace", "dynamo"])
+def test_gradient_from_a_zero_backward_formula_is_zeros_not_none(capture):
+    """copysign's backward for `other` returns zeros without reading the cotangent: eager
+    accumulates zeros (not None), and so must the compiled call (found by the OpInfo sweep)."""
+
+    def f(a, b):
+        return torch.copysign(a, b) * 2
+
+    def make():
+        return leaf(3), leaf(3)
+
+    assert_matches_eager(f, make, capture=capture)
+    a, b = make()
+    aotc.compile(f, capture=capture)(a, b).sum().backward()
+    assert b.grad is not None and not b.grad.any()
