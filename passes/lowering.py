@@ -50,6 +50,7 @@ from aotc.passes.loop_ir import (
     size_symbols,
     static_or_expr,
 )
+from aotc.runtime.steps import non_overlapping
 
 aten = torch.ops.aten
 log = logging.getLogger("aotc.kernels")
@@ -372,14 +373,7 @@ def _non_overlapping(size: Sequence[Size], stride: Sequence[Size]) -> bool:
     With symbolic sizes: only layouts provably dense (see loop_ir.dense_order)."""
     if not all(is_static(v) for v in (*size, *stride)):
         return dense_order(size, stride) is not None
-    size, stride = [int(v) for v in size], [int(v) for v in stride]
-    dims = sorted((st, s) for s, st in zip(size, stride) if s > 1)
-    extent = 1
-    for st, s in dims:
-        if st < extent:
-            return False
-        extent = st * (s - 1) + extent
-    return True
+    return non_overlapping([int(v) for v in size], [int(v) for v in stride])
 
 
 def _is_dense(size: Sequence[int], stride: Sequence[int]) -> bool:

@@ -177,3 +177,17 @@ def _alias_pattern(leaves: Sequence[object], ptrs: list[int]) -> tuple[object, .
             )
         )
     return tuple(pattern)
+
+
+def remember_check(
+    checks: dict[tuple[object, ...], Callable[[Sequence[object]], bool] | None],
+    key: tuple[object, ...],
+    target: object,
+) -> tuple[object, Callable[[Sequence[object]], bool], Any] | None:
+    """The dispatchers' "last entry" record for `key` = (extra, signature) and what it runs:
+    (extra, generated signature check, target), or None when the signature has no check (see
+    Note [Guard checks]). Checks are generated once per key into `checks`."""
+    if key not in checks:
+        checks[key] = signature_check(key[1])  # type: ignore[arg-type]
+    check = checks[key]
+    return (key[0], check, target) if check is not None else None

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from aotc.runtime.errors import GuardError, UnsupportedError
-from aotc.runtime.guards import explain_bad_leaves, signature_check, signature_key
+from aotc.runtime.guards import explain_bad_leaves, remember_check, signature_key
 from aotc.runtime.symbolic import coarse_key, make_guard
 from aotc.runtime.wrappers import COMPILE_LOCK, describe_change
 
@@ -284,10 +284,7 @@ class GuardedDispatcher:
 
     def _remember(self, key: tuple[object, ...], link: _Link) -> None:
         """Make `link` the one checked first (its check is generated once per key)."""
-        if key not in self._checks:
-            self._checks[key] = signature_check(key[1])  # type: ignore[arg-type]
-        check = self._checks[key]
-        self._last = (key[0], check, link) if check is not None else None
+        self._last = remember_check(self._checks, key, link)
 
     def _miss(self, key: tuple[object, ...], leaves: list[object]) -> _Link:
         with COMPILE_LOCK, self._lock:

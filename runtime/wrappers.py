@@ -31,7 +31,7 @@ from aotc.runtime.epilogue import (
 )
 from aotc.runtime.errors import GuardError, UnsupportedError
 from aotc.runtime.fastpath import make_fast_call
-from aotc.runtime.guards import explain_bad_leaves, signature_check, signature_key
+from aotc.runtime.guards import explain_bad_leaves, remember_check, signature_key
 from aotc.runtime.schema import CallingConvention, GraphArg
 
 log = logging.getLogger("aotc.recompiles")
@@ -307,8 +307,8 @@ class Dispatcher:
         self._max = max_signatures
         self.recompile_reasons: list[str] = []
         # The entry that ran last, its key's extra part, and its signature check (or None).
-        self._last: tuple[object, Callable[[list[object]], bool], CompiledEntry] | None = None
-        self._checks: dict[tuple[object, ...], Callable[[list[object]], bool] | None] = {}
+        self._last: tuple[object, Callable[[Sequence[object]], bool], CompiledEntry] | None = None
+        self._checks: dict[tuple[object, ...], Callable[[Sequence[object]], bool] | None] = {}
 
     @property
     def entries(self) -> list[CompiledEntry]:
@@ -338,10 +338,7 @@ class Dispatcher:
 
     def _remember(self, key: tuple[object, ...], entry: CompiledEntry) -> None:
         """Make `entry` the one checked first (its check is generated once per key)."""
-        if key not in self._checks:
-            self._checks[key] = signature_check(key[1])  # type: ignore[arg-type]
-        check = self._checks[key]
-        self._last = (key[0], check, entry) if check is not None else None
+        self._last = remember_check(self._checks, key, entry)
 
     def _miss(self, key: tuple[object, ...], leaves: list[object]) -> CompiledEntry:
         with COMPILE_LOCK, self._lock:
