@@ -56,7 +56,9 @@ leaf from the one the graph used): that raises UnsupportedError.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -384,22 +386,30 @@ def _alias_of_input(
     )
 
 
-def _reaches(o: torch.Tensor, target: torch.Tensor) -> bool:
-    """Whether a gradient from `o` reaches `target` or its base (their grad_fns, or their
-    accumulators)."""
-    targets = [target, _root(target)]
-    goals = {id(t.grad_fn) for t in targets if _has_grad_fn(t)}
-    queue, visited = deque([o.grad_fn]), set()
+def _graph_nodes(grad_fn: Any) -> Iterator[Any]:
+    """The autograd nodes reachable from `grad_fn`, breadth-first, at most _MAX_WALK of them."""
+    queue, visited = deque([grad_fn]), set()
     while queue and len(visited) < _MAX_WALK:
         node = queue.popleft()
         if node is None or id(node) in visited:
             continue
         visited.add(id(node))
+        yield node
+        queue.extend(fn for fn, _ in node.next_functions)
+
+
+def _reaches(o: torch.Tensor, target: torch.Tensor) -> bool:
+    """Whether a gradient from `o` reaches `target` or its base (their grad_fns, or their
+    accumulators)."""
+    targets = [target, _root(target)]
+    goals = {id(t.grad_fn) for t in targets if _has_grad_fn(t)}
+    walked = 0
+    for node in _graph_nodes(o.grad_fn):
+        walked += 1
         variable = getattr(node, "variable", None)
         if id(node) in goals or any(variable is t for t in targets):
             return True
-        queue.extend(fn for fn, _ in node.next_functions)
-    return len(visited) >= _MAX_WALK  # undecided: assume it does, as without this check
+    return walked >= _MAX_WALK  # undecided: assume it does, as without this check
 
 
 def _leaf_view_on_path(o: torch.Tensor, leaves: list[object]) -> torch.Tensor | None:
@@ -409,16 +419,10 @@ def _leaf_view_on_path(o: torch.Tensor, leaves: list[object]) -> torch.Tensor | 
     if not _has_grad_fn(o):
         return None
     inputs = {id(t) for t in leaves}
-    queue, visited = deque([o.grad_fn]), set()
-    while queue and len(visited) < _MAX_WALK:
-        node = queue.popleft()
-        if node is None or id(node) in visited:
-            continue
-        visited.add(id(node))
+    for node in _graph_nodes(o.grad_fn):
         variable = getattr(node, "variable", None)
         if variable is not None and variable._base is not None and id(variable) not in inputs:
             return variable
-        queue.extend(fn for fn, _ in node.next_functions)
     return None
 
 
@@ -437,19 +441,12 @@ def _view_source(o: torch.Tensor, candidates: list[UserArg], leaves: list[object
                 by_node.setdefault(id(t.grad_fn), a)
             elif t.requires_grad:
                 by_leaf.setdefault(id(t), a)
-        queue = deque([o.grad_fn])
-        visited: set[int] = set()
-        while queue and len(visited) < _MAX_WALK:
-            node = queue.popleft()
-            if node is None or id(node) in visited:
-                continue
-            visited.add(id(node))
+        for node in _graph_nodes(o.grad_fn):
             if id(node) in by_node:
                 return by_node[id(node)]
             variable = getattr(node, "variable", None)
             if variable is not None and id(variable) in by_leaf:
                 return by_leaf[id(variable)]
-            queue.extend(fn for fn, _ in node.next_functions)
     for a in candidates:
         if _holds(leaves[a], o):  # type: ignore[arg-type]
             return a

@@ -55,6 +55,7 @@ from aotc.symbolic import (
     symbolic_mode,
 )
 from aotc.usercode import MISSING
+from aotc.wrapped_module import OriginalState
 
 Tensor = torch.Tensor
 _PLAIN_TENSOR = frozenset((Tensor,))
@@ -477,7 +478,7 @@ def _leaf_names(fn: Callable[..., Any], in_spec: pytree.TreeSpec, num: int) -> l
     return names
 
 
-class CompiledModule(torch.nn.Module):
+class CompiledModule(OriginalState):
     """An nn.Module whose forward runs through aotc. Shares the original's live parameters and
     buffers: state_dict, parameters(), train()/eval() and attribute access go to the original.
     Hooks registered on the original module run eagerly around each compiled call, as
@@ -529,18 +530,6 @@ class CompiledModule(torch.nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._modules["_orig_mod"], name)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self._orig_mod.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self._orig_mod.load_state_dict(*args, **kwargs)
-
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
-        return self._orig_mod.named_parameters(*args, **kwargs)
-
-    def named_buffers(self, *args: Any, **kwargs: Any) -> Any:
-        return self._orig_mod.named_buffers(*args, **kwargs)
 
     @property
     def records(self) -> list[CompiledRecord]:

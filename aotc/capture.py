@@ -52,6 +52,7 @@ import torch
 
 from aotc.options import Capture, CompileOptions
 from aotc.pipeline import CompiledRecord
+from aotc.wrapped_module import OriginalState
 
 log = logging.getLogger("aotc.recompiles")
 _OPTIMIZE_TAKES_LIMITS = (
@@ -298,7 +299,7 @@ class DynamoFunction:
         return f"<aotc.DynamoFunction {self._name}>"
 
 
-class DynamoModule(torch.nn.Module):
+class DynamoModule(OriginalState):
     """An nn.Module whose calls run through Dynamo and aotc (the default capture mode). Shares the
     original's live parameters and buffers: state_dict, parameters(), train()/eval(), attribute
     reads and writes go to the original. Its forward hooks, pre-hooks and full backward hooks run
@@ -354,18 +355,6 @@ class DynamoModule(torch.nn.Module):
             super().__delattr__(name)
         else:
             delattr(self._orig_mod, name)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self._orig_mod.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self._orig_mod.load_state_dict(*args, **kwargs)
-
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
-        return self._orig_mod.named_parameters(*args, **kwargs)
-
-    def named_buffers(self, *args: Any, **kwargs: Any) -> Any:
-        return self._orig_mod.named_buffers(*args, **kwargs)
 
     @property
     def records(self) -> list[CompiledRecord]:

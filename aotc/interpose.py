@@ -40,12 +40,16 @@ _PATCH_SAVED: dict[type, list[tuple[str, object]]] = {}  # the class's own entri
 _RECORDING_MODULE_CLASSES: dict[type, type] = {}
 
 
-def _wrap_getattribute(orig: Callable[[object, str], object], has_getattr: bool) -> Any:
-    def __getattribute__(self: object, name: str) -> object:  # noqa: N807
+def _recording_lookup(orig: Callable[[object, str], object], report_missing: bool) -> Any:
+    """`orig` (a class's `__getattribute__` or `__getattr__`) reporting each read to the active
+    recorders: the value, or MISSING when the lookup fails and `report_missing` (a
+    `__getattribute__` whose class has a `__getattr__` leaves the miss to that one)."""
+
+    def lookup(self: object, name: str) -> object:
         try:
             value = orig(self, name)
         except AttributeError:
-            if ACTIVE and not has_getattr:
+            if ACTIVE and report_missing:
                 for rec in ACTIVE:
                     rec.on_read(self, name, MISSING)
             raise
@@ -54,26 +58,16 @@ def _wrap_getattribute(orig: Callable[[object, str], object], has_getattr: bool)
                 rec.on_read(self, name, value)
         return value
 
-    __getattribute__.__aotc_recording__ = True  # type: ignore[attr-defined]
-    return __getattribute__
+    lookup.__aotc_recording__ = True  # type: ignore[attr-defined]
+    return lookup
+
+
+def _wrap_getattribute(orig: Callable[[object, str], object], has_getattr: bool) -> Any:
+    return _recording_lookup(orig, report_missing=not has_getattr)
 
 
 def _wrap_getattr(orig: Callable[[object, str], object]) -> Any:
-    def __getattr__(self: object, name: str) -> object:  # noqa: N807
-        try:
-            value = orig(self, name)
-        except AttributeError:
-            if ACTIVE:
-                for rec in ACTIVE:
-                    rec.on_read(self, name, MISSING)
-            raise
-        if ACTIVE:
-            for rec in ACTIVE:
-                rec.on_read(self, name, value)
-        return value
-
-    __getattr__.__aotc_recording__ = True  # type: ignore[attr-defined]
-    return __getattr__
+    return _recording_lookup(orig, report_missing=True)
 
 
 def _wrap_setattr(orig: Callable[..., None], deleting: bool) -> Any:

@@ -164,13 +164,8 @@ class ShapeFacts:
         """Ranges, replacements and guards over the input symbols, before the compile."""
         env = self.shape_env
         lines = []
-        for s in self.symbols:
-            vr = env.var_to_range.get(s)
-            repl = env.replacements.get(s)
-            lines.append(
-                f"{self.canonical[s]}: range [{vr.lower if vr else '?'}, {vr.upper if vr else '?'}]"
-                + (f" = {self.expr_text(repl)}" if repl is not None and repl != s else "")
-            )
+        for s, text in zip(self.symbols, self.ranges_text(), strict=True):
+            lines.append(f"{self.canonical[s]}: range {text}")
         for guard in env.guards:
             free = guard.expr.free_symbols
             if free <= self.index.keys():
