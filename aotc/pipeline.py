@@ -32,6 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from aotc import persist
 from aotc.functional import FlatProgram, compiling
+from aotc.higher_order import DifferentiableBackward, watched_args
 from aotc.metadata import MetadataResult, collect_metadata
 from aotc.options import CompileOptions, full_tracebacks
 from aotc.passes.cleanup import cleanup
@@ -285,7 +286,9 @@ def _compile_signature(
             compiled = persist.regenerate_kernels(cached, options)
             if any(cached["lowered"]):
                 lap("kernels")
-            entry = _entry_from_cache(cached, compiled, leaves, names, name, source, times)
+            entry = _entry_from_cache(
+                cached, compiled, leaves, names, name, source, times, options
+            )
             lap("cache_load")
             _log_record(entry.record, entry.record.forward, entry.record.backward)
             if options.dump_dir:
@@ -354,6 +357,7 @@ def _compile_signature(
                 for a in apply_convention(convention, leaves)
             )
             and not any(c.requires_grad for c in metadata.meta.leaf_changes),
+            watch_args=watched_args(part.forward.module, metadata.fwd_plan.num_outputs),
         )
         detach = _statically_no_grad(joint, leaves, convention)
     epilogue = plan_epilogue(metadata.meta, metadata.fwd_plan, convention)
@@ -381,6 +385,9 @@ def _compile_signature(
         (bwd_compiled.callable if bwd_compiled else make_callable(bwd_module))
         if bwd_module
         else None,
+        higher=_differentiable_backward(
+            lambda: (fwd_module, bwd_module), plan, names, options, name
+        ),
     )
     lap("assemble")
     entry.record = CompiledRecord(
@@ -478,6 +485,7 @@ def _entry_from_cache(
     name: str,
     source: str,
     times: dict[str, float],
+    options: CompileOptions,
 ) -> CompiledEntry:
     """A compiled entry from a cache hit (see Note [Cache key] in aotc/persist.py)."""
     plan = dataclasses.replace(cached["plan"], name=name)  # type: ignore[type-var]
@@ -500,9 +508,26 @@ def _entry_from_cache(
         (bwd.callable if bwd else make_callable(record.backward))
         if record.backward is not None
         else None,
+        higher=_differentiable_backward(
+            lambda: (record.forward, record.backward), plan, names, options, name
+        ),
     )
     entry.record = record
     return entry
+
+
+def _differentiable_backward(
+    graphs: Callable[[], tuple[fx.GraphModule, fx.GraphModule | None]],
+    plan: RuntimePlan,
+    names: Sequence[str],
+    options: CompileOptions,
+    name: str,
+) -> DifferentiableBackward | None:
+    """What an entry's backward runs under create_graph=True (aotc/higher_order.py)."""
+    if plan.autograd is None:
+        return None
+    names = graph_arg_names(plan.convention, names)
+    return DifferentiableBackward(graphs, plan.autograd, names, options, name)  # type: ignore[arg-type]
 
 
 def _log_record(record: CompiledRecord, fwd: fx.GraphModule, bwd: fx.GraphModule | None) -> None:

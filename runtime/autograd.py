@@ -19,7 +19,7 @@ inputs become un-mutatable; floating outputs become requires_grad), which eager 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +46,10 @@ class AutogradPlan:
     # Apply takes one more argument, a shared leaf that requires grad, so that the outputs
     # require grad although no graph arg does (they depend on leaves made inside the call).
     anchor: bool = False
+    # Graph args whose versions the forward notes for a double backward: those the
+    # differentiable backward recomputes from that no saved value holds (saved ones are checked
+    # when unpacked). See Note [Graph args for double backward].
+    watch_args: tuple[int, ...] = ()
 
 
 # One leaf requiring grad that anchored calls pass to autograd (Note [Grad anchor]). The backward
@@ -53,12 +57,28 @@ class AutogradPlan:
 GRAD_ANCHOR = torch.empty(0, requires_grad=True)
 
 
+# The differentiable backward of an entry (aotc.higher_order.DifferentiableBackward, built by the
+# compiler): (graph args, their versions at the call, gradients of the outputs) -> the gradients
+# of plan.grad_args, recorded by autograd. See Note [Double backward].
+HigherOrder = Callable[
+    [Sequence[object], Sequence["int | None"], Sequence[torch.Tensor]], tuple[torch.Tensor, ...]
+]
+
+# Whether the running backward keeps the graph (retain_graph); false: autograd frees each node's
+# saved values once it ran.
+keep_graph = torch._C._autograd._get_current_graph_task_keep_graph
+
+
 def make_autograd_function(
     fwd: Callable[..., tuple[torch.Tensor, ...]],
     bwd: Callable[..., tuple[torch.Tensor, ...]],
     plan: AutogradPlan,
     name: str,
+    higher: HigherOrder | None = None,
+    written: frozenset[int] = frozenset(),
 ) -> type[torch.autograd.Function]:
+    """`written`: graph args the entry's epilogue writes into (Note [Graph args for double
+    backward])."""
     n_out = plan.num_fwd_outs
     diff = plan.diff_outs
     n_args = plan.num_graph_args
@@ -72,9 +92,19 @@ def make_autograd_function(
     anchored = plan.anchor
     # See Note [None gradients]: which grads arrived decides which gradients exist.
     track = plan.grad_deps is not None or bool(plan.refused)
+    watch = plan.watch_args
 
     def forward(ctx, holder: list, *args: torch.Tensor):  # type: ignore[no-untyped-def]
-        outs = fwd(*args[:n_args]) if anchored else fwd(*args)
+        if anchored:
+            args = args[:n_args]
+        outs = fwd(*args)
+        # See Note [Graph args for double backward]
+        if written:
+            ctx.aotc_args = tuple(None if i in written else a for i, a in enumerate(args))
+        else:
+            ctx.aotc_args = args
+        if watch:
+            ctx.aotc_versions = [args[i]._version for i in watch]
         # Every saved tensor goes through save_for_backward, so saved-tensor hooks
         # (saved_tensors_hooks, save_on_cpu) around the call see exactly these values.
         if has_sizes:
@@ -88,17 +118,44 @@ def make_autograd_function(
             ctx.aotc_like = [(outs[k].shape, outs[k].dtype, outs[k].device) for k in diff]
         return pick_diff(outs)
 
+    def _double_backward(ctx, grads: tuple) -> tuple:  # type: ignore[no-untyped-def]
+        if higher is None:
+            raise UnsupportedError(
+                f"double backward (create_graph=True) through {name}: this entry was loaded "
+                "without the compiler (aotc.load), which builds the differentiable backward. "
+                "Compile the function with aotc.compile instead, or call backward without "
+                "create_graph."
+            )
+        if ctx.aotc_args is None:
+            raise RuntimeError(
+                "Trying to backward through the graph a second time (or directly access saved "
+                "tensors after they have already been freed). Saved intermediate values of the "
+                "graph are freed when you call .backward() or autograd.grad(). Specify "
+                "retain_graph=True if you need to backward through the graph a second time or "
+                "if you need to access saved tensors after calling backward."
+            )
+        # Unpacking checks the saved values' versions, as eager's double backward does (an
+        # output the forward saved, modified in place since, is refused with eager's error).
+        ctx.saved_tensors
+        if not all(map(_is_contiguous, grads)):
+            grads = tuple(g if g.is_contiguous() else g.contiguous() for g in grads)
+        args, versions = ctx.aotc_args, ctx.aotc_versions if watch else ()
+        if not keep_graph():
+            ctx.aotc_args = ctx.aotc_versions = None
+        if any_autocast():
+            with torch._C._DisableAutocast():
+                return higher(args, versions, grads)
+        return higher(args, versions, grads)
+
     refused = plan.refused
     deps = plan.grad_deps
     place = _placer(tuple(1 + g for g in plan.grad_args), n_result)
 
     def run_backward(ctx, grads: tuple) -> tuple:  # type: ignore[no-untyped-def]
-        if grad_enabled():
-            raise UnsupportedError(
-                f"double backward (create_graph=True) through aotc-compiled {name} is not "
-                "supported: its backward graph is not itself differentiable. Use eager for the "
-                "part that needs higher-order gradients, or call backward without create_graph."
-            )
+        if grad_enabled() and _differentiable(ctx.aotc_args, grads):
+            return _double_backward(ctx, grads)
+        if not keep_graph():  # See Note [Graph args for double backward]
+            ctx.aotc_args = ctx.aotc_versions = None
         if not all(map(_is_contiguous, grads)):
             grads = tuple(g if g.is_contiguous() else g.contiguous() for g in grads)
         saved = ctx.saved_tensors + ctx.aotc_sizes if has_sizes else ctx.saved_tensors
@@ -138,6 +195,18 @@ def make_autograd_function(
 
 
 _is_contiguous = torch.Tensor.is_contiguous
+_TensorBase = torch._C.TensorBase  # a C-level isinstance (torch.Tensor's is Python-level)
+
+
+def _differentiable(args: tuple | None, grads: tuple) -> bool:
+    """Whether a backward under grad mode records anything: some graph arg or gradient requires
+    grad (else the plain compiled backward gives the same values, and nothing to record)."""
+    if args is None:
+        return True  # released: the double-backward path raises eager's error
+    return any(isinstance(a, _TensorBase) and a.requires_grad for a in args) or any(
+        g is not None and g.requires_grad for g in grads
+    )
+
 
 
 def _picker(diff: tuple[int, ...], n_out: int) -> Callable[[tuple[torch.Tensor, ...]], tuple]:
@@ -176,6 +245,23 @@ def _placer(slots: tuple[int, ...], n_result: int) -> Callable[[tuple], tuple]:
 # `.contiguous()` (one C-level `all(map(...))` in the common case where none does). Autocast is
 # switched off around the backward graph only when it is on.
 
+
+# Note [Graph args for double backward]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A backward under grad mode (create_graph=True) with something requiring grad runs the entry's
+# differentiable backward (Note [Double backward] in aotc/higher_order.py), which recomputes the
+# saved values from the graph args the forward ran on. So the forward keeps a reference to its
+# graph args on ctx (one tuple: the args are the inputs of the node, alive in the caller anyway
+# during the call), and the versions of those it recomputes from that no saved value holds
+# (`watch_args`, usually few: biases; one attribute read each per call). Not through save_for_backward: that would check their
+# versions in every backward and refuse programs eager runs (an input modified after the call,
+# e.g. by the entry's own input mutation). The reference lives as long as autograd's saved values:
+# a backward without retain_graph (after which autograd frees them) drops it, so the graph args
+# are not kept alive by a graph that is already spent.
+# Graph args the epilogue writes into are not kept (None): their value from the call is gone
+# after the write anyway, and the write makes this node part of their history, so a reference
+# from the node back to them would be a cycle through C++ that Python's collector cannot free
+# (a forward without backward would leak them).
 
 # Note [Backward eager would refuse]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -21,10 +21,16 @@ from typing import Any, cast
 import torch
 import torch.utils._pytree as pytree
 
-from aotc.runtime.autograd import GRAD_ANCHOR, AutogradPlan, make_autograd_function
+from aotc.runtime.autograd import (
+    GRAD_ANCHOR,
+    AutogradPlan,
+    HigherOrder,
+    make_autograd_function,
+)
 from aotc.runtime.convention import apply_convention
 from aotc.runtime.epilogue import (
     EpiloguePlan,
+    StepKind,
     apply_mutations,
     build_outputs,
     stale_input_views,
@@ -86,6 +92,7 @@ class CompiledEntry:
         fwd: Callable[..., tuple[torch.Tensor, ...]],
         bwd: Callable[..., tuple[torch.Tensor, ...]] | None,
         record: object = None,
+        higher: HigherOrder | None = None,
     ) -> None:
         self.plan = plan
         self.record = record
@@ -97,7 +104,12 @@ class CompiledEntry:
         self._diff: tuple[int, ...] = ()
         if plan.autograd is not None:
             assert bwd is not None
-            self._fn = make_autograd_function(fwd, bwd, plan.autograd, plan.name)
+            written = frozenset(
+                m.target for m in plan.epilogue.mutations if m.kind is StepKind.COPY
+            )
+            self._fn = make_autograd_function(
+                fwd, bwd, plan.autograd, plan.name, higher, written
+            )
             # See Note [Direct apply]
             # torch's stubs declare `apply` on Function only, not on its C base (_FunctionBase).
             self._apply = super(torch.autograd.Function, self._fn).apply  # type: ignore[misc]

@@ -1,0 +1,237 @@
+"""The differentiable backward of a compiled entry: what `create_graph=True` runs.
+
+Stage: `DifferentiableBackward(forward, backward, plan, names, options, name)(args, versions,
+grads) -> gradients`, called by an entry's autograd node when its backward runs with grad mode
+on (runtime/autograd.py, Note [Double backward]).
+Requires: `forward(*graph_args)` returns the forward outputs then the saved values and
+`backward(*saved, *tangents)` the gradients of `plan.grad_args` (the entry's partition);
+`args` are the graph args the forward ran on, `versions` their `_version`s then.
+Ensures: the gradients are computed by a compiled program of (graph args, tangents) that
+recomputes the saved values from the graph args and then runs the backward graph, so autograd
+records one node whose inputs are the graph args and the tangents; that node's own backward is
+compiled the same way (lazily, on first need), so any order works. Refuses, with an error that
+names the input or op, what it cannot compute as eager would.
+
+Note [Double backward]
+~~~~~~~~~~~~~~~~~~~~~~
+Eager's double backward differentiates each op's backward formula, whose saved values are that
+op's own inputs and outputs, so they are in the autograd graph. A compiled entry's saved values
+are intermediates computed inside one autograd node: they have no history, so differentiating the
+backward graph alone would miss every path through them (d(grad x)/dx through tanh(x @ w)). So
+the differentiable backward takes the entry's graph args, the tensors the forward ran on, which
+are in the user's autograd graph, and recomputes the saved values from them: the program is the
+forward graph cut down to what the saved values need, followed by the backward graph. aotc
+compiles that program like any other function of tensors (its own joint graph, partition and
+autograd node), keyed by the signature of its inputs; its node is the one a third-order
+gradient differentiates, and so on.
+
+What it needs at backward time, each refused with an error naming the input or op:
+- The graph args' values as the forward saw them. The node keeps the graph args (not copies)
+  and their versions; a needed arg changed in place since (by the user, or by the entry's own
+  input mutation) has lost that value.
+- The same random draws: a saved value computed from a random op (dropout) cannot be recomputed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from aotc.options import CompileOptions
+from aotc.passes.recompute import is_random
+from aotc.runtime.autograd import AutogradPlan
+from aotc.runtime.errors import UnsupportedError
+from aotc.runtime.wrappers import CompiledEntry, Dispatcher
+
+
+class DifferentiableBackward:
+    """Compiles and runs an entry's backward as a differentiable program (Note [Double
+    backward]). One per compiled entry; thread-safe; the program is built on first use."""
+
+    def __init__(
+        self,
+        graphs: Callable[[], tuple[fx.GraphModule, fx.GraphModule]],
+        plan: AutogradPlan,
+        names: Sequence[str],
+        options: CompileOptions,
+        name: str,
+    ) -> None:
+        self._graphs = graphs
+        self._plan = plan
+        self._names = tuple(names)
+        self._options = options
+        self._fn_name = name
+        self._name = f"{name}.backward"
+        self._lock = threading.Lock()
+        self._ready: tuple[fx.GraphModule, tuple[int, ...], str | None] | None = None
+        self._dispatch: Dispatcher | None = None
+
+    def _prepare(self) -> tuple[fx.GraphModule, tuple[int, ...], str | None]:
+        with self._lock:
+            if self._ready is None:
+                forward, backward = self._graphs()
+                self._ready = compose_backward(forward, backward, self._plan)
+                self._dispatch = Dispatcher(
+                    self._compile,
+                    self._name,
+                    self._options.recompile_warn_limit,
+                    self._options.max_signatures,
+                )
+            return self._ready
+
+    def _compile(self, leaves: list[object], key: tuple[object, ...]) -> CompiledEntry:
+        from aotc.pipeline import compile_signature
+
+        assert self._ready is not None
+        program_module = self._ready[0]
+
+        spec = pytree.tree_flatten(tuple(self._plan.grad_args))[1]
+
+        def program(user_leaves: list[object]) -> tuple[list[object], object]:
+            return list(program_module(*user_leaves)), spec
+
+        names = [*self._names, *(f"tangent{k}" for k in range(len(self._plan.diff_outs)))]
+        return compile_signature(program, leaves, names, self._options, self._name, self._name)
+
+    def __call__(
+        self,
+        args: Sequence[object],
+        versions: Sequence[int | None],
+        grads: Sequence[torch.Tensor],
+    ) -> tuple[torch.Tensor, ...]:
+        _, needed, refusal = self._prepare()
+        what = f"double backward (create_graph=True) through aotc-compiled {self._fn_name}"
+        if refusal is not None:
+            raise UnsupportedError(f"{what}: {refusal}")
+        changed = [i for i in needed if args[i] is None]  # written by the entry itself
+        changed += [
+            i
+            for i, v in zip(self._plan.watch_args, versions)
+            if args[i] is not None and cast(torch.Tensor, args[i])._version != v
+        ]
+        if changed:
+            raise UnsupportedError(
+                f"{what}: input {self._names[changed[0]]!r} was modified in place after the "
+                "call (by the program itself or later), and the derivative of its gradient "
+                "needs the value from the call. Modify a clone instead, or keep the value "
+                "unchanged until the double backward has run."
+            )
+        assert self._dispatch is not None
+        out = self._dispatch([*args, *grads], None)
+        return tuple(out)  # type: ignore[arg-type]
+
+
+def watched_args(forward: fx.GraphModule, num_fwd_outs: int) -> tuple[int, ...]:
+    """Graph args (tensors) the saved values are computed from that are not saved themselves:
+    the ones whose versions a forward notes (AutogradPlan.watch_args)."""
+    inputs = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    (out,) = [n for n in forward.graph.nodes if n.op == "output"]
+    saved = list(out.args[0])[num_fwd_outs:]
+    needed = _ancestors(saved)
+    return tuple(
+        i
+        for i, n in enumerate(inputs)
+        if n in needed and n not in saved and isinstance(n.meta.get("val"), torch.Tensor)
+    )
+
+
+def compose_backward(
+    forward: fx.GraphModule,
+    backward: fx.GraphModule,
+    plan: AutogradPlan,
+) -> tuple[fx.GraphModule, tuple[int, ...], str | None]:
+    """(graph args, tangents) -> gradients: the forward graph cut down to the saved values,
+    then the backward graph. Also the graph args it reads, and why it cannot be differentiated
+    as eager would (None when it can)."""
+    fwd_graph, bwd_graph = forward.graph, backward.graph
+    fwd_inputs = [n for n in fwd_graph.nodes if n.op == "placeholder"]
+    (fwd_out,) = [n for n in fwd_graph.nodes if n.op == "output"]
+    saved = list(fwd_out.args[0])[plan.num_fwd_outs :]
+    needed_nodes = _ancestors(saved)
+    refusal = None
+    for node in fwd_graph.nodes:
+        if node in needed_nodes and is_random(node):
+            refusal = (
+                f"its saved values come from a random op ({node.target}{_user_line(node)}): "
+                "recomputing them would draw new numbers. "
+                "Compute that part eagerly (outside the compiled function) or without the random "
+                "op (e.g. module.eval() for dropout)."
+            )
+            break
+
+    graph = fx.Graph()
+    root = torch.nn.Module()
+    env: dict[fx.Node, Any] = {}
+    for node in fwd_inputs:
+        env[node] = graph.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+    for node in fwd_graph.nodes:
+        if node.op in ("placeholder", "output") or node not in needed_nodes:
+            continue
+        env[node] = _copy(graph, node, env, root, "fwd")
+    bwd_inputs = [n for n in bwd_graph.nodes if n.op == "placeholder"]
+    n_saved = plan.num_saved
+    for node, value in zip(bwd_inputs[:n_saved], saved):
+        env[node] = env[value] if isinstance(value, fx.Node) else value
+    for k, node in enumerate(bwd_inputs[n_saved:]):
+        env[node] = graph.placeholder(f"tangent{k}")
+        env[node].meta = dict(node.meta)
+    for node in bwd_graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            graph.output(fx.map_arg(node.args[0], lambda n: env[n]))
+            break
+        env[node] = _copy(graph, node, env, root, "bwd")
+    graph.eliminate_dead_code()
+    module = fx.GraphModule(root, graph, class_name="DifferentiableBackward")
+    used = {n.name for n in graph.nodes if n.op == "placeholder" and n.users}
+    needed = tuple(i for i, n in enumerate(fwd_inputs) if env[n].name in used)
+    return module, needed, refusal
+
+
+def _copy(
+    graph: fx.Graph, node: fx.Node, env: dict[fx.Node, Any], root: torch.nn.Module, prefix: str
+) -> fx.Node:
+    if node.op == "get_attr":
+        owner = node.graph.owning_module
+        assert owner is not None
+        target = f"{prefix}_{node.target}".replace(".", "_")
+        setattr(root, target, _attr(owner, str(node.target)))
+        new = graph.get_attr(target)
+        new.meta = dict(node.meta)
+        return new
+    return graph.node_copy(node, lambda n: env[n])
+
+
+def _attr(module: torch.nn.Module, path: str) -> Any:
+    value: Any = module
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _ancestors(roots: Sequence[object]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [r for r in roots if isinstance(r, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return seen
+
+
+def _user_line(node: fx.Node) -> str:
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        return ""
+    lines = [ln.strip() for ln in str(trace).strip().splitlines() if ln.strip()]
+    where = [ln for ln in lines if ln.startswith("File ")]
+    return f", {where[-1]}" if where else ""
