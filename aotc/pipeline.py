@@ -286,9 +286,7 @@ def _compile_signature(
             compiled = persist.regenerate_kernels(cached, options)
             if any(cached["lowered"]):
                 lap("kernels")
-            entry = _entry_from_cache(
-                cached, compiled, leaves, names, name, source, times, options
-            )
+            entry = _entry_from_cache(cached, compiled, leaves, names, name, source, times, options)
             lap("cache_load")
             _log_record(entry.record, entry.record.forward, entry.record.backward)
             if options.dump_dir:

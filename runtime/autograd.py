@@ -136,7 +136,7 @@ def make_autograd_function(
             )
         # Unpacking checks the saved values' versions, as eager's double backward does (an
         # output the forward saved, modified in place since, is refused with eager's error).
-        ctx.saved_tensors
+        _ = ctx.saved_tensors
         if not all(map(_is_contiguous, grads)):
             grads = tuple(g if g.is_contiguous() else g.contiguous() for g in grads)
         args, versions = ctx.aotc_args, ctx.aotc_versions if watch else ()
@@ -206,7 +206,6 @@ def _differentiable(args: tuple | None, grads: tuple) -> bool:
     return any(isinstance(a, _TensorBase) and a.requires_grad for a in args) or any(
         g is not None and g.requires_grad for g in grads
     )
-
 
 
 def _picker(diff: tuple[int, ...], n_out: int) -> Callable[[tuple[torch.Tensor, ...]], tuple]:

@@ -107,9 +107,7 @@ class CompiledEntry:
             written = frozenset(
                 m.target for m in plan.epilogue.mutations if m.kind is StepKind.COPY
             )
-            self._fn = make_autograd_function(
-                fwd, bwd, plan.autograd, plan.name, higher, written
-            )
+            self._fn = make_autograd_function(fwd, bwd, plan.autograd, plan.name, higher, written)
             # See Note [Direct apply]
             # torch's stubs declare `apply` on Function only, not on its C base (_FunctionBase).
             self._apply = super(torch.autograd.Function, self._fn).apply  # type: ignore[misc]

@@ -23,9 +23,7 @@ def test_double_backward_matches_eager_or_raises_clear_error():
     (gg,) = torch.autograd.grad(g.sum(), x)
     torch.testing.assert_close(gg, 6 * x.detach())
     # A saved value drawn from a random op cannot be recomputed: a short, clear refusal.
-    dropped = aotc.compile(
-        lambda x: torch.nn.functional.dropout(x * x, 0.5).sum(), capture="trace"
-    )
+    dropped = aotc.compile(lambda x: torch.nn.functional.dropout(x * x, 0.5).sum(), capture="trace")
     with pytest.raises(aotc.UnsupportedError, match="double backward") as info:
         torch.autograd.grad(dropped(x), x, create_graph=True)
     assert "create_graph" in str(info.value) and len(str(info.value)) < 700
