@@ -25,11 +25,15 @@ compiles that program like any other function of tensors (its own joint graph, p
 autograd node), keyed by the signature of its inputs; its node is the one a third-order
 gradient differentiates, and so on.
 
-What it needs at backward time, each refused with an error naming the input or op:
+What it needs at backward time:
 - The graph args' values as the forward saw them. The node keeps the graph args (not copies)
-  and their versions; a needed arg changed in place since (by the user, or by the entry's own
-  input mutation) has lost that value.
-- The same random draws: a saved value computed from a random op (dropout) cannot be recomputed.
+  and the versions of those no saved value holds; one changed in place since (by the user, or
+  by the entry's own input mutation) has lost that value: refused, naming the input.
+- The same random draws. When a saved value comes from a random op (dropout), the forward notes
+  the generator state before it runs (AutogradPlan.rng_device); the recomputation keeps every
+  random op of the forward in order, runs from that state and restores the generator after, so
+  it draws exactly the forward's numbers and leaves the user's stream as eager's double backward
+  does (untouched).
 """
 
 from __future__ import annotations
@@ -68,10 +72,10 @@ class DifferentiableBackward:
         self._fn_name = name
         self._name = f"{name}.backward"
         self._lock = threading.Lock()
-        self._ready: tuple[fx.GraphModule, tuple[int, ...], str | None] | None = None
+        self._ready: tuple[fx.GraphModule, tuple[int, ...]] | None = None
         self._dispatch: Dispatcher | None = None
 
-    def _prepare(self) -> tuple[fx.GraphModule, tuple[int, ...], str | None]:
+    def _prepare(self) -> tuple[fx.GraphModule, tuple[int, ...]]:
         with self._lock:
             if self._ready is None:
                 forward, backward = self._graphs()
@@ -103,11 +107,10 @@ class DifferentiableBackward:
         args: Sequence[object],
         versions: Sequence[int | None],
         grads: Sequence[torch.Tensor],
+        rng: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
-        _, needed, refusal = self._prepare()
+        _, needed = self._prepare()
         what = f"double backward (create_graph=True) through aotc-compiled {self._fn_name}"
-        if refusal is not None:
-            raise UnsupportedError(f"{what}: {refusal}")
         changed = [i for i in needed if args[i] is None]  # written by the entry itself
         changed += [
             i
@@ -122,17 +125,37 @@ class DifferentiableBackward:
                 "unchanged until the double backward has run."
             )
         assert self._dispatch is not None
-        out = self._dispatch([*args, *grads], None)
-        return tuple(out)  # type: ignore[arg-type]
+        if rng is None:
+            return tuple(self._dispatch([*args, *grads], None))  # type: ignore[call-overload]
+        # Replay the call's random draws, and leave the generator as it was (eager's double
+        # backward draws nothing).
+        device = self._plan.rng_device
+        now = _get_rng(device)
+        _set_rng(device, rng)
+        try:
+            return tuple(self._dispatch([*args, *grads], None))  # type: ignore[call-overload]
+        finally:
+            _set_rng(device, now)
+
+
+def _recomputed(forward: fx.GraphModule, num_fwd_outs: int) -> tuple[set[fx.Node], list[Any], bool]:
+    """The forward nodes the differentiable backward recomputes, the saved values, and whether
+    they include random ops (then every random op of the forward, in order, so that replaying
+    the generator state from the call draws the same numbers: Note [Double backward])."""
+    (out,) = [n for n in forward.graph.nodes if n.op == "output"]
+    saved = list(out.args[0])[num_fwd_outs:]
+    needed = _ancestors(saved)
+    random = [n for n in forward.graph.nodes if is_random(n)]
+    if not any(n in needed for n in random):
+        return needed, saved, False
+    return needed | _ancestors(random), saved, True
 
 
 def watched_args(forward: fx.GraphModule, num_fwd_outs: int) -> tuple[int, ...]:
     """Graph args (tensors) the saved values are computed from that are not saved themselves:
     the ones whose versions a forward notes (AutogradPlan.watch_args)."""
+    needed, saved, _ = _recomputed(forward, num_fwd_outs)
     inputs = [n for n in forward.graph.nodes if n.op == "placeholder"]
-    (out,) = [n for n in forward.graph.nodes if n.op == "output"]
-    saved = list(out.args[0])[num_fwd_outs:]
-    needed = _ancestors(saved)
     return tuple(
         i
         for i, n in enumerate(inputs)
@@ -140,29 +163,29 @@ def watched_args(forward: fx.GraphModule, num_fwd_outs: int) -> tuple[int, ...]:
     )
 
 
+def random_device(forward: fx.GraphModule, num_fwd_outs: int) -> str | None:
+    """The device type whose generator state a forward notes (AutogradPlan.rng_device): that of
+    its random ops when the differentiable backward recomputes them, else None."""
+    _, _, random = _recomputed(forward, num_fwd_outs)
+    if not random:
+        return None
+    for node in forward.graph.nodes:
+        val = node.meta.get("val")
+        if is_random(node) and isinstance(val, torch.Tensor):
+            return val.device.type
+    return "cpu"
+
+
 def compose_backward(
     forward: fx.GraphModule,
     backward: fx.GraphModule,
     plan: AutogradPlan,
-) -> tuple[fx.GraphModule, tuple[int, ...], str | None]:
-    """(graph args, tangents) -> gradients: the forward graph cut down to the saved values,
-    then the backward graph. Also the graph args it reads, and why it cannot be differentiated
-    as eager would (None when it can)."""
+) -> tuple[fx.GraphModule, tuple[int, ...]]:
+    """(graph args, tangents) -> gradients: the forward graph cut down to the saved values (and
+    its random ops, see `_recomputed`), then the backward graph. Also the graph args it reads."""
     fwd_graph, bwd_graph = forward.graph, backward.graph
     fwd_inputs = [n for n in fwd_graph.nodes if n.op == "placeholder"]
-    (fwd_out,) = [n for n in fwd_graph.nodes if n.op == "output"]
-    saved = list(fwd_out.args[0])[plan.num_fwd_outs :]
-    needed_nodes = _ancestors(saved)
-    refusal = None
-    for node in fwd_graph.nodes:
-        if node in needed_nodes and is_random(node):
-            refusal = (
-                f"its saved values come from a random op ({node.target}{_user_line(node)}): "
-                "recomputing them would draw new numbers. "
-                "Compute that part eagerly (outside the compiled function) or without the random "
-                "op (e.g. module.eval() for dropout)."
-            )
-            break
+    needed_nodes, saved, _ = _recomputed(forward, plan.num_fwd_outs)
 
     graph = fx.Graph()
     root = torch.nn.Module()
@@ -192,7 +215,18 @@ def compose_backward(
     module = fx.GraphModule(root, graph, class_name="DifferentiableBackward")
     used = {n.name for n in graph.nodes if n.op == "placeholder" and n.users}
     needed = tuple(i for i, n in enumerate(fwd_inputs) if env[n].name in used)
-    return module, needed, refusal
+    return module, needed
+
+
+def _get_rng(device: str | None) -> torch.Tensor:
+    return torch.cuda.get_rng_state() if device == "cuda" else torch.random.get_rng_state()
+
+
+def _set_rng(device: str | None, state: torch.Tensor) -> None:
+    if device == "cuda":
+        torch.cuda.set_rng_state(state)
+    else:
+        torch.random.set_rng_state(state)
 
 
 def _copy(
@@ -226,12 +260,3 @@ def _ancestors(roots: Sequence[object]) -> set[fx.Node]:
         seen.add(node)
         stack.extend(node.all_input_nodes)
     return seen
-
-
-def _user_line(node: fx.Node) -> str:
-    trace = node.meta.get("stack_trace")
-    if not trace:
-        return ""
-    lines = [ln.strip() for ln in str(trace).strip().splitlines() if ln.strip()]
-    where = [ln for ln in lines if ln.startswith("File ")]
-    return f", {where[-1]}" if where else ""

@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from aotc import persist
 from aotc.functional import FlatProgram, compiling
-from aotc.higher_order import DifferentiableBackward, watched_args
+from aotc.higher_order import DifferentiableBackward, random_device, watched_args
 from aotc.metadata import MetadataResult, collect_metadata
 from aotc.options import CompileOptions, full_tracebacks
 from aotc.passes.cleanup import cleanup
@@ -356,6 +356,7 @@ def _compile_signature(
             )
             and not any(c.requires_grad for c in metadata.meta.leaf_changes),
             watch_args=watched_args(part.forward.module, metadata.fwd_plan.num_outputs),
+            rng_device=random_device(part.forward.module, metadata.fwd_plan.num_outputs),
         )
         detach = _statically_no_grad(joint, leaves, convention)
     epilogue = plan_epilogue(metadata.meta, metadata.fwd_plan, convention)

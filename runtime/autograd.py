@@ -50,6 +50,9 @@ class AutogradPlan:
     # differentiable backward recomputes from that no saved value holds (saved ones are checked
     # when unpacked). See Note [Graph args for double backward].
     watch_args: tuple[int, ...] = ()
+    # The device type ("cpu", "cuda") whose generator state the forward notes for a double
+    # backward that recomputes random ops; None: it recomputes none.
+    rng_device: str | None = None
 
 
 # One leaf requiring grad that anchored calls pass to autograd (Note [Grad anchor]). The backward
@@ -61,7 +64,8 @@ GRAD_ANCHOR = torch.empty(0, requires_grad=True)
 # compiler): (graph args, their versions at the call, gradients of the outputs) -> the gradients
 # of plan.grad_args, recorded by autograd. See Note [Double backward].
 HigherOrder = Callable[
-    [Sequence[object], Sequence["int | None"], Sequence[torch.Tensor]], tuple[torch.Tensor, ...]
+    [Sequence[object], Sequence["int | None"], Sequence[torch.Tensor], "torch.Tensor | None"],
+    tuple[torch.Tensor, ...],
 ]
 
 # Whether the running backward keeps the graph (retain_graph); false: autograd frees each node's
@@ -93,10 +97,14 @@ def make_autograd_function(
     # See Note [None gradients]: which grads arrived decides which gradients exist.
     track = plan.grad_deps is not None or bool(plan.refused)
     watch = plan.watch_args
+    rng = plan.rng_device
+    get_rng = torch.cuda.get_rng_state if rng == "cuda" else torch.random.get_rng_state
 
     def forward(ctx, holder: list, *args: torch.Tensor):  # type: ignore[no-untyped-def]
         if anchored:
             args = args[:n_args]
+        if rng is not None:
+            ctx.aotc_rng = get_rng()
         outs = fwd(*args)
         # See Note [Graph args for double backward]
         if written:
@@ -140,12 +148,13 @@ def make_autograd_function(
         if not all(map(_is_contiguous, grads)):
             grads = tuple(g if g.is_contiguous() else g.contiguous() for g in grads)
         args, versions = ctx.aotc_args, ctx.aotc_versions if watch else ()
+        state = ctx.aotc_rng if rng is not None else None
         if not keep_graph():
-            ctx.aotc_args = ctx.aotc_versions = None
+            ctx.aotc_args = ctx.aotc_versions = ctx.aotc_rng = None
         if any_autocast():
             with torch._C._DisableAutocast():
-                return higher(args, versions, grads)
-        return higher(args, versions, grads)
+                return higher(args, versions, grads, state)
+        return higher(args, versions, grads, state)
 
     refused = plan.refused
     deps = plan.grad_deps
@@ -155,7 +164,7 @@ def make_autograd_function(
         if grad_enabled() and _differentiable(ctx.aotc_args, grads):
             return _double_backward(ctx, grads)
         if not keep_graph():  # See Note [Graph args for double backward]
-            ctx.aotc_args = ctx.aotc_versions = None
+            ctx.aotc_args = ctx.aotc_versions = ctx.aotc_rng = None
         if not all(map(_is_contiguous, grads)):
             grads = tuple(g if g.is_contiguous() else g.contiguous() for g in grads)
         saved = ctx.saved_tensors + ctx.aotc_sizes if has_sizes else ctx.saved_tensors
@@ -203,7 +212,8 @@ def _differentiable(args: tuple | None, grads: tuple) -> bool:
     grad (else the plain compiled backward gives the same values, and nothing to record)."""
     if args is None:
         return True  # released: the double-backward path raises eager's error
-    return any(isinstance(a, _TensorBase) and a.requires_grad for a in args) or any(
+    # None: an arg the entry wrote into (not kept): its gradient may have history.
+    return any(a is None or isinstance(a, _TensorBase) and a.requires_grad for a in args) or any(
         g is not None and g.requires_grad for g in grads
     )
 

@@ -29,10 +29,6 @@ class Case:
     options: dict = dataclasses.field(default_factory=dict)
 
 
-def double_backward(x):
-    return torch.nn.functional.dropout(x * x, 0.5).sum()  # random: not recomputable
-
-
 def item_branch(x):
     if x.sum().item() > 0:  # data-dependent control flow
         return x * 2
@@ -104,14 +100,6 @@ def custom_op_without_fake(x):
 
 
 CASES = {
-    "double_backward": Case(
-        double_backward,
-        lambda: (torch.randn(3, requires_grad=True),),
-        aotc.UnsupportedError,
-        ("double backward", "random op", HERE),
-        ("create_graph", "eval()"),
-        backward=True,
-    ),
     "item_control_flow": Case(
         item_branch,
         lambda: (torch.randn(3),),

@@ -216,20 +216,26 @@ def test_input_mutation_and_aliased_output(mode: str) -> None:
         close(a, b)
 
 
-def test_random_op_is_refused_with_a_clear_error() -> None:
-    def f(x: torch.Tensor) -> torch.Tensor:
-        return F.dropout(torch.tanh(x), 0.5, training=True).pow(2).sum()
+@pytest.mark.parametrize("mode", ("trace", "default"))
+def test_random_ops_are_replayed(mode: str) -> None:
+    """Dropout's mask is recomputed from the generator state of the call: the same numbers, and
+    the user's random stream is left as eager leaves it."""
 
-    fn = aotc.compile(f, capture="trace")
-    x = torch.randn(5, requires_grad=True)
-    with pytest.raises(aotc.UnsupportedError, match="random op"):
-        torch.autograd.grad(fn(x), x, create_graph=True)
-    # First-order gradients are unaffected.
-    torch.manual_seed(0)
-    (expected,) = torch.autograd.grad(f(x), x)
-    torch.manual_seed(0)
-    (got,) = torch.autograd.grad(fn(x), x)
-    close(expected, got)
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(torch.tanh(x @ w), 0.5, training=True)
+        return (h * h).sum() + torch.rand(()) * 0  # a second draw after the dropout
+
+    fn = compiled(f, mode)
+    x, w = torch.randn(4, 3, requires_grad=True), torch.randn(3, 5, requires_grad=True)
+
+    def run(g: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
+        torch.manual_seed(11)
+        gx, gw = torch.autograd.grad(g(x, w), (x, w), create_graph=True)
+        second = torch.autograd.grad(gx.pow(2).sum() + gw.sum(), (x, w))
+        return [gx, gw, *second, torch.rand(3)]  # the stream after: as eager's
+
+    for a, b in zip(run(f), run(fn)):
+        close(a, b)
 
 
 def test_input_modified_after_the_call_is_refused() -> None:
