@@ -362,3 +362,35 @@ def test_recomputed_input_modified_after_the_call_is_refused_by_name() -> None:
     (d1,) = torch.autograd.grad(out, x, create_graph=True)
     (e1,) = torch.autograd.grad(f(x, b), x, create_graph=True)
     close(e1, d1)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("mode", ("trace", "default"))
+def test_backward_create_graph_on_a_module_and_autograd_functional(mode: str) -> None:
+    """`loss.backward(create_graph=True)` accumulates differentiable .grads (a gradient-norm
+    penalty on the parameters); torch.autograd.functional.hessian/hvp over a compiled function."""
+    torch.manual_seed(6)
+    eager = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    ours = copy.deepcopy(eager)
+    run = compiled(ours, mode)
+    x = torch.randn(2, 3)
+
+    def penalty(module: torch.nn.Module, call: Any) -> list[Any]:
+        call(x).sum().backward(create_graph=True)
+        grads = [p.grad for p in module.parameters()]
+        total = sum((g**2).sum() for g in grads)
+        return [*grads, *torch.autograd.grad(total, list(module.parameters()), allow_unused=True)]
+
+    for a, b in zip(penalty(eager, eager), penalty(ours, run)):
+        close(a, b)
+
+    def f(v: torch.Tensor) -> torch.Tensor:
+        return (v.sin() * v.cos().exp()).sum()
+
+    fn = compiled(f, mode)
+    v = torch.randn(5)
+    hess = torch.autograd.functional.hessian
+    close(hess(f, v), hess(fn, v))
+    hvp = torch.autograd.functional.hvp
+    for a, b in zip(hvp(f, v, torch.ones(5)), hvp(fn, v, torch.ones(5))):
+        close(a, b)
