@@ -394,3 +394,21 @@ def test_backward_create_graph_on_a_module_and_autograd_functional(mode: str) ->
     hvp = torch.autograd.functional.hvp
     for a, b in zip(hvp(f, v, torch.ones(5)), hvp(fn, v, torch.ones(5))):
         close(a, b)
+
+
+def test_triton_backend_double_backward() -> None:
+    """The differentiable backward compiles with the entry's backend (Triton's interpreter on
+    CPU)."""
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (torch.tanh(x @ w) * torch.sigmoid(x @ w)).sum()
+
+    fn = aotc.compile(f, capture="trace", backend="triton")
+    x, w = torch.randn(4, 3, requires_grad=True), torch.randn(3, 5, requires_grad=True)
+
+    def run(g: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
+        gx, gw = torch.autograd.grad(g(x, w), (x, w), create_graph=True)
+        return [gx, gw, *torch.autograd.grad(gx.pow(2).sum() + gw.norm(), (x, w))]
+
+    for a, b in zip(run(f), run(fn)):
+        close(a, b)
