@@ -260,6 +260,9 @@ def _restore_config(_args: object = None) -> None:
         _saved_config = None
 
 
+_transforms_active = torch._C._are_functorch_transforms_active
+
+
 def _functorch_refusal(e: RuntimeError, name: str) -> None:
     """A torch.func transform in the program refused the user's saved-tensor hooks (as in
     eager). Dynamo's trace of it stops after its graph disabled the hooks, leaving them disabled
@@ -284,6 +287,8 @@ class DynamoFunction:
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _transforms_active():  # See Note [Compiled functions under torch.func] in aotc/api.py
+            return self._fn(*args, **kwargs)
         try:
             if torch.is_grad_enabled() in self._capture.warm:
                 return self._call(*args, **kwargs)
@@ -339,6 +344,8 @@ class DynamoModule(OriginalState):
         self.training = module.training
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if _transforms_active():  # See Note [Compiled functions under torch.func] in aotc/api.py
+            return self._orig_mod(*args, **kwargs)
         try:
             if torch.is_grad_enabled() in self._capture.warm:
                 return self._optimized.forward(*args, **kwargs)
