@@ -100,6 +100,9 @@ class MetadataResult:
     # How the joint trace reaches each intermediate base and each HISTORY root's value.
     base_refs: tuple[ValueRef, ...] = ()  # len == fwd_plan.num_intermediate_bases
     root_value_refs: tuple[ValueRef, ...] = ()  # len == fwd_plan.num_root_values
+    # The program runs a torch.func transform that refuses saved-tensor hooks (Note [Traces under
+    # torch.func] in aotc/functional.py): calls under such hooks raise, as in eager.
+    refuses_saved_hooks: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +216,14 @@ def collect_metadata(
     )
     root_values = tuple(r.value for r in analysis.roots if r.grad is RootGrad.HISTORY)
     return MetadataResult(
-        meta, fwd_plan, specs, out_spec, refused, tuple(analysis.bases), root_values
+        meta,
+        fwd_plan,
+        specs,
+        out_spec,
+        refused,
+        tuple(analysis.bases),
+        root_values,
+        refuses_saved_hooks=saved is None,
     )
 
 

@@ -383,6 +383,7 @@ def _compile_signature(
         detach_args=detach,
         out_spec=metadata.out_spec,  # type: ignore[arg-type]
         enable_grad=training and not grad_enabled,
+        refuse_saved_hooks=metadata.refuses_saved_hooks,
     )
     fwd_module = part.forward.module if part is not None else joint.module
     bwd_module = part.backward.module if part is not None else None

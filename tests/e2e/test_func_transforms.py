@@ -348,3 +348,26 @@ def test_body_transform_under_saved_tensor_hooks_fails_as_eager(mode: str) -> No
     assert_matches_eager(
         _body_grad, lambda: (torch.randn(5), torch.randn(5, requires_grad=True)), compiled=compiled
     )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_compiled_body_transform_called_under_saved_tensor_hooks(mode: str) -> None:
+    """Compiled without hooks, then called under save_on_cpu: eager refuses that call (grad
+    inside), so the compiled entry does too, also when loaded from the disk cache; calls outside
+    the hooks still run. A body with only vmap/jvp (which accept hooks) runs under them."""
+    x, w = torch.randn(5), torch.randn(5, requires_grad=True)
+    for attempt in range(2):  # the second compiled function's entry comes from the disk cache
+        compiled = _compile(_body_grad, mode)
+        torch.testing.assert_close(compiled(x, w), _body_grad(x, w))
+        if mode != "torch.compile" and attempt == 1:
+            assert aotc.inspect(compiled)[-1].is_cache_hit
+        with torch.autograd.graph.save_on_cpu():
+            with pytest.raises(RuntimeError, match="saved tensor hooks"):
+                _body_grad(x, w)
+            with pytest.raises(RuntimeError, match="saved tensor hooks"):
+                compiled(x, w)
+        torch.testing.assert_close(compiled(x, w), _body_grad(x, w))
+    compiled = _compile(_body_vmap, mode)
+    compiled(x, w)
+    with torch.autograd.graph.save_on_cpu():
+        torch.testing.assert_close(compiled(x, w), _body_vmap(x, w))
