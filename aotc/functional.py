@@ -138,9 +138,11 @@ NO_HOOKS = contextlib.nullcontext()
 #   check decides which eager would refuse;
 # - the joint trace repeats without identity hooks; it then fails where a transform's result
 #   feeds a backward through a value modified in place afterwards (eager refuses that backward).
-# The compile pushes identity hooks around everything only when the user has saved-tensor hooks
-# active (to hide fake tensors from them, Note [No hooks pushed for torch.func] in
-# aotc/pipeline.py); then the repeated run fails too, as eager does.
+# Both run inside a compile that itself runs again without its own identity hooks (Note [No hooks
+# pushed for torch.func] in aotc/pipeline.py); with user hooks active the repeated runs fail too,
+# as eager does. The plain run's retry also marks the entry (`refuses_saved_hooks`): calls made
+# under saved-tensor hooks raise eager's error, since the compiled graphs no longer run the
+# transform that would.
 _FUNCTORCH_HOOKS = "don't yet support saved tensor hooks"
 FUNCTORCH_HOOKS_HINT = (
     "torch.func.grad, vjp, jacrev and hessian refuse to run while saved-tensor hooks "

@@ -17,7 +17,6 @@ program, leaves, CompileOptions
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -32,7 +31,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from aotc import persist
-from aotc.functional import FlatProgram, compiling, transform_state
+from aotc.functional import FlatProgram, compiling, refused_by_functorch, transform_state
 from aotc.metadata import MetadataResult, collect_metadata
 from aotc.options import CompileOptions, full_tracebacks
 from aotc.passes.cleanup import cleanup
@@ -196,13 +195,19 @@ def compile_signature(
     start = time.perf_counter()
     try:
         # Tracing saves fake tensors for autograd; the user's saved-tensor hooks must not see
-        # them. See Note [No hooks pushed for torch.func] for why only when the user has some.
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
-        with (
-            transform_state(),
-            torch.autograd.graph.saved_tensors_hooks(_identity, _identity) if hooks else _NO_HOOKS,
-            compiling(),
-        ):
+        # them. See Note [No hooks pushed for torch.func] for the second attempt.
+        user_hooks = torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+        try:
+            with (
+                transform_state(),
+                torch.autograd.graph.saved_tensors_hooks(_identity, _identity),
+                compiling(),
+            ):
+                return _compile_signature(program, leaves, names, options, name, source, fake_mode)
+        except Exception as e:
+            if user_hooks or not refused_by_functorch(e):
+                raise
+        with transform_state(), compiling():
             return _compile_signature(program, leaves, names, options, name, source, fake_mode)
     except Exception as e:
         if type(e).__module__.startswith("torch._dynamo"):
@@ -261,15 +266,15 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-_NO_HOOKS = contextlib.nullcontext()
-
 # Note [No hooks pushed for torch.func]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # torch.func.grad/vjp/jacrev/hessian refuse to run while any saved-tensor hooks are on the stack
-# (eager raises "don't yet support saved tensor hooks"). A compile hides its fake tensors from
-# the user's saved-tensor hooks behind identity hooks only when the user has some active: then a
-# body calling those transforms fails as in eager; otherwise it traces (the runs that need hooks
-# of their own retry without them, Note [Traces under torch.func] in aotc/functional.py).
+# (eager raises "don't yet support saved tensor hooks"). A compile runs under identity hooks that
+# hide its fake tensors from the user's hooks. When a transform refused them and the user has no
+# hooks active, the compile runs again without them (with user hooks, eager refuses too, and so
+# does the compile); the runs that need hooks of their own retry without them as well (Note
+# [Traces under torch.func] in aotc/functional.py). Programs without such transforms compile
+# exactly as before, under identity hooks throughout.
 
 
 def _compile_signature(
