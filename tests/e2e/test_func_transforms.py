@@ -371,3 +371,25 @@ def test_compiled_body_transform_called_under_saved_tensor_hooks(mode: str) -> N
     compiled(x, w)
     with torch.autograd.graph.save_on_cpu():
         torch.testing.assert_close(compiled(x, w), _body_vmap(x, w))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"capture": "trace", "dynamic": True}, {"dynamic": True}, {"backend": "triton"}],
+    ids=["trace-dynamic", "dynamo-dynamic", "trace-triton"],
+)
+def test_compiled_body_transform_dynamic_sizes_and_triton(options: dict[str, Any]) -> None:
+    """A body calling grad under symbolic sizes (one entry for every size) and with generated
+    Triton kernels (CPU: Triton's interpreter)."""
+    torch._dynamo.reset()
+    options = {"capture": "trace", **options} if "backend" in options else options
+    compiled = aotc.compile(_body_hessian if "backend" in options else _body_grad, **options)
+    fn = _body_hessian if "backend" in options else _body_grad
+    for n in (5, 7, 9):
+
+        def make(n: int = n) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.randn(n), torch.randn(n, requires_grad=True)
+
+        assert_matches_eager(fn, make, compiled=compiled, runs=1)
+    if options.get("dynamic"):
+        assert len(aotc.inspect(compiled)) == 1
