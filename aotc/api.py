@@ -59,6 +59,22 @@ from aotc.wrapped_module import OriginalState
 
 Tensor = torch.Tensor
 _PLAIN_TENSOR = frozenset((Tensor,))
+_transforms_active = torch._C._are_functorch_transforms_active
+
+# Note [Compiled functions under torch.func]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch.func.grad, vjp, jvp, jacrev, jacfwd, hessian and vmap work on tensors wrapped per
+# transform level, and differentiate or batch every ATen op the function runs. A compiled entry
+# cannot take part: its autograd.Function has no functorch rules (setup_context, jvp, vmap), its
+# backward graph is not differentiable, and its Triton kernels cannot be batched. So a strict-mode
+# call made while any transform is active runs the user's Python function itself (lifted state
+# is read live, as in eager), which gives exactly eager's results, gradients and mutations; the
+# first such call is logged (AOTC_LOG=progress). The check is one C call per call (~70 ns). The
+# default capture mode (aotc/capture.py) makes the same check: Dynamo would give the same result
+# (its guards include the functorch stack, and it runs a frame called inside a transform eagerly)
+# but pays a failed guard and a cache lookup per call (~0.3 ms measured, bench/func_transforms.py).
+# torch.compile(backend="aotc") gets Dynamo's behaviour. A body that calls torch.func transforms
+# itself is traced: see Note [Traces under torch.func] in aotc/functional.py.
 progress = logging.getLogger("aotc.progress")
 configure_logging()  # AOTC_LOG, once the compiler is first used
 
@@ -96,10 +112,13 @@ class CompiledFunction:
         self._gens: list[_Generation] = []
         self._eager_runs = 0
         self._ran_eagerly = False  # the last call that needed a compilation ran eagerly
+        self._warned_transform = False  # logged a call under a torch.func transform
         self._gen = self._generation(lifted)
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _transforms_active():  # See Note [Compiled functions under torch.func]
+            return self._under_transform(args, kwargs)
         if not kwargs and {*map(type, args)} <= _PLAIN_TENSOR:  # every arg a plain Tensor
             leaves: list[object] = list(args)
             spec: object = len(args)
@@ -116,6 +135,18 @@ class CompiledFunction:
             return gen.dispatch(leaves, extra)
         except (Retry, StateCreated) as e:
             return self._recover(e, args, kwargs, 0)
+
+    def _under_transform(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call inside torch.func.grad/vmap/jvp/...: run the user's function itself."""
+        if not self._warned_transform:
+            self._warned_transform = True
+            progress.info(
+                "aotc: %s is called inside a torch.func transform (%s); it runs the Python "
+                "function there, so the transform sees eager's ops",
+                self._name,
+                torch._C._functorch.peek_interpreter_stack().key().name,
+            )
+        return self._fn(*args, **kwargs)
 
     def _recover(self, error: Exception, args: tuple[Any, ...], kwargs: dict[str, Any],
                  attempt: int) -> Any:  # fmt: skip

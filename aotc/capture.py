@@ -50,8 +50,10 @@ from typing import Any
 
 import torch
 
+from aotc.functional import FUNCTORCH_HOOKS_HINT, refused_by_functorch
 from aotc.options import Capture, CompileOptions
 from aotc.pipeline import CompiledRecord
+from aotc.runtime.errors import AotcError, UnsupportedError
 from aotc.wrapped_module import OriginalState
 
 log = logging.getLogger("aotc.recompiles")
@@ -258,6 +260,20 @@ def _restore_config(_args: object = None) -> None:
         _saved_config = None
 
 
+_transforms_active = torch._C._are_functorch_transforms_active
+
+
+def _functorch_refusal(e: RuntimeError, name: str) -> None:
+    """A torch.func transform in the program refused the user's saved-tensor hooks (as in
+    eager). Dynamo's trace of it stops after its graph disabled the hooks, leaving them disabled
+    for the process: enable them again (they were enabled, or the user could not have pushed
+    any), and say what happened. Off the per-call path: only on an exception."""
+    if not refused_by_functorch(e) or isinstance(e, AotcError):
+        return
+    torch._C._autograd._saved_tensors_hooks_enable()
+    raise UnsupportedError(f"{name}: {str(e).splitlines()[0]} {FUNCTORCH_HOOKS_HINT}") from e
+
+
 class DynamoFunction:
     """A function compiled by aotc through Dynamo (the default capture mode). Call it like the
     original; `aotc.inspect` lists every graph compiled for it."""
@@ -271,10 +287,15 @@ class DynamoFunction:
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _transforms_active():  # See Note [Compiled functions under torch.func] in aotc/api.py
+            return self._fn(*args, **kwargs)
         try:
             if torch.is_grad_enabled() in self._capture.warm:
                 return self._call(*args, **kwargs)
             return self._capture.first_call(self._call, args, kwargs)
+        except RuntimeError as e:
+            _functorch_refusal(e, self._name)
+            raise
         finally:
             if _suppressing[0]:  # See Note [Frames Dynamo cannot convert]
                 _release_suppression()
@@ -323,10 +344,15 @@ class DynamoModule(OriginalState):
         self.training = module.training
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if _transforms_active():  # See Note [Compiled functions under torch.func] in aotc/api.py
+            return self._orig_mod(*args, **kwargs)
         try:
             if torch.is_grad_enabled() in self._capture.warm:
                 return self._optimized.forward(*args, **kwargs)
             return self._capture.first_call(self._optimized.forward, args, kwargs)
+        except RuntimeError as e:
+            _functorch_refusal(e, self._name)
+            raise
         finally:
             if _suppressing[0]:  # See Note [Frames Dynamo cannot convert]
                 _release_suppression()

@@ -122,6 +122,76 @@ def user_errors(what: str, eager_ran: bool = False) -> Iterator[None]:
         raise
 
 
+NO_HOOKS = contextlib.nullcontext()
+
+# Note [Traces under torch.func]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch.func.grad, vjp, jacrev and hessian refuse to start while any saved-tensor hooks are
+# active ("don't yet support saved tensor hooks"). aotc runs the program under hooks of its own:
+# the plain metadata run notes autograd's saved values (`SavedValues`, Note [Backward eager would
+# refuse] in runtime/autograd.py), and the joint trace saves values under identity hooks so that
+# autograd's version check does not refuse a functional graph (the refusal is the metadata
+# pass's business). A program that calls those transforms fails under them where eager runs it,
+# so each of the two runs is repeated without its hooks when that is why it failed:
+# - the plain run repeats on fresh fakes with nothing noting saved values; `_backward_refusals`
+#   then probes every differentiable output with a fake backward, and autograd's own version
+#   check decides which eager would refuse;
+# - the joint trace repeats without identity hooks; it then fails where a transform's result
+#   feeds a backward through a value modified in place afterwards (eager refuses that backward).
+# Both run inside a compile that itself runs again without its own identity hooks (Note [No hooks
+# pushed for torch.func] in aotc/pipeline.py); with user hooks active the repeated runs fail too,
+# as eager does. The plain run's retry also marks the entry (`refuses_saved_hooks`): calls made
+# under saved-tensor hooks raise eager's error, since the compiled graphs no longer run the
+# transform that would.
+_FUNCTORCH_HOOKS = "don't yet support saved tensor hooks"
+FUNCTORCH_HOOKS_HINT = (
+    "torch.func.grad, vjp, jacrev and hessian refuse to run while saved-tensor hooks "
+    "(torch.autograd.graph.saved_tensors_hooks, save_on_cpu, activation checkpointing) are "
+    "active around the call; eager raises the same error here. Call the compiled function "
+    "outside those hooks, or use torch.autograd.grad inside it instead of the transform."
+)
+
+
+def refused_by_functorch(e: BaseException) -> bool:
+    """`e` (raw, or from `user_errors`) says a torch.func transform refused our saved-tensor
+    hooks."""
+    cause = e.__cause__ if isinstance(e, AotcError) else e
+    return isinstance(cause, RuntimeError) and _FUNCTORCH_HOOKS in str(cause)
+
+
+@contextlib.contextmanager
+def transform_state() -> Iterator[None]:
+    """Undo, on exit, what a run that stopped half-way through a torch.func transform left set.
+    A Dynamo graph of a transform calls `_saved_tensors_hooks_disable`/`_enable` and
+    `_grad_increment_nesting`/`_decrement_nesting` (and vmap's, jvp's, forward AD's levels) as
+    graph nodes, without try/finally: a failed run between them would leave saved-tensor hooks
+    disabled, a functorch layer pushed or a dual level entered for the whole process (Dynamo's
+    own frames undo the layers on error)."""
+    message = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
+    depth = torch._C._functorch.get_dynamic_layer_stack_depth()
+    include = torch._C._dispatch_tls_local_include_set()
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    fwd_grad = torch._C._is_fwd_grad_enabled()
+    try:
+        with torch._C._ForceDispatchKeyGuard(include, exclude):
+            yield
+    except BaseException:
+        # A forward-AD level the run entered (jvp, jacfwd, hessian) and did not exit. Levels
+        # do not nest, so it is the one right above the level the Python API knows of.
+        try:
+            torch._C._exit_dual_level(level=torch.autograd.forward_ad._current_level + 1)
+        except RuntimeError:
+            pass  # none was left entered
+        raise
+    finally:
+        torch._C._functorch.pop_dynamic_layer_stack_and_undo_to_depth(depth)
+        torch._C._set_fwd_grad_enabled(fwd_grad)
+        if message is None:
+            torch._C._autograd._saved_tensors_hooks_enable()
+        else:
+            torch._C._autograd._saved_tensors_hooks_disable(message, False)
+
+
 # Errors the plain metadata run raises exactly where eager would: autograd's in-place and view
 # checks and eager's memory-overlap checks run unchanged on fake tensors.
 _EAGER_CHECKS = (
@@ -160,11 +230,14 @@ def _program_error(what: str, e: Exception, where: str, eager_ran: bool = False)
             "which hold no values, and compiles one graph per input signature. Keep such reads "
             "outside the compiled function (on its inputs or results), or use tensor ops."
         )
+    elif _FUNCTORCH_HOOKS in text:
+        hint = FUNCTORCH_HOOKS_HINT
     elif "torch.func" in text or "functorch" in text:
         hint = (
-            "torch.func transforms (grad, vjp, jacrev, hessian) cannot run inside an "
-            "aotc-compiled function: aotc traces the function's autograd itself. Use "
-            "torch.autograd.grad inside the function, or apply the transform outside it."
+            "A torch.func transform in the function failed while aotc traced it on fake "
+            "tensors. If eager raises this too for these inputs, fix that line; if eager runs "
+            "it, call the transform outside the compiled function (or compile with "
+            'capture="dynamo") and report it as an aotc bug.'
         )
     elif "custom (non-ATen) operator" in text or "alias annotations" in text:
         op = reason.split("annotations: ", 1)[-1].split(". ", 1)[0] if ": " in reason else "?"

@@ -66,7 +66,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from aotc.functional import FlatProgram, fakeify
+from aotc.functional import FlatProgram, fakeify, transform_state
 from aotc.runtime import autograd
 from aotc.runtime.convention import apply_convention, expand_graph_args, plan_convention
 
@@ -149,7 +149,8 @@ def trace_text(
     if tracer == "meta":
         tensors = [_MetaKeyTensor.of(t) for t in graph_args]
         recorder: _Recorder = _MetaRecorder(tensors)
-        with recorder, torch.set_grad_enabled(grad_enabled):
+        # transform_state: a failed run of a torch.func transform leaves no state behind.
+        with transform_state(), recorder, torch.set_grad_enabled(grad_enabled):
             user_leaves = expand_graph_args(convention, tensors, constants)
             outs, out_spec = program(user_leaves)
     else:
@@ -162,7 +163,7 @@ def trace_text(
         with mode:
             tensors = fakeify(mode, graph_args, as_leaves=False)
         recorder = _FakeRecorder(tensors, facts)
-        with mode, recorder, torch.set_grad_enabled(grad_enabled):
+        with transform_state(), mode, recorder, torch.set_grad_enabled(grad_enabled):
             user_leaves = expand_graph_args(convention, tensors, constants)
             outs, out_spec = program(user_leaves)
     return _finish(recorder, outs, out_spec, tensors)

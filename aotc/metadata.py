@@ -44,12 +44,15 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from aotc.aliasing import RootRef, ValueRef, classify_outputs
 from aotc.functional import (
+    NO_HOOKS,
     EagerChecks,
     FlatProgram,
     OverlappingWrites,
     fakeify,
     functionalization,
+    refused_by_functorch,
     to_functional,
+    transform_state,
     user_errors,
 )
 from aotc.runtime.autograd import STALE, SavedValues, autograd_nodes
@@ -97,6 +100,9 @@ class MetadataResult:
     # How the joint trace reaches each intermediate base and each HISTORY root's value.
     base_refs: tuple[ValueRef, ...] = ()  # len == fwd_plan.num_intermediate_bases
     root_value_refs: tuple[ValueRef, ...] = ()  # len == fwd_plan.num_root_values
+    # The program runs a torch.func transform that refuses saved-tensor hooks (Note [Traces under
+    # torch.func] in aotc/functional.py): calls under such hooks raise, as in eager.
+    refuses_saved_hooks: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,22 +149,32 @@ def collect_metadata(
     # A symbolic compilation's fakes carry its ShapeEnv's symbols: stay in its mode.
     symbolic = any(isinstance(a, FakeTensor) for a in graph_args)
     eager_mode = fake_mode if symbolic else FakeTensorMode(allow_non_fake_inputs=False)
-    with eager_mode:
-        plain = fakeify(eager_mode, graph_args, as_leaves=False)
-        with torch.set_grad_enabled(grad_enabled):
-            p_leaves = expand_graph_args(convention, plain, constants)
-        args_before = [_state(p) for p in plain]
-        leaves_before = {id(t): _state(t) for t in p_leaves if isinstance(t, torch.Tensor)}
-        checks, saved, overlaps = EagerChecks(), SavedValues(), OverlappingWrites(rewrite=False)
-        with (
-            user_errors("metadata pass"),
-            torch.set_grad_enabled(grad_enabled),
-            saved.hooks(),
-            checks,
-            overlaps,
-        ):
-            p_outs, _ = program(p_leaves)
-        checks.check()
+    saved: SavedValues | None = SavedValues()
+    while True:  # at most twice: see Note [Traces under torch.func] in aotc/functional.py
+        with eager_mode:
+            plain = fakeify(eager_mode, graph_args, as_leaves=False)
+            with torch.set_grad_enabled(grad_enabled):
+                p_leaves = expand_graph_args(convention, plain, constants)
+            args_before = [_state(p) for p in plain]
+            leaves_before = {id(t): _state(t) for t in p_leaves if isinstance(t, torch.Tensor)}
+            checks, overlaps = EagerChecks(), OverlappingWrites(rewrite=False)
+            try:
+                with (
+                    transform_state(),
+                    user_errors("metadata pass"),
+                    torch.set_grad_enabled(grad_enabled),
+                    saved.hooks() if saved is not None else NO_HOOKS,
+                    checks,
+                    overlaps,
+                ):
+                    p_outs, _ = program(p_leaves)
+            except Exception as e:
+                if saved is None or not refused_by_functorch(e):
+                    raise
+                saved = None  # run again without hooks; probe every output for staleness
+                continue
+            checks.check()
+            break
     # Run 2, functional: which inputs are data-mutated, and the values' fake metadata.
     with fake_mode:
         fakes = fakeify(fake_mode, graph_args, as_leaves=False)
@@ -200,7 +216,14 @@ def collect_metadata(
     )
     root_values = tuple(r.value for r in analysis.roots if r.grad is RootGrad.HISTORY)
     return MetadataResult(
-        meta, fwd_plan, specs, out_spec, refused, tuple(analysis.bases), root_values
+        meta,
+        fwd_plan,
+        specs,
+        out_spec,
+        refused,
+        tuple(analysis.bases),
+        root_values,
+        refuses_saved_hooks=saved is None,
     )
 
 
@@ -361,7 +384,7 @@ def _check_detached_sources(
 
 
 def _backward_refusals(
-    saved: SavedValues,
+    saved: SavedValues | None,
     overlap_nodes: set[int],
     values: list[torch.Tensor],
     needs: tuple[bool, ...],
@@ -375,7 +398,7 @@ def _backward_refusals(
         for k, (value, need) in enumerate(zip(values, needs)):
             if need and any(id(n) in overlap_nodes for n in autograd_nodes([value])):
                 refused.append((FwdOut(k), _OVERLAP_BACKWARD))
-    if not saved.any_stale():
+    if saved is not None and not saved.any_stale():
         return tuple(refused)
     done = {k for k, _ in refused}
     for k, (value, need) in enumerate(zip(values, needs)):

@@ -31,7 +31,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from aotc import persist
-from aotc.functional import FlatProgram, compiling
+from aotc.functional import FlatProgram, compiling, refused_by_functorch, transform_state
 from aotc.higher_order import DifferentiableBackward, random_device, watched_args
 from aotc.metadata import MetadataResult, collect_metadata
 from aotc.options import CompileOptions, full_tracebacks
@@ -195,8 +195,20 @@ def compile_signature(
     re-raised; see Note [User-facing tracebacks]."""
     start = time.perf_counter()
     try:
-        # Tracing saves fake tensors for autograd; the user's saved-tensor hooks must not see them.
-        with torch.autograd.graph.saved_tensors_hooks(_identity, _identity), compiling():
+        # Tracing saves fake tensors for autograd; the user's saved-tensor hooks must not see
+        # them. See Note [No hooks pushed for torch.func] for the second attempt.
+        user_hooks = torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+        try:
+            with (
+                transform_state(),
+                torch.autograd.graph.saved_tensors_hooks(_identity, _identity),
+                compiling(),
+            ):
+                return _compile_signature(program, leaves, names, options, name, source, fake_mode)
+        except Exception as e:
+            if user_hooks or not refused_by_functorch(e):
+                raise
+        with transform_state(), compiling():
             return _compile_signature(program, leaves, names, options, name, source, fake_mode)
     except Exception as e:
         if type(e).__module__.startswith("torch._dynamo"):
@@ -253,6 +265,17 @@ def report_failure(failure: FailedCompile, options: CompileOptions) -> None:
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+# Note [No hooks pushed for torch.func]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch.func.grad/vjp/jacrev/hessian refuse to run while any saved-tensor hooks are on the stack
+# (eager raises "don't yet support saved tensor hooks"). A compile runs under identity hooks that
+# hide its fake tensors from the user's hooks. When a transform refused them and the user has no
+# hooks active, the compile runs again without them (with user hooks, eager refuses too, and so
+# does the compile); the runs that need hooks of their own retry without them as well (Note
+# [Traces under torch.func] in aotc/functional.py). Programs without such transforms compile
+# exactly as before, under identity hooks throughout.
 
 
 def _compile_signature(
@@ -368,6 +391,7 @@ def _compile_signature(
         detach_args=detach,
         out_spec=metadata.out_spec,  # type: ignore[arg-type]
         enable_grad=training and not grad_enabled,
+        refuse_saved_hooks=metadata.refuses_saved_hooks,
     )
     fwd_module = part.forward.module if part is not None else joint.module
     bwd_module = part.backward.module if part is not None else None

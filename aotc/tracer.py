@@ -38,7 +38,9 @@ from aotc.functional import (
     fakeify,
     from_functional,
     functionalization,
+    refused_by_functorch,
     to_functional,
+    transform_state,
     user_errors,
 )
 from aotc.metadata import MetadataResult
@@ -95,6 +97,9 @@ def trace_joint(
         fwd += [ref.resolve(outs) for ref in metadata.root_value_refs]
         return fwd
 
+    refused = {k for k, _ in metadata.refused}
+    hooked = True  # the trace runs under identity hooks (see below)
+
     def joint(*flat: torch.Tensor) -> tuple[list[object], list[object]]:
         primals = [to_functional(p) for p in flat[:num_primals]]
         tangents = [to_functional(t) for t in flat[num_primals:]]
@@ -104,12 +109,19 @@ def trace_joint(
             grads: list[object] = [None] * num_primals
             if training:
                 # Outputs that take a tangent are tensors.
-                diff = [cast(torch.Tensor, fwd[k]) for k in tangent_outs]
+                # Without identity hooks, autograd's version check would refuse a backward
+                # from the outputs eager refuses one for: leave those out (their backward raises
+                # eager's error at run time, Note [Backward eager would refuse]).
+                take = [i for i, k in enumerate(tangent_outs) if hooked or k not in refused]
+                diff = [cast(torch.Tensor, fwd[tangent_outs[i]]) for i in take]
                 wrt = [g for g, p in enumerate(primals) if p.requires_grad]
                 if diff and wrt:
                     with torch.enable_grad(), recorder.backward(diff):
                         got = torch.autograd.grad(
-                            diff, [primals[g] for g in wrt], tangents, allow_unused=True
+                            diff,
+                            [primals[g] for g in wrt],
+                            [tangents[i] for i in take],
+                            allow_unused=True,
                         )
                     for g, grad in zip(wrt, got):
                         grads[g] = grad
@@ -134,8 +146,21 @@ def trace_joint(
             if training
             else []
         )
-        with user_errors("joint trace", eager_ran=True), recording():
-            module = make_fx(joint, record_stack_traces=True)(*primals, *tangents)
+        # Saved values go through identity hooks: see Note [Traces under torch.func].
+        try:
+            with (
+                transform_state(),
+                user_errors("joint trace", eager_ran=True),
+                recording(),
+                torch.autograd.graph.saved_tensors_hooks(_identity, _identity),
+            ):
+                module = make_fx(joint, record_stack_traces=True)(*primals, *tangents)
+        except Exception as e:
+            if not refused_by_functorch(e):
+                raise
+            hooked = False
+            with transform_state(), user_errors("joint trace", eager_ran=True), recording():
+                module = make_fx(joint, record_stack_traces=True)(*primals, *tangents)
         recorder.annotate(module)
 
     inputs: tuple[InputDesc, ...] = tuple(PrimalInput(GraphArg(g)) for g in range(num_primals))
@@ -144,6 +169,10 @@ def trace_joint(
     outputs += tuple(GradOutput(GraphArg(g)) for g in range(num_primals)) if training else ()
     _flatten_output(module, _view_bases(meta, plan))
     return JointGraph(module=module, inputs=inputs, outputs=outputs)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _view_bases(meta: MutationAliasInfo, plan: FwdOutputPlan) -> dict[int, list[int]]:

@@ -50,7 +50,9 @@ def make_fast_call(
     conv, epi = plan.convention, plan.epilogue
     if conv.synthetic_bases or epi.mutations or epi.versions or epi.new_leaves or plan.detach_args:
         return None
-    if plan.enable_grad or (plan.autograd is not None and plan.autograd.anchor):
+    if plan.enable_grad or plan.refuse_saved_hooks:
+        return None
+    if plan.autograd is not None and plan.autograd.anchor:
         return None
     if any(s.kind not in _DIRECT_OUTPUTS for s in epi.outputs):
         return None

@@ -126,10 +126,10 @@ def explain_bad_leaves(leaves: Sequence[object], names: Sequence[str]) -> str | 
         name = names[i] if i < len(names) else f"argument {i}"
         if isinstance(t, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t):
             return (
-                f"{name} is a tensor inside a torch.func transform (grad, vjp, jacrev, vmap); "
-                "aotc-compiled functions run under regular autograd only. Call the compiled "
-                "function outside the transform and differentiate with .backward() or "
-                "torch.autograd.grad."
+                f"{name} is a tensor wrapped by a torch.func transform (grad, vjp, jacrev, vmap) "
+                "that is no longer active: it escaped the transform (through a global, a closure "
+                "or an attribute), and aotc cannot key it. Return what you need from the "
+                "transformed function instead of keeping its inner tensors."
             )
         if isinstance(t, Tensor) and t.layout is not torch.strided:
             return (

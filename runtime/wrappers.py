@@ -64,6 +64,10 @@ class RuntimePlan:
     # Compiled under no_grad for a program that enables grad inside: the autograd node runs
     # with grad on, so outputs computed under torch.enable_grad() require grad as in eager.
     enable_grad: bool = False
+    # The program calls torch.func.grad/vjp/jacrev/hessian, which eager runs only when no
+    # saved-tensor hooks are active; the graphs no longer contain them, so calls check. See Note
+    # [Traces under torch.func] in aotc/functional.py. Such entries take the general path.
+    refuse_saved_hooks: bool = False
 
 
 class CompiledEntry:
@@ -134,6 +138,8 @@ class CompiledEntry:
             return self._call_general(leaves)
 
     def _call_general(self, leaves: list[object]) -> object:
+        if self.plan.refuse_saved_hooks and _saved_hooks_active(True) is not None:
+            raise UnsupportedError(f"{self.plan.name}: {FUNCTORCH_HOOKS_REFUSAL}")
         if torch._C._is_any_autocast_enabled():  # See Note [Graphs run without autocast]
             with torch._C._DisableAutocast():
                 return self._run(leaves)
@@ -167,6 +173,15 @@ class CompiledEntry:
             graph_args = apply_convention(plan.convention, leaves)
             apply_mutations(plan.epilogue, leaves, graph_args, fwd_outs)
         return self._unflatten(build_outputs(plan.epilogue, leaves, fwd_outs, early))
+
+
+_saved_hooks_active = torch._C._autograd._top_saved_tensors_default_hooks
+FUNCTORCH_HOOKS_REFUSAL = (
+    "torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor hooks. The compiled "
+    "program calls one of these transforms, and eager raises this error for it under "
+    "saved-tensor hooks (saved_tensors_hooks, save_on_cpu, activation checkpointing) too. Call "
+    "it outside those hooks, or use torch.autograd.grad inside it instead of the transform."
+)
 
 
 class _NoChange:
