@@ -191,6 +191,7 @@ class _Roles:
     random: frozenset[fx.Node]  # random ops: run once, in the forward
     bwd_required: frozenset[fx.Node]  # tangent-dependent nodes and gradient values
     order: dict[fx.Node, int]
+    relevant: frozenset[fx.Node]  # the gradients' ancestors (what the backward may need)
 
 
 def _ancestors(roots: Iterable[object], stop: frozenset[fx.Node] = frozenset()) -> set[fx.Node]:
@@ -236,6 +237,7 @@ def _roles(joint: JointGraph) -> _Roles:
         random_nodes,
         frozenset(bwd_required),
         order,
+        frozenset(_ancestors(v for v, _ in grad_pairs)),
     )
 
 
@@ -243,7 +245,7 @@ def _simple_saved(roles: _Roles, all_in_forward: bool) -> set[fx.Node]:
     """Save what the backward reads. `all_in_forward`: every non-tangent node runs in the
     forward ("save everything"); else nodes only the gradients need run in the backward."""
     grads = [v for v, _ in roles.grad_pairs]
-    needed = _ancestors(grads)
+    needed = set(roles.relevant)
     fwd = set(roles.fwd_required)
     if all_in_forward:
         fwd |= needed - roles.bwd_required
@@ -294,15 +296,27 @@ def _min_cut_saved(
 ) -> set[fx.Node]:
     """`costs`: per relevant forward node, what recomputing it costs; a node whose cost is not
     free is never recomputed unless in `unbanned` (see Note [Min-cut partition])."""
-    grads = [v for v, _ in roles.grad_pairs]
-    relevant = _ancestors(grads)
+    relevant = roles.relevant
     inf = math.inf
     cut_edges: list[tuple[object, object, float]] = []  # n_in -> n_out, capacity = bytes
     inf_edges: list[tuple[object, object]] = []
+    fwd_required, bwd_required = roles.fwd_required, roles.bwd_required
+
+    def in_name(node: fx.Node) -> object:
+        """A node's "in" half, or the source itself for a node that may not be recomputed (see
+        Note [Contracted flow network])."""
+        if node.op == "placeholder" or (
+            node in fwd_required and node not in unbanned and not costs[node].is_free
+        ):
+            return _SOURCE
+        return (node, "in")
+
     # Nodes the backward must compute sit on the sink side whatever the cut: they are not split,
     # and an edge into one of them goes straight to the sink (halves the network for a chain).
+    always_cut: set[fx.Node] = set()  # source -> sink edges: cut by every cut
+    split: list[fx.Node] = []  # nodes whose halves are both in the network
     for node in relevant:
-        if node in roles.bwd_required:
+        if node in bwd_required:
             continue
         val = node.meta.get("val")
         # Saving a view keeps its root's whole storage alive: charge the root's bytes.
@@ -310,33 +324,105 @@ def _min_cut_saved(
             capacity: float = node_nbytes(_view_root(node)) * _TIE_SCALE
         else:  # See Note [Saved SymInts]
             capacity = _SYM_BYTES * _TIE_SCALE if is_sym_node(node) else inf
-        if capacity != inf and node not in roles.fwd_required:
+        if capacity != inf and node not in fwd_required:
             capacity += 1  # See Note [Ties go to values the forward has anyway]
-        n_in, n_out = (node, "in"), (node, "out")
+        n_in = in_name(node)
+        users = node.users
+        if any(user in bwd_required for user in users):  # its "out" half is the sink's
+            if n_in is _SOURCE and capacity != inf:
+                always_cut.add(node)
+            else:
+                cut_edges.append((n_in, _SINK, capacity))
+                split.append(node)
+            continue
+        n_out = (node, "out")
         cut_edges.append((n_in, n_out, capacity))
-        if node.op == "placeholder" or (
-            node in roles.fwd_required and node not in unbanned and not costs[node].is_free
-        ):
-            inf_edges.append((_SOURCE, n_in))
-        for user in node.users:
-            if user in roles.bwd_required:
-                inf_edges.append((n_out, _SINK))
-            elif user in relevant:
-                inf_edges.append((n_out, (user, "in")))
+        split.append(node)
+        for user in users:
+            if user in relevant:
+                user_in = in_name(user)
+                if user_in is not _SOURCE:  # an edge into the source never carries flow
+                    inf_edges.append((n_out, user_in))
     flow = nx.DiGraph()
     flow.add_weighted_edges_from(cut_edges, weight="capacity")
     flow.add_edges_from(inf_edges, capacity=inf)
-    if _SOURCE not in flow or _SINK not in flow:
-        return set()
-    # Heuristic: Boykov-Kolmogorov. Edmonds-Karp was fastest while cuts were small (few saved
-    # values), but with ATen calls the cost model saves what eager saves, one augmenting path per
-    # saved value: on a 1,500-op pointwise chain (3,500 joint nodes, ~750 saved values)
-    # Edmonds-Karp 3.8 s, preflow-push 1.4 s, Boykov-Kolmogorov 0.3 s, the same cut.
-    _, (reachable, _) = nx.minimum_cut(
-        flow, _SOURCE, _SINK, flow_func=nx.algorithms.flow.boykov_kolmogorov
-    )
-    saved = {n for n in relevant if (n, "in") in reachable and (n, "out") not in reachable}
+    parts, reachable = _flow_parts(flow)
+    for part in parts:
+        # Heuristic: Boykov-Kolmogorov. Edmonds-Karp was fastest while cuts were small (few saved
+        # values), but with ATen calls the cost model saves what eager saves, one augmenting path
+        # per saved value: on a 1,500-op pointwise chain (3,500 joint nodes, ~750 saved values)
+        # Edmonds-Karp 3.8 s, preflow-push 1.4 s, Boykov-Kolmogorov 0.3 s, the same cut.
+        _, (side, _) = nx.minimum_cut(
+            part, _SOURCE, _SINK, flow_func=nx.algorithms.flow.boykov_kolmogorov
+        )
+        reachable |= side
+    reachable.discard(_SINK)
+    saved = always_cut | {
+        n
+        for n in split
+        if (n, "out") not in reachable and (in_name(n) is _SOURCE or (n, "in") in reachable)
+    }
     return _drop_views_of_saved(saved)
+
+
+def _flow_parts(flow: nx.DiGraph) -> tuple[list[nx.DiGraph], set[object]]:
+    """The network split where only the source and the sink join it: one network per weakly
+    connected component of the rest that touches both, and the nodes of the components that
+    touch the source only (no flow reaches the sink through them, so they are all on the source
+    side). Components that touch no source are on the sink side or cut nothing."""
+    parts: list[nx.DiGraph] = []
+    source_side: set[object] = set()
+    pred, succ = flow.pred, flow.succ
+    terminals = (_SOURCE, _SINK)
+    seen: set[object] = set(terminals)
+    both: list[list[object]] = []
+    for start in flow:
+        if start in seen:
+            continue
+        seen.add(start)
+        component, stack = [start], [start]
+        while stack:  # one weakly connected component, not walking through the terminals
+            n = stack.pop()
+            for m in (*succ[n], *pred[n]):
+                if m not in seen:
+                    seen.add(m)
+                    component.append(m)
+                    stack.append(m)
+        if not any(_SOURCE in pred[n] for n in component):
+            continue
+        if any(_SINK in succ[n] for n in component):
+            both.append(component)
+        else:
+            source_side.update(component)
+    if len(both) == 1 and not source_side:
+        parts.append(flow)  # one part: the network itself
+    else:
+        for component in both:
+            # A copy, not `flow.subgraph`: a view would scan the source's edges for every part.
+            part = nx.DiGraph()
+            for n in component:
+                part.add_edges_from((u, n, d) for u, d in pred[n].items())
+                part.add_edges_from((n, v, d) for v, d in succ[n].items())
+            parts.append(part)
+    if flow.has_edge(_SOURCE, _SINK):  # an infinite capacity: minimum_cut says unbounded
+        parts.append(nx.DiGraph([(_SOURCE, _SINK, flow.succ[_SOURCE][_SINK])]))
+    return parts, source_side
+
+
+# Note [Contracted flow network]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A node that may not be recomputed (a primal, or a non-free value the forward computes anyway)
+# has an infinite edge from the source into its "in" half, so every finite cut keeps that half on
+# the source side: it is merged into the source, and edges into it (which would point into the
+# source and never carry flow) are dropped. Cut values are unchanged, and so is the set reachable
+# from the source in the residual network of a maximum flow (the same for every maximum flow),
+# hence the saved set. Likewise a node with a user the backward must compute has an infinite edge
+# from its "out" half to the sink: that half is merged into the sink and its other edges dropped
+# (edges out of the sink carry no flow). A node merged at both ends is saved by every cut and
+# stays out of the network. With ATen calls most forward nodes are such nodes: on the 10k-node
+# scaling chain of bench/partition.py the network shrinks from ~20k nodes and ~40k edges to
+# nothing (and Boykov-Kolmogorov is slow on the star the source-side merge alone leaves: every
+# augmenting path rescans the source's thousands of edges).
 
 
 def _drop_views_of_saved(saved: set[fx.Node]) -> set[fx.Node]:
@@ -372,11 +458,10 @@ def _costs(
     roles: _Roles, executor: Executor, policy: RecomputePolicy
 ) -> dict[fx.Node, RecomputeCost]:
     """What recomputing each forward node the gradients depend on would cost."""
-    grads = [v for v, _ in roles.grad_pairs]
     in_forward = roles.fwd_required.__contains__
     return {
         n: recompute_cost(n, executor, policy, in_forward)
-        for n in _ancestors(grads)
+        for n in roles.relevant
         if n not in roles.bwd_required
     }
 
