@@ -36,6 +36,8 @@ backward needs (`cos(x)` for `sin`'s derivative) runs once on whichever side sav
 A memory budget below the min-cut plan unbans non-free forward ops, cheapest estimated seconds
 per byte first (pointwise passes over memory before matmuls), and takes the fewest that fit
 (binary search over that fixed order, so saved bytes fall monotonically as the budget falls).
+The network actually solved is smaller and split, with the same cut (Note [Contracted flow
+network]).
 """
 
 from __future__ import annotations
@@ -420,9 +422,13 @@ def _flow_parts(flow: nx.DiGraph) -> tuple[list[nx.DiGraph], set[object]]:
 # from its "out" half to the sink: that half is merged into the sink and its other edges dropped
 # (edges out of the sink carry no flow). A node merged at both ends is saved by every cut and
 # stays out of the network. With ATen calls most forward nodes are such nodes: on the 10k-node
-# scaling chain of bench/partition.py the network shrinks from ~20k nodes and ~40k edges to
-# nothing (and Boykov-Kolmogorov is slow on the star the source-side merge alone leaves: every
-# augmenting path rescans the source's thousands of edges).
+# scaling chain of bench/partition.py the ~20k-node, ~40k-edge network shrinks to ~700 parts of
+# a few nodes each (the backward-only `cos(x)` of each `sin`), solved one by one: Boykov-Kolmogorov
+# on the whole contracted network is slow on its star shape (an orphaned node rescans the source's
+# thousands of edges), on a part it is not. The parts are the weakly connected components of the
+# network without the source and sink; no flow crosses between them, so the cut of each is
+# independent (a part the source reaches but the sink does not is all on the source side).
+# tests/passes/test_min_cut_network.py checks the saved set against the plain network.
 
 
 def _drop_views_of_saved(saved: set[fx.Node]) -> set[fx.Node]:
