@@ -36,15 +36,19 @@ backward needs (`cos(x)` for `sin`'s derivative) runs once on whichever side sav
 A memory budget below the min-cut plan unbans non-free forward ops, cheapest estimated seconds
 per byte first (pointwise passes over memory before matmuls), and takes the fewest that fit
 (binary search over that fixed order, so saved bytes fall monotonically as the budget falls).
+The network actually solved is smaller and split, with the same cut (Note [Contracted flow
+network]).
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import gc
 import math
 import operator
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import networkx as nx
@@ -191,6 +195,7 @@ class _Roles:
     random: frozenset[fx.Node]  # random ops: run once, in the forward
     bwd_required: frozenset[fx.Node]  # tangent-dependent nodes and gradient values
     order: dict[fx.Node, int]
+    relevant: frozenset[fx.Node]  # the gradients' ancestors (what the backward may need)
 
 
 def _ancestors(roots: Iterable[object], stop: frozenset[fx.Node] = frozenset()) -> set[fx.Node]:
@@ -236,6 +241,7 @@ def _roles(joint: JointGraph) -> _Roles:
         random_nodes,
         frozenset(bwd_required),
         order,
+        frozenset(_ancestors(v for v, _ in grad_pairs)),
     )
 
 
@@ -243,7 +249,7 @@ def _simple_saved(roles: _Roles, all_in_forward: bool) -> set[fx.Node]:
     """Save what the backward reads. `all_in_forward`: every non-tangent node runs in the
     forward ("save everything"); else nodes only the gradients need run in the backward."""
     grads = [v for v, _ in roles.grad_pairs]
-    needed = _ancestors(grads)
+    needed = set(roles.relevant)
     fwd = set(roles.fwd_required)
     if all_in_forward:
         fwd |= needed - roles.bwd_required
@@ -294,15 +300,27 @@ def _min_cut_saved(
 ) -> set[fx.Node]:
     """`costs`: per relevant forward node, what recomputing it costs; a node whose cost is not
     free is never recomputed unless in `unbanned` (see Note [Min-cut partition])."""
-    grads = [v for v, _ in roles.grad_pairs]
-    relevant = _ancestors(grads)
+    relevant = roles.relevant
     inf = math.inf
     cut_edges: list[tuple[object, object, float]] = []  # n_in -> n_out, capacity = bytes
     inf_edges: list[tuple[object, object]] = []
+    fwd_required, bwd_required = roles.fwd_required, roles.bwd_required
+
+    def in_name(node: fx.Node) -> object:
+        """A node's "in" half, or the source itself for a node that may not be recomputed (see
+        Note [Contracted flow network])."""
+        if node.op == "placeholder" or (
+            node in fwd_required and node not in unbanned and not costs[node].is_free
+        ):
+            return _SOURCE
+        return (node, "in")
+
     # Nodes the backward must compute sit on the sink side whatever the cut: they are not split,
     # and an edge into one of them goes straight to the sink (halves the network for a chain).
+    always_cut: set[fx.Node] = set()  # source -> sink edges: cut by every cut
+    split: list[fx.Node] = []  # nodes whose halves are both in the network
     for node in relevant:
-        if node in roles.bwd_required:
+        if node in bwd_required:
             continue
         val = node.meta.get("val")
         # Saving a view keeps its root's whole storage alive: charge the root's bytes.
@@ -310,33 +328,142 @@ def _min_cut_saved(
             capacity: float = node_nbytes(_view_root(node)) * _TIE_SCALE
         else:  # See Note [Saved SymInts]
             capacity = _SYM_BYTES * _TIE_SCALE if is_sym_node(node) else inf
-        if capacity != inf and node not in roles.fwd_required:
+        if capacity != inf and node not in fwd_required:
             capacity += 1  # See Note [Ties go to values the forward has anyway]
-        n_in, n_out = (node, "in"), (node, "out")
+        n_in = in_name(node)
+        users = node.users
+        if any(user in bwd_required for user in users):  # its "out" half is the sink's
+            if n_in is _SOURCE and capacity != inf:
+                always_cut.add(node)
+            else:
+                cut_edges.append((n_in, _SINK, capacity))
+                split.append(node)
+            continue
+        n_out = (node, "out")
         cut_edges.append((n_in, n_out, capacity))
-        if node.op == "placeholder" or (
-            node in roles.fwd_required and node not in unbanned and not costs[node].is_free
-        ):
-            inf_edges.append((_SOURCE, n_in))
-        for user in node.users:
-            if user in roles.bwd_required:
-                inf_edges.append((n_out, _SINK))
-            elif user in relevant:
-                inf_edges.append((n_out, (user, "in")))
+        split.append(node)
+        for user in users:
+            if user in relevant:
+                user_in = in_name(user)
+                if user_in is not _SOURCE:  # an edge into the source never carries flow
+                    inf_edges.append((n_out, user_in))
     flow = nx.DiGraph()
     flow.add_weighted_edges_from(cut_edges, weight="capacity")
     flow.add_edges_from(inf_edges, capacity=inf)
-    if _SOURCE not in flow or _SINK not in flow:
-        return set()
-    # Heuristic: Boykov-Kolmogorov. Edmonds-Karp was fastest while cuts were small (few saved
-    # values), but with ATen calls the cost model saves what eager saves, one augmenting path per
-    # saved value: on a 1,500-op pointwise chain (3,500 joint nodes, ~750 saved values)
-    # Edmonds-Karp 3.8 s, preflow-push 1.4 s, Boykov-Kolmogorov 0.3 s, the same cut.
-    _, (reachable, _) = nx.minimum_cut(
-        flow, _SOURCE, _SINK, flow_func=nx.algorithms.flow.boykov_kolmogorov
-    )
-    saved = {n for n in relevant if (n, "in") in reachable and (n, "out") not in reachable}
+    parts, reachable = _flow_parts(flow)
+    for part in parts:
+        # Heuristic: Boykov-Kolmogorov. Edmonds-Karp was fastest while cuts were small (few saved
+        # values), but with ATen calls the cost model saves what eager saves, one augmenting path
+        # per saved value: on a 1,500-op pointwise chain (3,500 joint nodes, ~750 saved values)
+        # Edmonds-Karp 3.8 s, preflow-push 1.4 s, Boykov-Kolmogorov 0.3 s, the same cut.
+        _, (side, _) = nx.minimum_cut(
+            part, _SOURCE, _SINK, flow_func=nx.algorithms.flow.boykov_kolmogorov
+        )
+        reachable |= side
+    reachable.discard(_SINK)
+    saved = always_cut | {
+        n
+        for n in split
+        if (n, "out") not in reachable and (in_name(n) is _SOURCE or (n, "in") in reachable)
+    }
     return _drop_views_of_saved(saved)
+
+
+def _flow_parts(flow: nx.DiGraph) -> tuple[list[nx.DiGraph], set[object]]:
+    """The network split where only the source and the sink join it: one network per weakly
+    connected component of the rest that touches both, and the nodes of the components that
+    touch the source only (no flow reaches the sink through them, so they are all on the source
+    side). Components that touch no source are on the sink side or cut nothing."""
+    parts: list[nx.DiGraph] = []
+    source_side: set[object] = set()
+    pred, succ = flow.pred, flow.succ
+    terminals = (_SOURCE, _SINK)
+    seen: set[object] = set(terminals)
+    both: list[list[object]] = []
+    for start in flow:
+        if start in seen:
+            continue
+        seen.add(start)
+        component, stack = [start], [start]
+        while stack:  # one weakly connected component, not walking through the terminals
+            n = stack.pop()
+            for m in (*succ[n], *pred[n]):
+                if m not in seen:
+                    seen.add(m)
+                    component.append(m)
+                    stack.append(m)
+        if not any(_SOURCE in pred[n] for n in component):
+            continue
+        if any(_SINK in succ[n] for n in component):
+            side = _path_source_side(flow, component)
+            if side is None:
+                both.append(component)
+            else:
+                source_side.update(side)
+        else:
+            source_side.update(component)
+    if len(both) == 1 and not source_side:
+        parts.append(flow)  # one part: the network itself
+    else:
+        for component in both:
+            # A copy, not `flow.subgraph`: a view would scan the source's edges for every part.
+            part = nx.DiGraph()
+            for n in component:
+                part.add_edges_from((u, n, d) for u, d in pred[n].items())
+                part.add_edges_from((n, v, d) for v, d in succ[n].items())
+            parts.append(part)
+    if flow.has_edge(_SOURCE, _SINK):  # an infinite capacity: minimum_cut says unbounded
+        parts.append(nx.DiGraph([(_SOURCE, _SINK, flow.succ[_SOURCE][_SINK])]))
+    return parts, source_side
+
+
+def _path_source_side(flow: nx.DiGraph, component: list[object]) -> list[object] | None:
+    """If `component` is one path from the source to the sink (most parts are: a value the
+    forward has, then the backward-only op reading it), the nodes on the source side of its
+    minimum cut as `nx.minimum_cut` gives them: a path's maximum flow saturates exactly its
+    smallest-capacity edges, and a node is on the sink side iff it reaches the sink through
+    unsaturated edges, i.e. iff it comes after the last of them. None for any other shape, or
+    when the path has no finite edge (the max-flow reports that)."""
+    pred, succ = flow.pred, flow.succ
+    if any(len(pred[n]) != 1 or len(succ[n]) != 1 for n in component):
+        return None
+    starts = [n for n in component if _SOURCE in pred[n]]
+    if len(starts) != 1:
+        return None
+    path, caps = [starts[0]], [pred[starts[0]][_SOURCE]["capacity"]]
+    while True:
+        ((nxt, data),) = succ[path[-1]].items()
+        caps.append(data["capacity"])
+        if nxt is _SINK:
+            break
+        path.append(nxt)
+    if len(path) != len(component):  # a cycle beside the path
+        return None
+    least = min(caps)
+    if least == math.inf:
+        return None
+    last = max(i for i, c in enumerate(caps) if c == least)  # edge `last` enters path[last]
+    return path[:last]
+
+
+# Note [Contracted flow network]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A node that may not be recomputed (a primal, or a non-free value the forward computes anyway)
+# has an infinite edge from the source into its "in" half, so every finite cut keeps that half on
+# the source side: it is merged into the source, and edges into it (which would point into the
+# source and never carry flow) are dropped. Cut values are unchanged, and so is the set reachable
+# from the source in the residual network of a maximum flow (the same for every maximum flow),
+# hence the saved set. Likewise a node with a user the backward must compute has an infinite edge
+# from its "out" half to the sink: that half is merged into the sink and its other edges dropped
+# (edges out of the sink carry no flow). A node merged at both ends is saved by every cut and
+# stays out of the network. With ATen calls most forward nodes are such nodes: on the 10k-node
+# scaling chain of bench/partition.py the ~20k-node, ~40k-edge network shrinks to ~700 parts of
+# a few nodes each (the backward-only `cos(x)` of each `sin`), solved one by one: Boykov-Kolmogorov
+# on the whole contracted network is slow on its star shape (an orphaned node rescans the source's
+# thousands of edges), on a part it is not. The parts are the weakly connected components of the
+# network without the source and sink; no flow crosses between them, so the cut of each is
+# independent (a part the source reaches but the sink does not is all on the source side).
+# tests/passes/test_min_cut_network.py checks the saved set against the plain network.
 
 
 def _drop_views_of_saved(saved: set[fx.Node]) -> set[fx.Node]:
@@ -372,11 +499,10 @@ def _costs(
     roles: _Roles, executor: Executor, policy: RecomputePolicy
 ) -> dict[fx.Node, RecomputeCost]:
     """What recomputing each forward node the gradients depend on would cost."""
-    grads = [v for v, _ in roles.grad_pairs]
     in_forward = roles.fwd_required.__contains__
     return {
         n: recompute_cost(n, executor, policy, in_forward)
-        for n in _ancestors(grads)
+        for n in roles.relevant
         if n not in roles.bwd_required
     }
 
@@ -432,6 +558,42 @@ def partition(
     `memory_budget`: a fraction (0..1] of the save-everything bytes, or a byte count.
     `executor`: what will run the graphs; it decides which recomputations are free (see Note
     [Recompute cost model] in passes/recompute.py)."""
+    with _gc_paused():
+        return _partition(joint, mutated_args, policy, memory_budget, plan, executor)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic collector off for the duration (see Note [Partitioning without the cyclic
+    collector]); its previous state restored after."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+# Note [Partitioning without the cyclic collector]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Partitioning allocates many small objects (flow network dicts, fx nodes for the two graphs,
+# pytree generators), so the collector runs its young generations often and now and then a full
+# collection over everything alive, which right after tracing a big program is the whole traced
+# heap (~700k objects for the 10k-node scaling graph of bench/partition.py). Measured on that
+# graph, alternating runs in one process: 1.36 / 3.75 / 3.02 s with the collector, 1.26 / 2.33 /
+# 1.71 s without. The partition creates little cyclic garbage (the fx nodes it makes stay in the
+# graphs it returns), so nothing piles up; the collector runs again after it, as configured.
+
+
+def _partition(
+    joint: JointGraph,
+    mutated_args: frozenset[GraphArg],
+    policy: RecomputePolicy,
+    memory_budget: float | int | None,
+    plan: str,
+    executor: Executor,
+) -> PartitionResult:
     start = time.perf_counter()
     roles = _roles(joint)
     everything = _simple_saved(roles, all_in_forward=True)
