@@ -148,8 +148,10 @@ def decode_hit(stored: StoredEntry, options: CompileOptions) -> CacheHit | None:
     body = stored.body
     try:
         encoded = body.get("entry")
-        fields = encoded.get("f") if isinstance(encoded, dict) else None
-        if not isinstance(fields, dict) or encoded.get("R") != _ENTRY_NAME:
+        if not isinstance(encoded, dict) or encoded.get("R") != _ENTRY_NAME:
+            raise CacheError("bad entry record")
+        fields = encoded.get("f")
+        if not isinstance(fields, dict):
             raise CacheError("bad entry record")
         # Graphs that the cold compile lowered to Triton are lowered again on this hit, which
         # reads node values on their real devices (storage-less ValueTensors); the others get

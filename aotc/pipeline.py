@@ -25,10 +25,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import TreeSpec
 
 from aotc import persist
 from aotc.cachekey import CacheKey
@@ -457,7 +459,9 @@ def _runtime_plan(
         epilogue=plan_epilogue(metadata.meta, metadata.fwd_plan, convention),
         autograd=autograd_plan,
         detach_args=detach,
-        out_spec=metadata.out_spec,
+        # The user program's output structure: a TreeSpec (pytree.tree_flatten's), typed
+        # `object` by FlatProgram.
+        out_spec=cast(TreeSpec, metadata.out_spec),
         enable_grad=part is not None and not grad_enabled,
     )
 
@@ -643,7 +647,7 @@ def _log_record(record: CompiledRecord, fwd: fx.GraphModule, bwd: fx.GraphModule
                     "%s %s: runs as ATen calls\n%s",
                     record.name,
                     label,
-                    make_callable(module).__aotc_source__,
+                    getattr(make_callable(module), "__aotc_source__", ""),
                 )
 
 
@@ -712,9 +716,13 @@ def _statically_no_grad(
     rg_args = [
         g
         for g, src in enumerate(convention.graph_sources)
-        if src is None or (isinstance(leaves[src], torch.Tensor) and leaves[src].requires_grad)
+        if src is None or _requires_grad(leaves[src])
     ]
     return () if len(out) == len(rg_args) else tuple(out)
+
+
+def _requires_grad(leaf: object) -> bool:
+    return isinstance(leaf, torch.Tensor) and leaf.requires_grad
 
 
 _GUARDS = (
