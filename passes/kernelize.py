@@ -26,7 +26,8 @@ from aotc.passes.decompose import decompose
 from aotc.passes.fusion import FusionPlan, GroupKind, plan_fusion
 from aotc.passes.kernel_figures import kernel_figures
 from aotc.passes.loop_ir import is_static, static_or_expr
-from aotc.passes.lowering import Computed, Extern, _non_overlapping, lower, view_output_positions
+from aotc.passes.lowering import _non_overlapping, lower, view_output_positions
+from aotc.passes.lowering_ir import Computed, Extern
 from aotc.runtime.kernels import (
     AtenStep,
     BufferSpec,
