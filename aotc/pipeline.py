@@ -1,18 +1,22 @@
 """The compile driver: the one place to read the data flow for one input signature.
 
+`_compile_signature` is a flat list of stages run by `aotc.stages.StageRunner` (timed, linted,
+recorded; the names are `aotc.stages.Stage` values, as in `stage_seconds`):
+
 program, leaves, CompileOptions
-  │ aotc.persist.cache_key, load_entry  → a stored entry       (hit: regenerate_kernels, then
-  │                                                              straight to the callable)
-  │ runtime.convention.plan_convention  → CallingConvention    (dedupe)
-  │ aotc.metadata.collect_metadata      → MetadataResult       (mutations, aliases)
-  │   (aliased inputs with a mutation: plan synthetic bases, collect again)
-  │ aotc.tracer.trace_joint             → JointGraph           (functional ATen)
-  │ passes.cleanup.cleanup              → JointGraph           (DCE, CSE, no-op views)
-  │ passes.partition.partition          → PartitionResult      (min-cut; training only)
-  │ runtime.epilogue.plan_epilogue      → EpiloguePlan
-  │ passes.select.select_backend        → CompiledGraph | None (Triton kernels, or ATen)
-  ▼ runtime.wrappers.CompiledEntry      → the callable for this signature
-  (aotc.persist.store_entry writes the records for the next process)
+  │ cache_key   aotc.persist.find              → CacheKey, a verified entry or None
+  │ cache_load  aotc.persist.decode_hit        → CacheHit (hit: its lowerings, then assemble)
+  │ metadata    plan_convention, collect_metadata → CallingConvention, MetadataResult
+  │ trace       aotc.tracer.trace_joint        → JointGraph (functional ATen)
+  │ cleanup     passes.cleanup.cleanup         → JointGraph (DCE, CSE, no-op views; training)
+  │ partition   passes.partition.partition     → PartitionResult (min-cut; training)
+  │ epilogue    _runtime_plan                  → RuntimePlan (epilogue, autograd plan)
+  │ decompose, lower, fuse, generate           → CompiledGraph | None per graph (Triton)
+  │ assemble    runtime.artifact.assemble      → CompiledEntry with its CompiledRecord
+  ▼ cache_store aotc.persist.store_verified    → the CacheEntry for the next process
+
+A cold compile and a cache hit produce the same records (`CompiledProgram`, `Inspection`) and
+share `_assemble` (Note [One compiled program] in runtime/artifact.py).
 """
 
 from __future__ import annotations
