@@ -573,6 +573,8 @@ def _assemble(
 ) -> CompiledEntry:
     """The one assembly of a compiled signature, for a cold compile and a cache hit alike."""
     fwd, bwd = lowerings
+    # A hit's program carries the name of the compile that stored it.
+    program = dataclasses.replace(program, plan=dataclasses.replace(program.plan, name=info.name))
     record = CompiledRecord(
         name=info.name,
         signature=describe_signature(info.leaves, info.names),
@@ -591,8 +593,7 @@ def _assemble(
             if c
         ),
     )
-    plan = dataclasses.replace(program.plan, name=info.name)
-    entry = assemble(dataclasses.replace(program, plan=plan), lowerings, record)
+    entry = assemble(program, lowerings, record)
     _log_record(record, program.forward, program.backward)
     if info.dump_dir:
         dump_record(record, info.dump_dir)
