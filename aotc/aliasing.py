@@ -58,14 +58,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from aotc.runtime.autograd import autograd_nodes
 from aotc.runtime.errors import UnsupportedError
-from aotc.runtime.schema import Geometry, OutputInfo, OutputKind, RootGrad, UserArg, UserOut
+from aotc.runtime.schema import Dim, Geometry, OutputInfo, OutputKind, RootGrad, UserArg, UserOut
 
 _MULTI_OUTPUT = torch._C._autograd.CreationMeta.MULTI_OUTPUT_NODE
 # Heuristic: the autograd walk that finds which aliased input a view output came from stops
@@ -132,7 +132,14 @@ def _root_grad(t: torch.Tensor) -> RootGrad:
     return RootGrad.NEW_LEAF if t.grad_fn is None else RootGrad.HISTORY
 
 
-def _view_flags(o: torch.Tensor) -> dict[str, bool]:
+class _ViewFlags(TypedDict, total=False):
+    view_without_grad: bool
+    multi_output_view: bool
+    stale_view: bool
+    new_leaf: bool
+
+
+def _view_flags(o: torch.Tensor) -> _ViewFlags:
     if o._base is None:
         return {}
     try:
@@ -159,7 +166,9 @@ def classify_outputs(outs: list[object], leaves: list[object]) -> OutputAnalysis
     distinct = [leaf_of_id[k] for k in dict.fromkeys(leaf_of_id)]
     input_storage: dict[StorageWeakRef, list[UserArg]] = {}
     for a in distinct:
-        input_storage.setdefault(StorageWeakRef(leaves[a].untyped_storage()), []).append(a)  # type: ignore[union-attr]
+        leaf = leaves[a]
+        assert isinstance(leaf, torch.Tensor)
+        input_storage.setdefault(StorageWeakRef(leaf.untyped_storage()), []).append(a)
     primaries = _internal_primaries(outs, leaf_of_id, input_storage)
 
     result = OutputAnalysis(infos=[], bases=[], roots=[])
@@ -344,7 +353,7 @@ def _detached(o: torch.Tensor, root: torch.Tensor, k: int) -> OutputInfo:
             f"an output is a {o.dtype} view of a detached {root.dtype} tensor (`.detach()` then "
             "`.view(dtype)`); aotc cannot regenerate it. Return a .clone() of it instead."
         )
-    flags = _view_flags(o) if o is not root else {}
+    flags = _view_flags(o) if o is not root else _ViewFlags()
     geometry = _geometry(o, root) if o is not root else None
     return OutputInfo(
         OutputKind.DETACHED,
@@ -388,7 +397,8 @@ def _alias_of_input(
 
 def _graph_nodes(grad_fn: Any) -> Iterator[Any]:
     """The autograd nodes reachable from `grad_fn`, breadth-first, at most _MAX_WALK of them."""
-    queue, visited = deque([grad_fn]), set()
+    queue: deque[Any] = deque([grad_fn])
+    visited: set[Any] = set()
     while queue and len(visited) < _MAX_WALK:
         node = queue.popleft()
         if node is None or id(node) in visited:
@@ -453,7 +463,7 @@ def _view_source(o: torch.Tensor, candidates: list[UserArg], leaves: list[object
     return candidates[0]
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
+def _span(t: torch.Tensor) -> tuple[Dim, Dim]:
     lo = hi = t.storage_offset()
     for size, stride in zip(t.shape, t.stride()):
         if size == 0:

@@ -26,7 +26,6 @@ from aotc.lifting import StateCreated
 from aotc.options import Capture
 from aotc.pipeline import CompiledRecord
 from aotc.runtime.artifact import (
-    KERNEL_DIR,
     ArtifactError,
     ArtifactKind,
     CompiledArtifact,
@@ -34,9 +33,7 @@ from aotc.runtime.artifact import (
     write_artifact,
 )
 from aotc.runtime.guards import signature_key
-from aotc.runtime.kernels import CompiledGraph
 from aotc.runtime.stateguard import Compare, Retry, StateGuard
-from aotc.runtime.steps import GraphProgram, graph_program
 from aotc.runtime.symbolic import coarse_key
 
 
@@ -90,7 +87,7 @@ def export(
     record: CompiledRecord = entry.record  # type: ignore[assignment]
     symbolic_entry = dynamic and shape_guard is not None and "size() ==" not in shape_guard
     artifact_dynamic = dynamic
-    programs, kernels = _lowerings(record, cf, name, dynamic)
+    kernels = _kernel_files(record, name, dynamic, cf._options.backend.value)
     device = _device_kind(leaves)
     state_names = tuple(gen.names)
     flags: tuple[tuple[str, bool], ...] = ()
@@ -100,11 +97,7 @@ def export(
     artifact = CompiledArtifact(
         name=name,
         kind=ArtifactKind.MODULE if is_module else ArtifactKind.FUNCTION,
-        plan=entry.plan,
-        forward=record.forward,
-        backward=record.backward,
-        forward_kernels=programs[0],
-        backward_kernels=programs[1],
+        program=record.program,
         in_spec=in_spec,
         num_user_leaves=num_user,
         state_names=state_names,
@@ -162,42 +155,32 @@ def _state_checks(
 # the call's signature. summary.txt lists everything else that was baked in.
 
 
-def _lowerings(
-    record: CompiledRecord, cf: CompiledFunction, name: str, dynamic: bool
-) -> tuple[tuple[GraphProgram | None, GraphProgram | None], dict[str, str]]:
-    """The Triton lowerings of the entry's graphs as step programs, and the kernel files. The
-    graphs are lowered again here (lowering is a pure function of the graph, as on a cache hit,
-    see aotc/persist.py `regenerate_kernels`)."""
-    options = cf._options
-    if options.backend == "aten" or not record.kernels and options.backend != "triton":
-        return (None, None), {}
-    from aotc.passes.select import select_backend
-
-    out: list[GraphProgram | None] = []
+def _kernel_files(record: CompiledRecord, name: str, dynamic: bool, backend: str) -> dict[str, str]:
+    """The kernel files of the entry's `CompiledProgram` (the same record the disk cache
+    stores, Note [One compiled program] in runtime/artifact.py): file -> source."""
+    program = record.program
+    lowered = record.lowered
+    incomplete = (lowered[0] and program.forward_kernels is None) or (
+        lowered[1] and program.backward_kernels is None
+    )
+    symbolic = dynamic and any(
+        low and module is not None and _has_symbols(module)
+        for low, module in zip(lowered, (program.forward, program.backward))
+    )
+    if incomplete or symbolic:
+        raise ArtifactError(
+            f"cannot export {name} with dynamic=True and backend='{backend}': its Triton kernels "
+            "have symbolic sizes, which artifacts do not store yet. Export with backend='aten', "
+            "or with dynamic=False."
+        )
+    sources = {k.key: k.source for k in record.kernels}  # a file is named by its kernel's key
     files: dict[str, str] = {}
-    for module in (record.forward, record.backward):
-        compiled: CompiledGraph | None = None
-        if module is not None:
-            compiled = select_backend(module, options.backend, options.triton_interpret)
-        if compiled is None:
-            out.append(None)
-            continue
-        if compiled.symbols or dynamic and _has_symbols(module):
-            raise ArtifactError(
-                f"cannot export {name} with dynamic=True and backend='{options.backend.value}': its "
-                "Triton kernels have symbolic sizes, which artifacts do not store yet. Export "
-                "with backend='aten', or with dynamic=False."
-            )
-        names = {}
-        for i, k in enumerate(compiled.kernels):
-            names[k.key] = f"{KERNEL_DIR}/{len(files) + i:02d}_{k.name}_{k.key}.py"
-        for k in compiled.kernels:
-            files[names[k.key]] = k.source
-        try:
-            out.append(graph_program(compiled, names))
-        except ValueError as e:
-            raise ArtifactError(f"cannot export {name}'s Triton lowering: {e}") from e
-    return (out[0], out[1]), files
+    for gp in (program.forward_kernels, program.backward_kernels):
+        for step in gp.steps if gp is not None else ():
+            if step.kernel is not None and step.kernel_file is not None:
+                key = step.kernel_file.removesuffix(".py").rsplit("_", 1)[-1]
+                files[step.kernel_file] = sources[key]
+    return files
 
 
 def _has_symbols(module: Any) -> bool:

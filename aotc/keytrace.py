@@ -147,7 +147,7 @@ def trace_text(
     graph_args = apply_convention(convention, leaves)
     constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
     if tracer == "meta":
-        tensors = [_MetaKeyTensor.of(t) for t in graph_args]
+        tensors: list[torch.Tensor] = [_MetaKeyTensor.of(t) for t in graph_args]
         recorder: _Recorder = _MetaRecorder(tensors)
         # transform_state: a failed run of a torch.func transform leaves no state behind.
         with transform_state(), recorder, torch.set_grad_enabled(grad_enabled):
@@ -361,7 +361,9 @@ class _MetaKeyTensor(torch.Tensor):
     Only _MetaRecorder runs ops on it; storage pointers are refused (Note [Meta key trace])."""
 
     meta: torch.Tensor
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # torch's stubs type Tensor.__torch_function__ as a 4-argument classmethod; this is the
+    # documented way to disable it on a subclass.
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
     def __new__(cls, meta: torch.Tensor, device: torch.device) -> _MetaKeyTensor:  # noqa: PYI034
@@ -388,20 +390,21 @@ class _MetaKeyTensor(torch.Tensor):
         )
         storage = torch.empty(extent, dtype=t.dtype, device="meta")
         out = cls(storage.as_strided(t.shape, t.stride(), t.storage_offset()), t.device)
-        return out.requires_grad_(t.requires_grad)
+        out.requires_grad_(t.requires_grad)
+        return out
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         raise Unkeyable(f"{func} ran on a key-trace tensor outside the key trace")
 
-    def untyped_storage(self) -> Any:  # type: ignore[override]
+    def untyped_storage(self) -> Any:
         raise Unkeyable("the program reads a tensor's storage")
 
-    def data_ptr(self) -> int:  # type: ignore[override]
+    def data_ptr(self) -> int:
         raise Unkeyable("the program reads a tensor's data pointer")
 
-    storage = untyped_storage  # type: ignore[assignment]
-    _typed_storage = untyped_storage  # type: ignore[assignment]
+    storage = untyped_storage
+    _typed_storage = untyped_storage
 
 
 class _MetaRecorder(_Recorder):

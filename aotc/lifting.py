@@ -35,6 +35,7 @@ import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -76,11 +77,11 @@ def _key_id(key: object) -> object:
 class ItemSlot(Slot):
     __slots__ = ("container", "key")
 
-    def __init__(self, container: dict | list, key: object) -> None:  # type: ignore[type-arg]
+    def __init__(self, container: dict[Any, Any] | list[Any], key: Any) -> None:
         self.container, self.key = container, key
 
     def read(self) -> object:
-        return self.container[self.key]  # type: ignore[index]
+        return self.container[self.key]
 
     def where(self) -> tuple[object, ...]:
         return ("item", id(self.container), _key_id(self.key))
@@ -89,7 +90,7 @@ class ItemSlot(Slot):
         return functools.partial(operator.getitem, self.container, self.key)
 
     def write(self, value: object) -> None:
-        self.container[self.key] = value  # type: ignore[index]
+        self.container[self.key] = value
 
 
 class CellSlot(Slot):
@@ -116,7 +117,7 @@ class KeySlot(Slot):
 
     __slots__ = ("container", "current")
 
-    def __init__(self, container: dict, key: object) -> None:  # type: ignore[type-arg]
+    def __init__(self, container: dict[Any, Any], key: Any) -> None:
         self.container, self.current = container, key
 
     def read(self) -> object:
@@ -141,7 +142,9 @@ class ScalarSlot(Slot):
 
     __slots__ = ("container", "key", "dtype", "device", "_value", "_tensor")
 
-    def __init__(self, container: dict, key: str, dtype: torch.dtype, device: torch.device) -> None:  # type: ignore[type-arg]
+    def __init__(
+        self, container: dict[Any, Any], key: str, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.container, self.key, self.dtype, self.device = container, key, dtype, device
         self._value: object = None
         self._tensor: torch.Tensor | None = None
@@ -152,7 +155,7 @@ class ScalarSlot(Slot):
             return value  # the fake during a trace, or a tensor learning rate of the user's
         if value is not self._value:
             if not (type(value) is type(self._value) and value == self._value):
-                self._tensor = torch.tensor(float(value), dtype=self.dtype, device=self.device)  # type: ignore[arg-type]
+                self._tensor = torch.tensor(float(value), dtype=self.dtype, device=self.device)
             self._value = value
         return self._tensor
 
@@ -247,7 +250,7 @@ class Lifted:
     them (checked after each trace for entries the program added)."""
 
     accesses: tuple[Access, ...]
-    containers: tuple[dict, ...]  # type: ignore[type-arg]
+    containers: tuple[dict[Any, Any], ...]
     optimizers: tuple[
         torch.optim.Optimizer, ...
     ] = ()  # see Note [Optimizers take the capturable path]
@@ -264,7 +267,7 @@ class Lifted:
 @dataclass
 class _Walk:
     accesses: list[Access] = field(default_factory=list)
-    containers: list[dict] = field(default_factory=list)  # type: ignore[type-arg]
+    containers: list[dict[Any, Any]] = field(default_factory=list)
     seen: set[int] = field(default_factory=set)
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     # Lift `.grad` of leaves requiring grad: a fake tensor swapped in has no .grad, so code
@@ -431,7 +434,7 @@ def _visit_learning_rates(opt: torch.optim.Optimizer, name: str, walk: _Walk) ->
         walk.accesses.append(Access(f"{name}.param_groups[{i}]['lr']", slot))
 
 
-def _takes_foreach(group: dict, params: list[torch.Tensor]) -> bool:  # type: ignore[type-arg]
+def _takes_foreach(group: dict[Any, Any], params: list[torch.Tensor]) -> bool:
     """Whether the optimizer's step will take its foreach path for this group (as torch.optim
     decides it when `foreach` is None)."""
     foreach = group.get("foreach")
@@ -500,7 +503,7 @@ def _visit_module(module: torch.nn.Module, prefix: str, walk: _Walk) -> None:
         for store in (mod._parameters, mod._buffers):
             for name in list(store):
                 if store[name] is not None:
-                    _add_tensor(store[name], f"{where}.{name}", ItemSlot(store, name), walk)  # type: ignore[arg-type]
+                    _add_tensor(store[name], f"{where}.{name}", ItemSlot(store, name), walk)
         for name, value in list(vars(mod).items()):
             if isinstance(value, torch.Tensor) and not name.startswith("__"):
                 _add_tensor(value, f"{where}.{name}", ItemSlot(vars(mod), name), walk)
@@ -559,7 +562,7 @@ def _swapped(lifted: Lifted, values: Sequence[object]) -> Iterator[None]:
     accesses = lifted.accesses
     old = [a.slot.peek() for a in accesses]
     written = 0
-    snapshot: list[tuple[dict, set[int]]] = []  # type: ignore[type-arg]
+    snapshot: list[tuple[dict[Any, Any], set[int]]] = []
     try:
         for a, v in zip(accesses, values, strict=True):
             a.write(v)
@@ -577,10 +580,10 @@ def _swapped(lifted: Lifted, values: Sequence[object]) -> Iterator[None]:
                 a.write(v)
 
 
-def _container_snapshot(lifted: Lifted) -> list[tuple[dict, set[int]]]:  # type: ignore[type-arg]
+def _container_snapshot(lifted: Lifted) -> list[tuple[dict[Any, Any], set[int]]]:
     """Key identities of every walked dict, taken after the swap (keys may be fakes then)."""
-    seen: dict[int, tuple[dict, set[int]]] = {}  # type: ignore[type-arg]
-    candidates = list(lifted.containers)
+    seen: dict[int, tuple[dict[Any, Any], set[int]]] = {}
+    candidates: list[object] = list(lifted.containers)
     candidates += [
         getattr(s, "container", None) for a in lifted.accesses for s in (a.slot, *a.aliases)
     ]
@@ -593,7 +596,7 @@ def _container_snapshot(lifted: Lifted) -> list[tuple[dict, set[int]]]:  # type:
 def _check_unchanged(
     accesses: Sequence[Access],
     values: Sequence[object],
-    containers: list[tuple[dict, set[int]]],  # type: ignore[type-arg]
+    containers: list[tuple[dict[Any, Any], set[int]]],
 ) -> None:
     for a, v in zip(accesses, values):
         for name, slot in ((a.name, a.slot), *zip(a.alias_names, a.aliases)):

@@ -260,7 +260,7 @@ def _check_same_program(
 
 def _mutation_of(w: torch.Tensor, arg_names: list[str], g: int) -> MutationKind:
     """Mutation kind of one functional graph arg."""
-    data = torch._functionalize_has_data_mutation(w)
+    data = torch._functionalize_has_data_mutation(w)  # type: ignore[attr-defined]  # no stub
     metadata = torch._functionalize_has_metadata_mutation(w)
     if torch._functionalize_was_storage_changed(w):
         name = arg_names[g] if g < len(arg_names) else f"graph argument {g}"

@@ -1,18 +1,22 @@
 """The compile driver: the one place to read the data flow for one input signature.
 
+`_compile_signature` is a flat list of stages run by `aotc.stages.StageRunner` (timed, linted,
+recorded; the names are `aotc.stages.Stage` values, as in `stage_seconds`):
+
 program, leaves, CompileOptions
-  │ aotc.persist.cache_key, load_entry  → a stored entry       (hit: regenerate_kernels, then
-  │                                                              straight to the callable)
-  │ runtime.convention.plan_convention  → CallingConvention    (dedupe)
-  │ aotc.metadata.collect_metadata      → MetadataResult       (mutations, aliases)
-  │   (aliased inputs with a mutation: plan synthetic bases, collect again)
-  │ aotc.tracer.trace_joint             → JointGraph           (functional ATen)
-  │ passes.cleanup.cleanup              → JointGraph           (DCE, CSE, no-op views)
-  │ passes.partition.partition          → PartitionResult      (min-cut; training only)
-  │ runtime.epilogue.plan_epilogue      → EpiloguePlan
-  │ passes.select.select_backend        → CompiledGraph | None (Triton kernels, or ATen)
-  ▼ runtime.wrappers.CompiledEntry      → the callable for this signature
-  (aotc.persist.store_entry writes the records for the next process)
+  │ cache_key   aotc.persist.find              → CacheKey, a verified entry or None
+  │ cache_load  aotc.persist.decode_hit        → CacheHit (hit: its lowerings, then assemble)
+  │ metadata    plan_convention, collect_metadata → CallingConvention, MetadataResult
+  │ trace       aotc.tracer.trace_joint        → JointGraph (functional ATen)
+  │ cleanup     passes.cleanup.cleanup         → JointGraph (DCE, CSE, no-op views; training)
+  │ partition   passes.partition.partition     → PartitionResult (min-cut; training)
+  │ epilogue    _runtime_plan                  → RuntimePlan (epilogue, autograd plan)
+  │ decompose, lower, fuse, generate           → CompiledGraph | None per graph (Triton)
+  │ assemble    runtime.artifact.assemble      → CompiledEntry with its CompiledRecord
+  ▼ cache_store aotc.persist.store_verified    → the CacheEntry for the next process
+
+A cold compile and a cache hit produce the same records (`CompiledProgram`, `Inspection`) and
+share `_assemble` (Note [One compiled program] in runtime/artifact.py).
 """
 
 from __future__ import annotations
@@ -25,32 +29,42 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import TreeSpec
 
 from aotc import persist
+from aotc.cachekey import CacheKey
 from aotc.functional import FlatProgram, compiling, refused_by_functorch, transform_state
 from aotc.higher_order import DifferentiableBackward, random_device, watched_args
 from aotc.metadata import MetadataResult, collect_metadata
 from aotc.options import CompileOptions, full_tracebacks
 from aotc.passes.cleanup import cleanup
+from aotc.passes.decompose import decompose
 from aotc.passes.descriptors import GradOutput, TangentInput
+from aotc.passes.fusion import plan_fusion
 from aotc.passes.ir import JointGraph, StageGraph, primal_names
-from aotc.passes.lint import lint_graph
+from aotc.passes.kernelize import generate_graph
+from aotc.passes.lowering import lower, view_output_positions
 from aotc.passes.partition import PartitionResult, partition
 from aotc.passes.recompute import executor_for
-from aotc.passes.select import select_backend
+from aotc.passes.select import triton_target
+from aotc.persist import Inspection
+from aotc.runtime.artifact import KERNEL_DIR, CompiledProgram, assemble
 from aotc.runtime.autograd import AutogradPlan
-from aotc.runtime.cache import DeferredField
 from aotc.runtime.convention import alias_groups, apply_convention, plan_convention
 from aotc.runtime.epilogue import EpiloguePlan, plan_epilogue
 from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.kernels import CompiledGraph, KernelSource
 from aotc.runtime.launch import make_callable
+from aotc.runtime.lazy import Deferred
 from aotc.runtime.schema import CallingConvention, FwdOut, GraphArg, MutationAliasInfo, UserArg
+from aotc.runtime.steps import GraphProgram, graph_program
 from aotc.runtime.wrappers import CompiledEntry, RuntimePlan
+from aotc.stages import Stage, StageRunner
 from aotc.structured import trace_failure, trace_record
 from aotc.symkey import ShapeFacts, is_symbolic
 from aotc.tracer import trace_joint
@@ -58,24 +72,16 @@ from aotc.tracer import trace_joint
 
 @dataclass(frozen=True)
 class CompiledRecord:
-    """What `aotc.inspect` shows for one compiled signature."""
+    """What `aotc.inspect` shows for one compiled signature: its `CompiledProgram` (what runs),
+    the compiler's `Inspection` record (decoded on first read on a cache hit), and how the
+    compile went."""
 
     name: str
     signature: str  # readable input signature (the guard)
-    training: bool
-    convention: CallingConvention
-    meta: MutationAliasInfo
-    # Deferred on a cache hit (see runtime.cache.Deferred): only inspection reads them.
-    joint: fx.GraphModule = DeferredField()  # type: ignore[assignment]
-    forward: fx.GraphModule
-    backward: fx.GraphModule | None
-    partition: PartitionResult | None
-    epilogue: EpiloguePlan
-    joint_graph: JointGraph = DeferredField()  # type: ignore[assignment]
-    # the joint graph after cleanup, as the partition saw it
-    partitioned_joint: JointGraph = DeferredField()  # type: ignore[assignment]
     source: str  # where the user function is defined, "file:line"
     guards: str  # what the compiled entry is specialized on, readable
+    program: CompiledProgram
+    inspection: Deferred[Inspection]
     stage_seconds: dict[str, float] = field(default_factory=dict)
     kernels: tuple[KernelSource, ...] = ()  # generated Triton kernels, forward then backward
     fusion_text: str = ""  # the fusion plans of the forward and backward graphs
@@ -84,6 +90,49 @@ class CompiledRecord:
     # A cache hit: the stage times of the compile that stored the entry (stage_seconds then
     # holds the hit's own key and load times). Empty for a cold compile.
     cold_stage_seconds: dict[str, float] = field(default_factory=dict)
+    # Whether the forward and backward graphs run as Triton lowerings.
+    lowered: tuple[bool, bool] = (False, False)
+
+    @property
+    def training(self) -> bool:
+        return self.program.backward is not None
+
+    @property
+    def convention(self) -> CallingConvention:
+        return self.program.plan.convention
+
+    @property
+    def epilogue(self) -> EpiloguePlan:
+        return self.program.plan.epilogue
+
+    @property
+    def forward(self) -> fx.GraphModule:
+        return self.program.forward
+
+    @property
+    def backward(self) -> fx.GraphModule | None:
+        return self.program.backward
+
+    @property
+    def meta(self) -> MutationAliasInfo:
+        return self.inspection.get().meta
+
+    @property
+    def partition(self) -> PartitionResult | None:
+        return self.inspection.get().partition
+
+    @property
+    def joint_graph(self) -> JointGraph:
+        return self.inspection.get().joint_graph
+
+    @property
+    def partitioned_joint(self) -> JointGraph:
+        """The joint graph after cleanup, as the partition saw it."""
+        return self.inspection.get().partitioned_joint
+
+    @property
+    def joint(self) -> fx.GraphModule:
+        return self.joint_graph.module
 
     @property
     def compile_seconds(self) -> float:
@@ -287,40 +336,105 @@ def _compile_signature(
     source: str,
     given_mode: FakeTensorMode | None,
 ) -> CompiledEntry:
-    times: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(stage: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        times[stage] = times.get(stage, 0.0) + now - clock
-        clock = now
-
+    stages = StageRunner(options.check_invariants)
     grad_enabled = torch.is_grad_enabled()
-    key: str | None = None
+    key: CacheKey | None = None
     facts, cacheable = _cache_facts(given_mode, leaves, options)
+    snapshot = facts.snapshot() if facts is not None else None
     if cacheable:
-        snapshot = facts.snapshot() if facts is not None else None
-        cache_key, cached = persist.lookup(
-            program, leaves, names, options, grad_enabled, lap, facts
+        key, stored = stages.run(
+            Stage.CACHE_KEY, persist.find, program, leaves, names, options, grad_enabled, facts
         )
-        key = cache_key.key
-        if cached is not None and (facts is None or facts.replay(cached["shape_guards"])):
-            compiled = persist.regenerate_kernels(cached, options)
-            if any(cached["lowered"]):
-                lap("kernels")
-            entry = _entry_from_cache(cached, compiled, leaves, names, name, source, times, options)
-            lap("cache_load")
-            _log_record(entry.record, entry.record.forward, entry.record.backward)
-            if options.dump_dir:
-                dump_record(entry.record, options.dump_dir)
-            return entry
+        hit = stages.run(Stage.CACHE_LOAD, persist.decode_hit, stored, options) if stored else None
+        if hit is not None and (facts is None or facts.replay(hit.shape_guards)):
+            lowerings = _lower_both(stages, hit.program, options)
+            _check_kernels(hit, lowerings, name)
+            times = stages.seconds
+            cold = {k: v for k, v in hit.stage_seconds}
+            info = _Described(name, source, leaves, names, options)
+            return stages.run(
+                Stage.ASSEMBLE, _assemble, hit.program, lowerings, hit.inspection, info, times, cold
+            )
+        stages.merge(Stage.CACHE_LOAD, into=Stage.CACHE_KEY)  # a miss: reading was keying
     fake_mode = given_mode or FakeTensorMode(allow_non_fake_inputs=False)
-    convention = plan_convention(leaves, names=names)
     # A meta key is verified on the metadata pass's own fake run (Note [Verifying on the
-    # compile's own run] in aotc/keytrace.py).
-    # Only for real leaves: fakes (Dynamo's graphs) are verified by their own fake trace.
-    observed = persist.FakeRunObserver(leaves) if key is not None and given_mode is None else None
+    # compile's own run] in aotc/keytrace.py). Only for real leaves: fakes (Dynamo's graphs)
+    # are verified by their own fake trace.
+    verify = key is not None and key.key is not None and given_mode is None
+    observed = persist.FakeRunObserver(leaves) if verify else None
+    convention, metadata, fake_mode = stages.run(
+        Stage.METADATA, _metadata, program, observed, leaves, names, fake_mode, given_mode,
+        grad_enabled,
+    )  # fmt: skip
+    # Also under no_grad: outputs computed inside torch.enable_grad() require grad as in eager.
+    training = any(metadata.fwd_plan.needs_tangent)
+    joint = stages.run(
+        Stage.TRACE, trace_joint, program, leaves, convention, metadata, fake_mode, grad_enabled,
+        training,
+    )  # fmt: skip
+    cleaned, part = joint, None
+    if training:
+        cleaned = stages.run(Stage.CLEANUP, cleanup, joint)
+        executor = executor_for(options.backend, options.triton_interpret, _graph_device(joint))
+        part = stages.run(
+            Stage.PARTITION, partition, cleaned, _changed_args(metadata.meta, convention),
+            options.recompute, options.memory_budget, options.partitioner, executor,
+        )  # fmt: skip
+    plan = stages.run(
+        Stage.EPILOGUE, _runtime_plan, name, convention, metadata, joint, part, leaves, grad_enabled
+    )
+    fwd_module = part.forward.module if part is not None else joint.module
+    bwd_module = part.backward.module if part is not None else None
+    lowerings = (
+        _lower(stages, "forward", fwd_module, options),
+        _lower(stages, "backward", bwd_module, options) if bwd_module is not None else None,
+    )
+    compiled, storable = _program(plan, fwd_module, bwd_module, lowerings)
+    inspection = Inspection(training, metadata.meta, part, joint, cleaned)
+    info = _Described(name, source, leaves, names, options)
+    entry = stages.run(
+        Stage.ASSEMBLE, _assemble, compiled, lowerings, Deferred.of(inspection), info,
+        stages.seconds, {},
+    )  # fmt: skip
+    shape_guards = None
+    if key is not None and facts is not None and snapshot is not None:
+        # See Note [Symbolic cache entries]: stored only with the guards it added, and only as
+        # ATen graphs (a Triton lowering of symbolic graphs would need its node values).
+        shape_guards = facts.added_guards(snapshot)
+        if shape_guards is None or any(lowerings):
+            storable = False
+    if key is not None and key.key is not None and storable:
+        stored_entry = persist.CacheEntry(compiled, inspection, tuple(stages.seconds.items()))
+        stages.run(
+            Stage.CACHE_STORE, persist.store_verified, key, program, leaves, names, options,
+            grad_enabled, stored_entry, _kernel_texts(lowerings), observed, shape_guards,
+        )  # fmt: skip
+    return entry
+
+
+@dataclass(frozen=True, slots=True)
+class _Described:
+    """Who a compiled signature is: the user function's name and line, its leaves' names."""
+
+    name: str
+    source: str
+    leaves: list[object]
+    names: list[str]
+    options: CompileOptions
+
+
+def _metadata(
+    program: FlatProgram,
+    observed: persist.FakeRunObserver | None,
+    leaves: list[object],
+    names: list[str],
+    fake_mode: FakeTensorMode,
+    given_mode: FakeTensorMode | None,
+    grad_enabled: bool,
+) -> tuple[CallingConvention, MetadataResult, FakeTensorMode]:
+    """The calling convention and mutation/alias metadata; aliased inputs of which one is
+    mutated get synthetic bases, and the metadata is collected again for them."""
+    convention = plan_convention(leaves, names=names)
     observed_program = observed.observe(program) if observed is not None else program
     metadata = collect_metadata(
         observed_program, leaves, convention, fake_mode, grad_enabled, names
@@ -331,35 +445,22 @@ def _compile_signature(
         convention = plan_convention(leaves, groups, names)
         fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
         metadata = collect_metadata(program, leaves, convention, fake_mode, grad_enabled, names)
-    lap("metadata")
+    return convention, metadata, fake_mode
 
-    # Also under no_grad: outputs computed inside torch.enable_grad() require grad as in eager.
-    training = any(metadata.fwd_plan.needs_tangent)
-    joint = trace_joint(program, leaves, convention, metadata, fake_mode, grad_enabled, training)
-    lap("trace")
-    if options.check_invariants:
-        lint_graph(joint, "trace")
 
-    part: PartitionResult | None = None
-    cleaned = joint
+def _runtime_plan(
+    name: str,
+    convention: CallingConvention,
+    metadata: MetadataResult,
+    joint: JointGraph,
+    part: PartitionResult | None,
+    leaves: list[object],
+    grad_enabled: bool,
+) -> RuntimePlan:
+    """The epilogue, and for training the autograd plan: what runs around the graphs."""
     autograd_plan: AutogradPlan | None = None
     detach: tuple[GraphArg, ...] = ()
-    if training:
-        mutated = _changed_args(metadata.meta, convention)
-        cleaned = cleanup(joint)
-        executor = executor_for(options.backend, options.triton_interpret, _graph_device(joint))
-        part = partition(
-            cleaned,
-            mutated,
-            options.recompute,
-            options.memory_budget,
-            options.partitioner,
-            executor,
-        )
-        lap("partition")
-        if options.check_invariants:
-            lint_graph(part.forward, "forward")
-            lint_graph(part.backward, "backward")
+    if part is not None:
         grad_args = tuple(d.arg for d in part.backward.outputs if isinstance(d, GradOutput))
         diff_outs = tuple(
             FwdOut(k) for k, needs in enumerate(metadata.fwd_plan.needs_tangent) if needs
@@ -382,81 +483,154 @@ def _compile_signature(
             rng_device=random_device(part.forward.module, metadata.fwd_plan.num_outputs),
         )
         detach = _statically_no_grad(joint, leaves, convention)
-    epilogue = plan_epilogue(metadata.meta, metadata.fwd_plan, convention)
-    plan = RuntimePlan(
+    return RuntimePlan(
         name=name,
         convention=convention,
-        epilogue=epilogue,
+        epilogue=plan_epilogue(metadata.meta, metadata.fwd_plan, convention),
         autograd=autograd_plan,
         detach_args=detach,
-        out_spec=metadata.out_spec,  # type: ignore[arg-type]
-        enable_grad=training and not grad_enabled,
+        # The user program's output structure: a TreeSpec (pytree.tree_flatten's), typed
+        # `object` by FlatProgram.
+        out_spec=cast(TreeSpec, metadata.out_spec),
+        enable_grad=part is not None and not grad_enabled,
         refuse_saved_hooks=metadata.refuses_saved_hooks,
     )
-    fwd_module = part.forward.module if part is not None else joint.module
-    bwd_module = part.backward.module if part is not None else None
-    fwd_compiled = select_backend(fwd_module, options.backend, options.triton_interpret)
-    bwd_compiled = (
-        select_backend(bwd_module, options.backend, options.triton_interpret)
-        if bwd_module
-        else None
-    )
-    lap("kernels")
-    entry = CompiledEntry(
-        plan,
-        fwd_compiled.callable if fwd_compiled else make_callable(fwd_module),
-        (bwd_compiled.callable if bwd_compiled else make_callable(bwd_module))
-        if bwd_module
+
+
+Lowerings = tuple[CompiledGraph | None, CompiledGraph | None]
+
+
+def _lower(
+    stages: StageRunner,
+    label: str,
+    module: fx.GraphModule,
+    options: CompileOptions,
+    decomposed: fx.GraphModule | None = None,
+) -> CompiledGraph | None:
+    """The Triton lowering of one stage graph, as four stages (decompose, lower, fuse,
+    generate); None: the graph runs as ATen calls (backend "aten", "auto" off CUDA, no Triton,
+    or any failure of the lowering, logged: the ATen graph is always a correct fallback).
+    `decomposed`: the graph's decomposition from a cache entry (skips decompose)."""
+    target = triton_target(module, options.backend)
+    if target is None:
+        return None
+    try:
+        if decomposed is None:
+            decomposed = stages.labeled(Stage.DECOMPOSE, label, decompose, module)
+        ir = stages.labeled(Stage.LOWER, label, lower, decomposed, view_output_positions(module))
+        plan = stages.labeled(Stage.FUSE, label, plan_fusion, ir)
+        return stages.labeled(
+            Stage.GENERATE, label, generate_graph, plan, decomposed, target.interpret
+        )
+    except Exception as e:  # noqa: BLE001 - the ATen graph is always a correct fallback
+        logging.getLogger("aotc.kernels").warning(
+            "Triton lowering failed (%s: %s); running this graph as ATen calls",
+            type(e).__name__,
+            e,
+        )
+        return None
+
+
+def _lower_both(
+    stages: StageRunner, program: CompiledProgram, options: CompileOptions
+) -> Lowerings:
+    """A cache hit's lowerings, generated again from the stored decomposed graphs (the stored
+    kernel sources are never compiled: a cache directory cannot run code)."""
+    fwd = program.forward_kernels
+    bwd = program.backward_kernels
+    return (
+        _lower(stages, "forward", program.forward, options, fwd.decomposed) if fwd else None,
+        _lower(stages, "backward", program.backward, options, bwd.decomposed)
+        if bwd is not None and program.backward is not None
         else None,
-        higher=_differentiable_backward(
-            lambda: (fwd_module, bwd_module), plan, names, options, name
+    )
+
+
+def _check_kernels(hit: persist.CacheHit, lowerings: Lowerings, name: str) -> None:
+    """Generation is a pure function of the graph: kernels that differ from the stored ones are
+    a bug in it (logged; the regenerated kernels run)."""
+    made = _kernel_texts(lowerings)
+    if made != hit.kernels:
+        logging.getLogger("aotc.cache").warning(
+            "cache hit for %s: the regenerated Triton kernels differ from the stored "
+            "ones (%d vs %d kernels); running the regenerated ones",
+            name,
+            len(made),
+            len(hit.kernels),
+        )
+
+
+def _kernel_texts(lowerings: Lowerings) -> tuple[persist.KernelText, ...]:
+    return tuple(persist.KernelText(k.name, k.source) for c in lowerings if c for k in c.kernels)
+
+
+def _program(
+    plan: RuntimePlan,
+    forward: fx.GraphModule,
+    backward: fx.GraphModule | None,
+    lowerings: Lowerings,
+) -> tuple[CompiledProgram, bool]:
+    """The compiled program as data, and whether it describes the lowerings completely (a
+    lowering with symbolic sizes has no plain form yet: such a program is neither stored nor
+    exported; see Note [One compiled program] in runtime/artifact.py)."""
+    programs: list[GraphProgram | None] = []
+    complete = True
+    files: dict[str, str] = {}
+    for compiled in lowerings:
+        if compiled is None:
+            programs.append(None)
+            continue
+        for k in compiled.kernels:
+            files.setdefault(k.key, f"{KERNEL_DIR}/{len(files):02d}_{k.name}_{k.key}.py")
+        try:
+            programs.append(graph_program(compiled, files))
+        except ValueError:
+            programs.append(None)
+            complete = False
+    return CompiledProgram(plan, forward, backward, programs[0], programs[1]), complete
+
+
+def _assemble(
+    program: CompiledProgram,
+    lowerings: Lowerings,
+    inspection: Deferred[Inspection],
+    info: _Described,
+    times: dict[str, float],
+    cold_times: dict[str, float],
+) -> CompiledEntry:
+    """The one assembly of a compiled signature, for a cold compile and a cache hit alike."""
+    fwd, bwd = lowerings
+    # A hit's program carries the name of the compile that stored it.
+    program = dataclasses.replace(program, plan=dataclasses.replace(program.plan, name=info.name))
+    record = CompiledRecord(
+        name=info.name,
+        signature=describe_signature(info.leaves, info.names),
+        source=info.source,
+        guards=_GUARDS,
+        program=program,
+        inspection=inspection,
+        stage_seconds=times,
+        input_names=tuple(info.names),
+        cold_stage_seconds=cold_times,
+        lowered=(fwd is not None, bwd is not None),
+        kernels=tuple(k for c in lowerings if c for k in c.kernels),
+        fusion_text="".join(
+            f"# {label} graph\n{c.fusion_text}"
+            for label, c in (("forward", fwd), ("backward", bwd))
+            if c
         ),
     )
-    lap("assemble")
-    entry.record = CompiledRecord(
-        name=name,
-        signature=describe_signature(leaves, names),
-        training=training,
-        convention=convention,
-        meta=metadata.meta,
-        joint=joint.module,
-        forward=fwd_module,
-        backward=bwd_module,
-        partition=part,
-        epilogue=epilogue,
-        joint_graph=joint,
-        partitioned_joint=cleaned,
-        source=source,
-        guards=_GUARDS,
-        stage_seconds=times,
-        input_names=tuple(names),
-        **_kernel_fields(fwd_compiled, bwd_compiled),
+    higher = _differentiable_backward(
+        lambda: (program.forward, program.backward),
+        program.plan,
+        info.names,
+        info.options,
+        info.name,
     )
-    shape_guards = None
-    if key is not None and facts is not None:
-        # See Note [Symbolic cache entries]: stored only with the guards it added, and only as
-        # ATen graphs (a Triton lowering of symbolic graphs would need its node values).
-        shape_guards = facts.added_guards(snapshot)  # type: ignore[arg-type]
-        if shape_guards is None or fwd_compiled is not None or bwd_compiled is not None:
-            key = None
-    if key is not None:
-        persist.store_verified(
-            cache_key,
-            program,
-            leaves,
-            names,
-            options,
-            grad_enabled,
-            _record_fields(entry.record),
-            plan,
-            (fwd_compiled, bwd_compiled),
-            observed,
-            shape_guards,
-        )
-        lap("cache_key")  # the check of a meta key: part of the cold compile's cost
-    _log_record(entry.record, fwd_module, bwd_module)
-    if options.dump_dir:
-        dump_record(entry.record, options.dump_dir)
+    entry = assemble(program, lowerings, record, higher)
+    _log_record(record, program.forward, program.backward)
+    if info.options.dump_dir:
+        dump_record(record, info.options.dump_dir)
     return entry
 
 
@@ -483,60 +657,6 @@ def _cache_facts(
     if given_mode.shape_env is None:
         return None, False
     return ShapeFacts.of(given_mode.shape_env, leaves), True
-
-
-def _record_fields(record: CompiledRecord) -> dict[str, object]:
-    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
-
-
-def _kernel_fields(fwd: CompiledGraph | None, bwd: CompiledGraph | None) -> dict[str, object]:
-    return {
-        "kernels": tuple(k for c in (fwd, bwd) if c for k in c.kernels),
-        "fusion_text": "".join(
-            f"# {label} graph\n{c.fusion_text}"
-            for label, c in (("forward", fwd), ("backward", bwd))
-            if c
-        ),
-    }
-
-
-def _entry_from_cache(
-    cached: dict[str, object],
-    compiled: tuple[CompiledGraph | None, CompiledGraph | None],
-    leaves: list[object],
-    names: list[str],
-    name: str,
-    source: str,
-    times: dict[str, float],
-    options: CompileOptions,
-) -> CompiledEntry:
-    """A compiled entry from a cache hit (see Note [Cache key] in aotc/persist.py)."""
-    plan = dataclasses.replace(cached["plan"], name=name)  # type: ignore[type-var]
-    fields = dict(cached["record"])  # type: ignore[call-overload]
-    fwd, bwd = compiled
-    fields.update(
-        name=name,
-        source=source,
-        signature=describe_signature(leaves, names),
-        stage_seconds=times,
-        input_names=tuple(names),
-        # See CompiledRecord.cold_stage_seconds: the stored record's times are the cold compile's.
-        cold_stage_seconds=dict(fields.get("cold_stage_seconds") or fields["stage_seconds"]),
-        **_kernel_fields(fwd, bwd),
-    )
-    record = CompiledRecord(**fields)
-    entry = CompiledEntry(
-        plan,
-        fwd.callable if fwd else make_callable(record.forward),
-        (bwd.callable if bwd else make_callable(record.backward))
-        if record.backward is not None
-        else None,
-        higher=_differentiable_backward(
-            lambda: (record.forward, record.backward), plan, names, options, name
-        ),
-    )
-    entry.record = record
-    return entry
 
 
 def _differentiable_backward(
@@ -580,7 +700,7 @@ def _log_record(record: CompiledRecord, fwd: fx.GraphModule, bwd: fx.GraphModule
                     "%s %s: runs as ATen calls\n%s",
                     record.name,
                     label,
-                    make_callable(module).__aotc_source__,
+                    getattr(make_callable(module), "__aotc_source__", ""),
                 )
 
 
@@ -649,9 +769,13 @@ def _statically_no_grad(
     rg_args = [
         g
         for g, src in enumerate(convention.graph_sources)
-        if src is None or (isinstance(leaves[src], torch.Tensor) and leaves[src].requires_grad)
+        if src is None or _requires_grad(leaves[src])
     ]
     return () if len(out) == len(rg_args) else tuple(out)
+
+
+def _requires_grad(leaf: object) -> bool:
+    return isinstance(leaf, torch.Tensor) and leaf.requires_grad
 
 
 _GUARDS = (

@@ -54,7 +54,7 @@ from aotc.passes.loop_ir import (
     Op,
     is_static,
 )
-from aotc.passes.lowering import Computed
+from aotc.passes.lowering_ir import Computed
 from aotc.runtime.kernels import KernelSource
 
 # Heuristic: rows up to this many elements are reduced in registers in one pass (as in common

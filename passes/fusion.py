@@ -52,7 +52,7 @@ from aotc.passes.loop_ir import (
     unflatten,
     with_mask,
 )
-from aotc.passes.lowering import Computed, Extern, Item, LoweredGraph, _itemsize, _prod
+from aotc.passes.lowering_ir import Computed, Extern, Item, LoweredGraph, _itemsize, _prod
 
 XINDEX = index_symbol("xindex")
 RINDEX = index_symbol("rindex")

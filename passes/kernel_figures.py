@@ -31,7 +31,8 @@ from torch import fx
 
 from aotc.passes.fusion import FusionPlan, GroupKind
 from aotc.passes.loop_ir import is_static
-from aotc.passes.lowering import Computed, Extern, is_view_node
+from aotc.passes.lowering import is_view_node
+from aotc.passes.lowering_ir import Computed, Extern
 from aotc.runtime.kernels import KernelFigures
 
 aten = torch.ops.aten

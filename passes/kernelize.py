@@ -26,7 +26,8 @@ from aotc.passes.decompose import decompose
 from aotc.passes.fusion import FusionPlan, GroupKind, plan_fusion
 from aotc.passes.kernel_figures import kernel_figures
 from aotc.passes.loop_ir import is_static, static_or_expr
-from aotc.passes.lowering import Computed, Extern, _non_overlapping, lower, view_output_positions
+from aotc.passes.lowering import _non_overlapping, lower, view_output_positions
+from aotc.passes.lowering_ir import Computed, Extern
 from aotc.runtime.kernels import (
     AtenStep,
     BufferSpec,
@@ -57,9 +58,18 @@ def graph_device(module: fx.GraphModule) -> torch.device | None:
 def lower_graph(
     module: fx.GraphModule, interpret: bool, decomposed: fx.GraphModule | None = None
 ) -> CompiledGraph:
-    """`decomposed`: `decompose(module)` from an earlier compile (a disk-cache hit)."""
+    """`decomposed`: `decompose(module)` from an earlier compile (a disk-cache hit). The four
+    steps (decompose, lower, fuse, generate) are also the compile driver's stages
+    (aotc/pipeline.py runs them one by one, timed)."""
     decomposed = decompose(module) if decomposed is None else decomposed
     plan = plan_fusion(lower(decomposed, view_output_positions(module)))
+    return generate_graph(plan, decomposed, interpret)
+
+
+def generate_graph(plan: FusionPlan, decomposed: fx.GraphModule, interpret: bool) -> CompiledGraph:
+    """The runnable lowering of `decomposed` under fusion plan `plan`: one Triton kernel per
+    kernel group (a group whose kernel cannot be generated runs its nodes as ATen calls), ATen
+    steps for the rest, and the buffer plan."""
     device = str(graph_device(decomposed) or "cpu")
     symbols = plan.lowered.symbols
     sources = (

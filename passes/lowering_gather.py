@@ -32,16 +32,9 @@ from aotc.passes.loop_ir import (
     data_symbol,
     with_mask,
 )
-from aotc.passes.lowering import (
-    Unsupported,
-    _broadcast_fn,
-    _cost,
-    _Lowering,
-    _shape,
-    _val,
-    _Value,
-    register,
-)
+from aotc.passes.lowering import _Lowering, _shape, _val, _Value, register
+from aotc.passes.lowering_ir import Unsupported
+from aotc.passes.lowering_ops import _broadcast_fn, _cost
 
 aten = torch.ops.aten
 

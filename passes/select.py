@@ -15,6 +15,7 @@ per group (see passes.kernelize).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from torch import fx
 
@@ -23,14 +24,18 @@ from aotc.runtime.kernels import CompiledGraph
 log = logging.getLogger("aotc.kernels")
 
 
-def select_backend(
-    module: fx.GraphModule, backend: str, interpret: bool, decomposed: fx.GraphModule | None = None
-) -> CompiledGraph | None:
-    """`interpret`: CompileOptions.triton_interpret (part of the cache key; the interpreter is
-    picked per kernel by its device). `decomposed`: the decomposed graph of `module` from a disk-cache entry (skips decompose)."""
+@dataclass(frozen=True, slots=True)
+class TritonTarget:
+    """A graph goes to Triton: its kernels run in the interpreter (CPU tensors) or compiled."""
+
+    interpret: bool
+
+
+def triton_target(module: fx.GraphModule, backend: str) -> TritonTarget | None:
+    """Whether `module` is lowered to Triton under `backend` (None: it runs as ATen calls)."""
     if backend == "aten":
         return None
-    from aotc.passes.kernelize import graph_device, lower_graph
+    from aotc.passes.kernelize import graph_device
 
     device = graph_device(module)
     on_cuda = device is not None and device.type == "cuda"
@@ -41,8 +46,21 @@ def select_backend(
     except ImportError:
         log.warning("backend=%r: triton is not installed; running ATen calls instead", backend)
         return None
+    return TritonTarget(interpret=not on_cuda)
+
+
+def select_backend(
+    module: fx.GraphModule, backend: str, interpret: bool, decomposed: fx.GraphModule | None = None
+) -> CompiledGraph | None:
+    """`interpret`: CompileOptions.triton_interpret (part of the cache key; the interpreter is
+    picked per kernel by its device). `decomposed`: the decomposed graph of `module` from a disk-cache entry (skips decompose)."""
+    target = triton_target(module, backend)
+    if target is None:
+        return None
+    from aotc.passes.kernelize import lower_graph
+
     try:
-        return lower_graph(module, interpret=not on_cuda, decomposed=decomposed)
+        return lower_graph(module, interpret=target.interpret, decomposed=decomposed)
     except Exception as e:  # noqa: BLE001 - the ATen graph is always a correct fallback
         log.warning(
             "Triton lowering failed (%s: %s); running this graph as ATen calls", type(e).__name__, e

@@ -63,17 +63,18 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
-from aotc.runtime import cache as codec
-from aotc.runtime import records
+from aotc.runtime import codec, fxcodec, lazy, records
+from aotc.runtime.autograd import HigherOrder
 from aotc.runtime.errors import AotcError, GuardError
 from aotc.runtime.guards import signature_check, signature_key
+from aotc.runtime.kernels import CompiledGraph
 from aotc.runtime.launch import make_callable
 from aotc.runtime.steps import GraphProgram
 from aotc.runtime.symbolic import coarse_key, make_guard
 from aotc.runtime.wrappers import CompiledEntry, RuntimePlan, describe_change
 
 FORMAT = "aotc-artifact"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the program is a `CompiledProgram` record (shared with the cache)
 MANIFEST = "manifest.json"
 PROGRAM = "program.json"
 SUMMARY = "summary.txt"
@@ -91,17 +92,61 @@ class ArtifactKind(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class CompiledProgram:
+    """What runs one compiled signature, as data: the record the compile driver produces, the
+    disk cache stores and an exported artifact holds (see Note [One compiled program]).
+    `assemble` builds the callable from it."""
+
+    plan: RuntimePlan
+    forward: fx.GraphModule
+    backward: fx.GraphModule | None  # None: an inference program
+    # The Triton lowerings of forward and backward (None: the graph runs as ATen calls). Kernel
+    # sources are not part of the record: each kernel step names its file (`kernel_file`).
+    forward_kernels: GraphProgram | None
+    backward_kernels: GraphProgram | None
+
+    @property
+    def lowered(self) -> tuple[bool, bool]:
+        return self.forward_kernels is not None, self.backward_kernels is not None
+
+
+# Note [One compiled program]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A compiled signature exists in three places: the entry a cold compile builds, a disk-cache
+# entry, and an exported artifact. All three hold the same `CompiledProgram` record, written and
+# read with the one codec (runtime/codec.py), and all three become a callable through `assemble`.
+# They differ only in where the Triton lowerings (`CompiledGraph`s) come from: a cold compile
+# lowers its graphs; a cache hit lowers them again from the stored decomposed graphs (a cache
+# directory never supplies code, see Note [Cache entry format] in runtime/cache.py); `load`
+# builds them from the artifact's kernel files (`build_compiled_graph`). An artifact adds to the
+# program how a caller binds to it (argument structure, module state, guard).
+
+
+def assemble(
+    program: CompiledProgram,
+    lowerings: tuple[CompiledGraph | None, CompiledGraph | None] = (None, None),
+    record: object = None,
+    higher: HigherOrder | None = None,
+) -> CompiledEntry:
+    """The callable of `program`. `lowerings`: the forward and backward graphs' Triton lowerings
+    (None: that graph runs as ATen calls); `record`: what `aotc.inspect` shows for it;
+    `higher`: its differentiable backward, built by the compiler (None: a loaded artifact, whose
+    create_graph=True backward raises; see runtime/autograd.py)."""
+    fwd, bwd = lowerings
+    forward = fwd.callable if fwd is not None else make_callable(program.forward)
+    backward = None
+    if program.backward is not None:
+        backward = bwd.callable if bwd is not None else make_callable(program.backward)
+    return CompiledEntry(program.plan, forward, backward, record, higher)
+
+
+@dataclass(frozen=True, slots=True)
 class CompiledArtifact:
-    """One compiled signature as data: what `load` rebuilds the callable from."""
+    """One exported signature: its `CompiledProgram` and how a caller binds to it."""
 
     name: str
     kind: ArtifactKind
-    plan: RuntimePlan
-    forward: fx.GraphModule
-    backward: fx.GraphModule | None  # None: an inference artifact
-    # The Triton lowerings of forward and backward (None: the graph runs as ATen calls).
-    forward_kernels: GraphProgram | None
-    backward_kernels: GraphProgram | None
+    program: CompiledProgram
     in_spec: pytree.TreeSpec  # the structure of (args, kwargs)
     num_user_leaves: int
     state_names: tuple[str, ...]  # lifted tensors, read from the bound module ("self.lin.weight")
@@ -117,8 +162,20 @@ class CompiledArtifact:
     # device, and plain attributes of the bound module ("self.drop.p" -> 0.1), by type and value
     state_checks: tuple[tuple[str, object], ...] = ()
 
+    @property
+    def forward(self) -> fx.GraphModule:
+        return self.program.forward
 
-records.register_records(ArtifactKind, CompiledArtifact)
+    @property
+    def backward(self) -> fx.GraphModule | None:
+        return self.program.backward
+
+    @property
+    def forward_kernels(self) -> GraphProgram | None:
+        return self.program.forward_kernels
+
+
+records.register_records(ArtifactKind, CompiledProgram, CompiledArtifact)
 
 
 # --------------------------------------------------------------------------- writing
@@ -296,8 +353,8 @@ def read_artifact(path: str) -> tuple[CompiledArtifact, dict[str, str]]:
     with open(os.path.join(path, PROGRAM), "rb") as f:
         body = json.loads(f.read())
     try:
-        graphs = codec.GraphTable(
-            codec._list(body.get("graphs")), lambda i, g: codec.decode_graph(g)
+        graphs = lazy.GraphTable(
+            codec._list(body.get("graphs")), lambda i, g: fxcodec.decode_graph(g)
         )
         artifact = codec.decode(body.get("artifact"), graphs)
     except (AotcError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
@@ -321,14 +378,12 @@ def load(path: str | os.PathLike[str], module: torch.nn.Module | None = None) ->
     return LoadedArtifact(artifact, kernels, module, os.fspath(path))
 
 
-def _graph_callable(
-    module: fx.GraphModule, program: GraphProgram | None, kernels: dict[str, str]
-) -> Callable[..., tuple[Any, ...]]:
+def _lowering(program: GraphProgram | None, kernels: dict[str, str]) -> CompiledGraph | None:
     if program is None:
-        return make_callable(module)
+        return None
     from aotc.runtime.steps import build_compiled_graph
 
-    return build_compiled_graph(program, kernels).callable
+    return build_compiled_graph(program, kernels)
 
 
 class LoadedArtifact:
@@ -369,13 +424,12 @@ class LoadedArtifact:
             self._modules = tuple(named[name] for name, _ in artifact.training_flags)
         self._module = module
         self._state = _state_checker(artifact.state_checks, module, path)
-        self.entry = CompiledEntry(
-            artifact.plan,
-            _graph_callable(artifact.forward, artifact.forward_kernels, kernels),
-            _graph_callable(artifact.backward, artifact.backward_kernels, kernels)
-            if artifact.backward is not None
-            else None,
+        program = artifact.program
+        lowerings = (
+            _lowering(program.forward_kernels, kernels),
+            _lowering(program.backward_kernels, kernels),
         )
+        self.entry = assemble(program, lowerings)
         self._call = self.entry.call
         n = artifact.num_user_leaves
         plain = pytree.tree_flatten((tuple(range(n)), {}))[1] == artifact.in_spec

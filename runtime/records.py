@@ -10,7 +10,7 @@ graphs, partition reports) for the cache's inspection fields.
 from __future__ import annotations
 
 from aotc.runtime import autograd, epilogue, kernels, schema, steps, symsizes, wrappers
-from aotc.runtime.cache import register_records
+from aotc.runtime.codec import register_records
 
 RUNTIME_RECORDS: tuple[type, ...] = (
     schema.MutationKind,

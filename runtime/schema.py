@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import NewType
+from typing import NewType, TypeAlias
 
 import torch
 
@@ -78,13 +78,19 @@ class RootSource(enum.Enum):
     VALUE = "value"  # a forward output of the graph (FwdOut)
 
 
+# A size, stride or offset: an int, or a SymInt in a symbolic compilation's records (the cache
+# and exported artifacts store only static ones: a SymInt has no plain encoding).
+Dim: TypeAlias = int | torch.SymInt
+
+
 @dataclass(frozen=True, slots=True)
 class Geometry:
-    """Size, stride and storage offset of a view, relative to its base's storage offset."""
+    """Size, stride and storage offset of a view, relative to its base's storage offset. Under
+    dynamic shapes (a symbolic compilation) the values are SymInts: see `Dim`."""
 
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int  # element offset from the base tensor's own storage offset
+    size: tuple[Dim, ...]
+    stride: tuple[Dim, ...]
+    offset: Dim  # element offset from the base tensor's own storage offset
 
 
 @dataclass(frozen=True, slots=True)
