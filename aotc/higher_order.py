@@ -126,14 +126,14 @@ class DifferentiableBackward:
             )
         assert self._dispatch is not None
         if rng is None:
-            return tuple(self._dispatch([*args, *grads], None))  # type: ignore[call-overload]
+            return cast(tuple[torch.Tensor, ...], self._dispatch([*args, *grads], None))
         # Replay the call's random draws, and leave the generator as it was (eager's double
         # backward draws nothing).
         device = self._plan.rng_device
         now = _get_rng(device)
         _set_rng(device, rng)
         try:
-            return tuple(self._dispatch([*args, *grads], None))  # type: ignore[call-overload]
+            return cast(tuple[torch.Tensor, ...], self._dispatch([*args, *grads], None))
         finally:
             _set_rng(device, now)
 
