@@ -97,6 +97,10 @@ class MetadataResult:
     # How the joint trace reaches each intermediate base and each HISTORY root's value.
     base_refs: tuple[ValueRef, ...] = ()  # len == fwd_plan.num_intermediate_bases
     root_value_refs: tuple[ValueRef, ...] = ()  # len == fwd_plan.num_root_values
+    # Graph args whose version counter a value eager's autograd saved shares (the arg itself, a
+    # view or a detached alias of it), unchanged since it was saved. See Note [Inputs changed
+    # after the call] in runtime/autograd.py.
+    saved_args: tuple[GraphArg, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +193,7 @@ def collect_metadata(
         refused = _backward_refusals(
             saved, overlaps.refused_nodes, plain_values, fwd_plan.needs_tangent
         )
+        saved_args = saved.sharing_version(plain)  # last: it moves the args' versions
     _check_detached_sources(roots, specs, plain_values)
     meta = MutationAliasInfo(
         inputs=inputs,
@@ -200,7 +205,7 @@ def collect_metadata(
     )
     root_values = tuple(r.value for r in analysis.roots if r.grad is RootGrad.HISTORY)
     return MetadataResult(
-        meta, fwd_plan, specs, out_spec, refused, tuple(analysis.bases), root_values
+        meta, fwd_plan, specs, out_spec, refused, tuple(analysis.bases), root_values, saved_args
     )
 
 

@@ -354,6 +354,7 @@ def _compile_signature(
                 for a in apply_convention(convention, leaves)
             )
             and not any(c.requires_grad for c in metadata.meta.leaf_changes),
+            watch=metadata.saved_args,
         )
         detach = _statically_no_grad(joint, leaves, convention)
     epilogue = plan_epilogue(metadata.meta, metadata.fwd_plan, convention)

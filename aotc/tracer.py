@@ -26,6 +26,8 @@ updated value into the user's tensor, which gives it the same autograd history e
 
 from __future__ import annotations
 
+import contextlib
+from contextlib import AbstractContextManager
 from typing import cast
 
 import torch
@@ -99,7 +101,11 @@ def trace_joint(
         primals = [to_functional(p) for p in flat[:num_primals]]
         tangents = [to_functional(t) for t in flat[num_primals:]]
         with functionalization():
-            with torch.set_grad_enabled(grad_enabled), OverlappingWrites():
+            with (
+                torch.set_grad_enabled(grad_enabled),
+                OverlappingWrites(),
+                _saved_geometry(metadata),
+            ):
                 fwd = run_program(primals)
             grads: list[object] = [None] * num_primals
             if training:
@@ -144,6 +150,28 @@ def trace_joint(
     outputs += tuple(GradOutput(GraphArg(g)) for g in range(num_primals)) if training else ()
     _flatten_output(module, _view_bases(meta, plan))
     return JointGraph(module=module, inputs=inputs, outputs=outputs)
+
+
+# Note [Saved values changed in place]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# When the program changes a value autograd saved (`y = x.tanh(); y.transpose_(0, 1)`), eager's
+# backward refuses (the metadata pass found which outputs: `MetadataResult.refused`, and the entry
+# raises eager's error when a gradient reaches one of them). The joint trace still differentiates
+# those outputs, and autograd there hands the backward formula the saved object itself: after a
+# metadata change in place (`transpose_`, `as_strided_`, ...) it has the new shape and the
+# formula fails to trace. So only when some backward is refused, each value is saved as an alias
+# taken when it was saved, which keeps the geometry it had then (the computed gradients are never
+# handed out: the entry refuses them first).
+
+
+def _saved_geometry(metadata: MetadataResult) -> AbstractContextManager[object]:
+    if not metadata.refused:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(torch.ops.aten.alias.default, _same)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _view_bases(meta: MutationAliasInfo, plan: FwdOutputPlan) -> dict[int, list[int]]:

@@ -46,6 +46,9 @@ class AutogradPlan:
     # Apply takes one more argument, a shared leaf that requires grad, so that the outputs
     # require grad although no graph arg does (they depend on leaves made inside the call).
     anchor: bool = False
+    # Graph args whose version the backward checks as eager's saved values would: see Note
+    # [Inputs changed after the call].
+    watch: tuple[GraphArg, ...] = ()
 
 
 # One leaf requiring grad that anchored calls pass to autograd (Note [Grad anchor]). The backward
@@ -71,7 +74,8 @@ def make_autograd_function(
     grad_enabled = torch.is_grad_enabled
     anchored = plan.anchor
     # See Note [None gradients]: which grads arrived decides which gradients exist.
-    track = plan.grad_deps is not None or bool(plan.refused)
+    track = plan.grad_deps is not None or bool(plan.refused) or bool(plan.watch)
+    watch = plan.watch
 
     def forward(ctx, holder: list, *args: torch.Tensor):  # type: ignore[no-untyped-def]
         outs = fwd(*args[:n_args]) if anchored else fwd(*args)
@@ -83,6 +87,8 @@ def make_autograd_function(
         else:
             ctx.save_for_backward(*outs[n_out:n_tensors])
         holder.extend(outs[:n_out])
+        if watch:
+            ctx.aotc_watch = [(t, t._version) for t in map(args.__getitem__, watch)]
         if track:
             ctx.set_materialize_grads(False)
             ctx.aotc_like = [(outs[k].shape, outs[k].dtype, outs[k].device) for k in diff]
@@ -112,6 +118,8 @@ def make_autograd_function(
         if not track:
             return place(run_backward(ctx, grads))
         present = [g is not None for g in grads]
+        if watch:
+            _check_watched(ctx.aotc_watch)
         for pos, reason in refused:
             if present[pos]:
                 raise UnsupportedError(
@@ -138,6 +146,42 @@ def make_autograd_function(
 
 
 _is_contiguous = torch.Tensor.is_contiguous
+
+
+# Note [Inputs changed after the call]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# `y = torch.maximum(x, w)` saves x and w for the backward; if the caller then changes x in place
+# (`x.add_(1)` under no_grad, or through a view or a detached alias), eager's backward through y
+# raises "modified by an inplace operation". The compiled backward saves what its partition
+# chose (here a mask), not x, so nothing would notice. The metadata pass finds the graph args
+# whose version counter a value eager saved shares (`SavedValues.sharing_version`: the values
+# already stale at the end of the call are Note [Backward eager would refuse]); the forward keeps
+# each with its version (`ctx.aotc_watch`), the entry sets those versions again after its
+# epilogue (an epilogue that writes an input moves the version, as eager's in-place op did
+# before it saved the value), and the backward raises eager's error when one moved. The check
+# covers every differentiable output of the call together: a backward from an output whose path
+# does not reach the changed value is refused too (eager runs it).
+
+
+def _check_watched(watched: list[tuple[torch.Tensor, int]]) -> None:
+    for t, version in watched:
+        if t._version != version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been {STALE}: "
+                f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
+                f"{version} instead (changed after the aotc-compiled call that saved it)."
+            )
+
+
+def refresh_watched(diff: tuple[torch.Tensor, ...]) -> None:
+    """After the epilogue: the versions the backward expects are those at the end of the call
+    (Note [Inputs changed after the call])."""
+    for d in diff:
+        node = d.grad_fn
+        watched = getattr(node, "aotc_watch", None)
+        if watched is not None:
+            node.aotc_watch = [(t, t._version) for t, _ in watched]
+            return
 
 
 def _picker(diff: tuple[int, ...], n_out: int) -> Callable[[tuple[torch.Tensor, ...]], tuple]:
@@ -238,6 +282,24 @@ class SavedValues:
 
     def any_stale(self) -> bool:
         return any(t._version != version for t, version in self._saved)
+
+    def sharing_version(self, args: list[torch.Tensor]) -> tuple[GraphArg, ...]:
+        """The args whose version counter some saved value, still current, shares: found by
+        moving each arg's counter and seeing which saved values move with it (views and
+        detached aliases share it; nothing else tells that apart on fake tensors). Moves the
+        args' versions: call it last."""
+        current = [(t, version) for t, version in self._saved if t._version == version]
+        found = []
+        for g, a in enumerate(args):
+            if not current:
+                break
+            before = [t._version for t, _ in current]
+            torch.autograd.graph.increment_version(a)
+            moved = [t._version != b for (t, _), b in zip(current, before)]
+            if any(moved):
+                found.append(GraphArg(g))
+                current = [c for c, m in zip(current, moved) if not m]
+        return tuple(found)
 
 
 def autograd_nodes(roots: Iterable[object]) -> Iterator[Any]:

@@ -114,6 +114,32 @@ class EpiloguePlan:
         return "\n".join(lines)
 
 
+# Note [Writes eager does not count]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Most in-place ops bump the version of what they write, and the metadata pass counts eager's
+# bumps per input (`LeafChange.version_bumps`). A few kernels write an argument without a bump:
+# batch norm in training mode updates its running statistics in place and leaves their
+# `_version` alone. The epilogue's copy-back bumps every input it writes, so each written input
+# gets its version set to eager's (its version before the call plus eager's count, possibly 0)
+# after the copy. It matters beyond `_version` itself: eager's batch norm saved the running
+# statistics for its backward, and a second call before that backward must not make the first
+# one's backward refuse (Note [Inputs changed after the call] in runtime/autograd.py).
+
+
+def _versions(
+    meta: MutationAliasInfo, graph_of: dict[UserArg, int]
+) -> tuple[tuple[UserArg, int], ...]:
+    versions = {c.leaf: c.version_bumps for c in meta.leaf_changes if c.version_bumps}
+    written = {g for g, info in enumerate(meta.inputs) if info.mutation.has_data}
+    seen_graph: set[int] = set()
+    for leaf, g in graph_of.items():
+        if g in written and leaf not in versions and g not in seen_graph:
+            bumps = next((c.version_bumps for c in meta.leaf_changes if c.leaf == leaf), 0)
+            versions[leaf] = bumps
+        seen_graph.add(g)
+    return tuple(versions.items())
+
+
 def plan_epilogue(
     meta: MutationAliasInfo, fwd_plan: FwdOutputPlan, convention: CallingConvention
 ) -> EpiloguePlan:
@@ -188,7 +214,7 @@ def plan_epilogue(
         mutations=tuple(mutations),
         outputs=tuple(steps),
         order=order,
-        versions=tuple((c.leaf, c.version_bumps) for c in meta.leaf_changes if c.version_bumps),
+        versions=_versions(meta, graph_of),
         roots=meta.roots,
         new_leaves=tuple(new_leaves),
         make_require_grad=tuple(c.leaf for c in meta.leaf_changes if c.requires_grad),

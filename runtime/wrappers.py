@@ -21,7 +21,12 @@ from typing import Any, cast
 import torch
 import torch.utils._pytree as pytree
 
-from aotc.runtime.autograd import GRAD_ANCHOR, AutogradPlan, make_autograd_function
+from aotc.runtime.autograd import (
+    GRAD_ANCHOR,
+    AutogradPlan,
+    make_autograd_function,
+    refresh_watched,
+)
 from aotc.runtime.convention import apply_convention
 from aotc.runtime.epilogue import (
     EpiloguePlan,
@@ -71,6 +76,7 @@ class CompiledEntry:
         "run",
         "_fwd",
         "_fn",
+        "_watch",
         "_apply",
         "_detach",
         "_diff",
@@ -107,6 +113,7 @@ class CompiledEntry:
         epilogue = plan.epilogue
         self._mutates = bool(epilogue.mutations or epilogue.versions or epilogue.make_require_grad)
         self._anchor = plan.autograd is not None and plan.autograd.anchor
+        self._watch = plan.autograd is not None and bool(plan.autograd.watch)
         self._enable_grad = plan.enable_grad
         self._unflatten = _unflattener(plan.out_spec)
         self.call: Callable[[list[object]], object]
@@ -156,6 +163,8 @@ class CompiledEntry:
             early = stale_input_views(plan.epilogue, leaves)
             graph_args = apply_convention(plan.convention, leaves)
             apply_mutations(plan.epilogue, leaves, graph_args, fwd_outs)
+            if self._watch:
+                refresh_watched(diff)
         return self._unflatten(build_outputs(plan.epilogue, leaves, fwd_outs, early))
 
 
