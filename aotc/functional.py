@@ -444,9 +444,12 @@ class OverlappingWrites(TorchFunctionMode):
                 return _keep_strides(func, name, args, kwargs)
             return func(*args, **kwargs)
         if not self.rewrite:
-            result = func(*args, **kwargs)
             root = target._base if target._base is not None else target
-            if root.grad_fn is not None:
+            before = root.grad_fn
+            result = func(*args, **kwargs)
+            # Only a write autograd recorded (a new node: not under no_grad) has the backward
+            # eager refuses.
+            if root.grad_fn is not None and root.grad_fn is not before:
                 self.refused_nodes.add(id(root.grad_fn))
             return result
         self.count += 1

@@ -52,7 +52,7 @@ from aotc.runtime.schema import CallingConvention, FwdOut, GraphArg, MutationAli
 from aotc.runtime.wrappers import CompiledEntry, RuntimePlan
 from aotc.structured import trace_failure, trace_record
 from aotc.symkey import ShapeFacts, is_symbolic
-from aotc.tracer import trace_joint
+from aotc.tracer import fresh_views, trace_joint
 
 
 @dataclass(frozen=True)
@@ -357,7 +357,9 @@ def _compile_signature(
             watch=metadata.saved_args,
         )
         detach = _statically_no_grad(joint, leaves, convention)
-    epilogue = plan_epilogue(metadata.meta, metadata.fwd_plan, convention)
+    epilogue = plan_epilogue(
+        metadata.meta, metadata.fwd_plan, convention, fresh_views(joint.module)
+    )
     plan = RuntimePlan(
         name=name,
         convention=convention,

@@ -148,7 +148,7 @@ def trace_joint(
     inputs += tuple(TangentInput(k) for k in tangent_outs) if training else ()
     outputs: tuple[OutputDesc, ...] = tuple(FwdOutput(FwdOut(k)) for k in range(plan.num_outputs))
     outputs += tuple(GradOutput(GraphArg(g)) for g in range(num_primals)) if training else ()
-    _flatten_output(module, _view_bases(meta, plan))
+    _flatten_output(module, _view_bases(meta, plan), _detached_fresh(meta, plan))
     return JointGraph(module=module, inputs=inputs, outputs=outputs)
 
 
@@ -197,7 +197,30 @@ def _view_bases(meta: MutationAliasInfo, plan: FwdOutputPlan) -> dict[int, list[
     return bases
 
 
-def _flatten_output(module: torch.fx.GraphModule, view_bases: dict[int, list[int]]) -> None:
+def _detached_fresh(meta: MutationAliasInfo, plan: FwdOutputPlan) -> set[int]:
+    """Fresh user outputs that need no gradient: the graph may return them as views (Note
+    [Forward outputs that are views])."""
+    return {
+        k
+        for k, j in enumerate(plan.user_outs)
+        if meta.outputs[j].kind is OutputKind.FRESH
+        and not meta.outputs[j].requires_grad
+        and not plan.needs_tangent[k]
+    }
+
+
+def fresh_views(module: torch.fx.GraphModule) -> frozenset[int]:
+    """The forward outputs that the flat graph returns as views (`_flatten_output` kept them):
+    the epilogue detaches them."""
+    out = next(n for n in reversed(module.graph.nodes) if n.op == "output")
+    return frozenset(
+        k for k, v in enumerate(out.args[0]) if isinstance(v, torch.fx.Node) and _is_view_node(v)
+    )
+
+
+def _flatten_output(
+    module: torch.fx.GraphModule, view_bases: dict[int, list[int]], detached: set[int]
+) -> None:
     """make_fx returns ((fwd...), (grads...)); the stages want one flat tuple of values.
 
     See Note [Forward outputs that are views].
@@ -211,6 +234,8 @@ def _flatten_output(module: torch.fx.GraphModule, view_bases: dict[int, list[int
         value = flat[k]
         if not (isinstance(value, torch.fx.Node) and _is_view_node(value)):
             continue
+        if not raws and k in detached and _is_static(value):
+            continue  # returned as the view: the epilogue detaches it
         with graph.inserting_before(out):
             if raws and _is_static(value) and all(_is_static(flat[r]) for r in raws):  # type: ignore[arg-type]
                 flat[k], moved = _fresh_copy(graph, value, [flat[r] for r in raws])  # type: ignore[misc]
@@ -238,6 +263,10 @@ def _flatten_output(module: torch.fx.GraphModule, view_bases: dict[int, list[int
 # fresh tensor with the same sizes and strides (`empty_strided` + `copy`), and the graph's own
 # views of it that the epilogue reads geometry from are re-taken off that copy with `as_strided`
 # at the same offsets relative to it. (With symbolic sizes it is a `clone`, as before.)
+# A fresh output that needs no gradient and has no such views is not returned through autograd
+# at all: it stays the graph's view (`a.neg().diagonal().detach()` keeps eager's strides and
+# storage: a copy would come back contiguous), and the epilogue detaches it (`OutputStep.detach`),
+# since eager's fresh outputs are never views.
 
 
 def _is_static(node: torch.fx.Node) -> bool:

@@ -82,6 +82,7 @@ class OutputStep:
     stale_view: bool = False  # eager's no_grad view whose base was written after: reading its
     # grad_fn raises; one version bump after it is made gives it the same state
     via_geometry: Geometry | None = None  # ALIAS_OF_INPUT: the no_grad view it was taken from
+    detach: bool = False  # FRESH: the graph returns a view; eager's output is none (detach it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +142,10 @@ def _versions(
 
 
 def plan_epilogue(
-    meta: MutationAliasInfo, fwd_plan: FwdOutputPlan, convention: CallingConvention
+    meta: MutationAliasInfo,
+    fwd_plan: FwdOutputPlan,
+    convention: CallingConvention,
+    fresh_views: frozenset[int] = frozenset(),
 ) -> EpiloguePlan:
     fwd_of_mut = {g: len(fwd_plan.user_outs) + k for k, g in enumerate(fwd_plan.mutated_args)}
     base0 = len(fwd_plan.user_outs) + len(fwd_plan.mutated_args)
@@ -205,6 +209,7 @@ def plan_epilogue(
                 new_leaf=out.new_leaf and out.kind is not OutputKind.FRESH,
                 stale_view=out.stale_view,
                 via_geometry=out.via_geometry,
+                detach=out.kind is OutputKind.FRESH and source in fresh_views,
             )
         )
     late = (OutputKind.ALIAS_OF_OUTPUT, OutputKind.IS_OUTPUT)
@@ -282,7 +287,8 @@ def build_outputs(
         s = plan.outputs[j]
         match s.kind:
             case OutputKind.FRESH:
-                result[j] = fwd_outs[s.source]  # type: ignore[index]
+                fresh = fwd_outs[s.source]  # type: ignore[index]
+                result[j] = fresh.detach() if s.detach else fresh
             case OutputKind.IS_INPUT:
                 result[j] = leaves[s.source]  # type: ignore[index]
             case OutputKind.ALIAS_OF_INPUT:

@@ -195,3 +195,77 @@ def test_metadata_change_of_a_saved_output(capture):
         _nothing,
         capture,
     )
+
+
+# ------------------------------------------- programs compared with eager by the fuzzer's check
+
+
+def _detached_views_of_an_intermediate(a):
+    v = a.neg()
+    return v.diagonal().detach(), v[1:, ::2].detach(), v.sum(), v.t().detach()
+
+
+def _views_under_no_grad(a):
+    with torch.no_grad():
+        v = a * 2
+        return v.diagonal(), v[1]
+
+
+def _zero_expanded_intermediate_under_no_grad(a):
+    v = a * 2
+    with torch.no_grad():
+        v.unsqueeze(1).expand(-1, 3, -1).zero_()
+    return v * 3, v
+
+
+def _masked_fill_expanded_under_no_grad(a, b):
+    v = a.sin()
+    with torch.no_grad():
+        v.expand(3, *v.shape).masked_fill_(b, 0.5)
+    return (v,)
+
+
+def _fill_expanded_with_grad(a):
+    v = a * 2
+    v.expand(2, *v.shape).fill_(1.0)  # eager's backward through v refuses
+    return (v,)
+
+
+PROGRAMS = {
+    "detached_views_of_an_intermediate": (
+        _detached_views_of_an_intermediate,
+        lambda: [torch.randn(4, 5, requires_grad=True)],
+        [2],
+    ),
+    "views_under_no_grad": (
+        _views_under_no_grad,
+        lambda: [torch.randn(4, 4, requires_grad=True)],
+        [],
+    ),
+    "zero_expanded_intermediate_under_no_grad": (
+        _zero_expanded_intermediate_under_no_grad,
+        lambda: [torch.randn(4, 5, requires_grad=True)],
+        [0],
+    ),
+    "masked_fill_expanded_under_no_grad": (
+        _masked_fill_expanded_under_no_grad,
+        lambda: [torch.randn(4, requires_grad=True), torch.rand(3, 4) > 0.5],
+        [0],
+    ),
+    "fill_expanded_with_grad": (
+        _fill_expanded_with_grad,
+        lambda: [torch.randn(4, requires_grad=True)],
+        [0],
+    ),
+}
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("mode", ["trace", "default", "triton"])
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_program_matches_eager(name, mode):
+    from tests.fuzz.compare import Verdict, check
+
+    f, make, backward = PROGRAMS[name]
+    outcome = check(f, make, backward=backward, write_outputs=True, mode=mode)
+    assert outcome.verdict is Verdict.MATCH, outcome.detail

@@ -85,10 +85,6 @@ CASES = {
 # (case, mode) pairs that differ today; every other pair must match eager.
 KNOWN = {
     ("size_after_transpose_of_a_view", "default"),
-    ("stride_of_detached_diagonal", "default"),
-    ("stride_of_detached_diagonal", "trace"),
-    ("fill_of_expanded_view_under_no_grad", "default"),
-    ("fill_of_expanded_view_under_no_grad", "trace"),
 }
 
 
