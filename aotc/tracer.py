@@ -237,7 +237,11 @@ def _flatten_output(
         if not raws and k in detached and _is_static(value):
             continue  # returned as the view: the epilogue detaches it
         with graph.inserting_before(out):
-            if raws and _is_static(value) and all(_is_static(flat[r]) for r in raws):  # type: ignore[arg-type]
+            if (
+                raws
+                and _is_static(value)
+                and all(_is_static(flat[r]) and _retakeable(value, flat[r]) for r in raws)  # type: ignore[arg-type]
+            ):
                 flat[k], moved = _fresh_copy(graph, value, [flat[r] for r in raws])  # type: ignore[misc]
                 for r, node in zip(raws, moved):
                     flat[r] = node
@@ -295,14 +299,36 @@ def _fresh_copy(
     moved = []
     for raw in raws:
         rv = raw.meta["val"]
-        offset = rv.storage_offset() - val.storage_offset()
+        source, source_val = copy, fresh
+        if rv.dtype != val.dtype:  # view_as_real, or a view(dtype) of the same item size
+            op = aten.view_as_real.default if val.is_complex() and not rv.is_complex() else None
+            source = graph.call_function(op or aten.view.dtype, (copy,) if op else (copy, rv.dtype))
+            with val.fake_mode:
+                source_val = (
+                    torch.view_as_real(fresh) if op else fresh.view(rv.dtype)  # type: ignore[assignment]
+                )
+            source.meta = {**raw.meta, "val": source_val}
+        ratio = val.element_size() // rv.element_size()
+        offset = rv.storage_offset() - val.storage_offset() * ratio
         node = graph.call_function(
-            aten.as_strided.default, (copy, list(rv.shape), list(rv.stride()), offset)
+            aten.as_strided.default, (source, list(rv.shape), list(rv.stride()), offset)
         )
         with val.fake_mode:
-            node.meta = {**raw.meta, "val": fresh.as_strided(rv.shape, rv.stride(), offset)}
+            node.meta = {**raw.meta, "val": source_val.as_strided(rv.shape, rv.stride(), offset)}
         moved.append(node)
     return copy, moved
+
+
+def _retakeable(value: torch.fx.Node, raw: torch.fx.Node) -> bool:
+    """Whether `_fresh_copy` can re-take `raw` off a copy of `value`: the same dtype, the real
+    view of a complex value, or a dtype of the same item size (else: a clone, as with symbolic
+    sizes)."""
+    val, rv = value.meta["val"], raw.meta["val"]
+    if rv.dtype == val.dtype:
+        return True
+    if val.is_complex() and not rv.is_complex():
+        return val.element_size() == 2 * rv.element_size()
+    return val.element_size() == rv.element_size()
 
 
 def _is_view_node(node: torch.fx.Node) -> bool:
