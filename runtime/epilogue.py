@@ -172,7 +172,12 @@ def plan_epilogue(
                 )
             )
     fwd_of_user = {j: k for k, j in enumerate(fwd_plan.user_outs)}
-    new_leaves = [fwd_of_user[UserOut(j)] for j, o in enumerate(meta.outputs) if o.new_leaf]
+    # (A view of an input made a leaf is regenerated from the input: its OutputStep.new_leaf.)
+    new_leaves = [
+        fwd_of_user[UserOut(j)]
+        for j, o in enumerate(meta.outputs)
+        if o.new_leaf and UserOut(j) in fwd_of_user
+    ]
     new_leaves += [base0 + b for b in meta.new_leaf_bases]
     steps = []
     for j, out in enumerate(meta.outputs):

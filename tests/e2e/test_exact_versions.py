@@ -231,7 +231,14 @@ def _fill_expanded_with_grad(a):
     return (v,)
 
 
+def _view_of_input_made_a_leaf(a0):  # fuzz campaign 2026-11-23, seed 31093
+    v0 = a0.view(-1)
+    v0.requires_grad_()
+    return (v0,)
+
+
 PROGRAMS = {
+    "view_of_input_made_a_leaf": (_view_of_input_made_a_leaf, lambda: [torch.randn(4, 1)], [0]),
     "detached_views_of_an_intermediate": (
         _detached_views_of_an_intermediate,
         lambda: [torch.randn(4, 5, requires_grad=True)],
