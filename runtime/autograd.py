@@ -74,7 +74,7 @@ def make_autograd_function(
     grad_enabled = torch.is_grad_enabled
     anchored = plan.anchor
     # See Note [None gradients]: which grads arrived decides which gradients exist.
-    track = plan.grad_deps is not None or bool(plan.refused) or bool(plan.watch)
+    track = plan.grad_deps is not None or bool(plan.refused)
     watch = plan.watch
 
     def forward(ctx, holder: list, *args: torch.Tensor):  # type: ignore[no-untyped-def]
@@ -88,7 +88,7 @@ def make_autograd_function(
             ctx.save_for_backward(*outs[n_out:n_tensors])
         holder.extend(outs[:n_out])
         if watch:
-            ctx.aotc_watch = [(t, t._version) for t in map(args.__getitem__, watch)]
+            ctx.aotc_watch = [_watched(args[g]) for g in watch]
         if track:
             ctx.set_materialize_grads(False)
             ctx.aotc_like = [(outs[k].shape, outs[k].dtype, outs[k].device) for k in diff]
@@ -115,11 +115,11 @@ def make_autograd_function(
         return bwd(*saved, *grads)
 
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[no-untyped-def]
+        if watch:
+            _check_watched(ctx.aotc_watch)
         if not track:
             return place(run_backward(ctx, grads))
         present = [g is not None for g in grads]
-        if watch:
-            _check_watched(ctx.aotc_watch)
         for pos, reason in refused:
             if present[pos]:
                 raise UnsupportedError(
@@ -156,19 +156,41 @@ _is_contiguous = torch.Tensor.is_contiguous
 # chose (here a mask), not x, so nothing would notice. The metadata pass finds the graph args
 # whose version counter a value eager saved shares (`SavedValues.sharing_version`: the values
 # already stale at the end of the call are Note [Backward eager would refuse]); the forward keeps
-# each with its version (`ctx.aotc_watch`), the entry sets those versions again after its
+# each with its version (`ctx.aotc_watch`; a non-leaf only as an empty alias sharing its version
+# counter, so no activation is kept alive), the entry sets those versions again after its
 # epilogue (an epilogue that writes an input moves the version, as eager's in-place op did
 # before it saved the value), and the backward raises eager's error when one moved. The check
 # covers every differentiable output of the call together: a backward from an output whose path
 # does not reach the changed value is refused too (eager runs it).
 
 
-def _check_watched(watched: list[tuple[torch.Tensor, int]]) -> None:
-    for t, version in watched:
+_Watched = tuple[torch.Tensor, int, torch.Size]  # the tensor (or its counter), version, shape
+
+
+def _watched(t: torch.Tensor) -> _Watched:
+    """A leaf (a parameter) is kept as is: its module keeps it alive anyway. Any other input is
+    kept as an empty alias that shares only its version counter, so that the node does not keep
+    an activation alive that the compiled backward does not need."""
+    if t.is_leaf:
+        return (t, t._version, t.shape)
+    counter = t.detach()
+    try:
+        with _preserve_version(counter):
+            counter.set_()
+    except Exception:  # noqa: BLE001 a subclass or functorch wrapper without set_: keep t
+        return (t, t._version, t.shape)
+    return (counter, t._version, t.shape)
+
+
+_preserve_version = torch.autograd._unsafe_preserve_version_counter
+
+
+def _check_watched(watched: list[_Watched]) -> None:
+    for t, version, shape in watched:
         if t._version != version:
             raise RuntimeError(
                 f"one of the variables needed for gradient computation has been {STALE}: "
-                f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
+                f"[{t.type()} {list(shape)}] is at version {t._version}; expected version "
                 f"{version} instead (changed after the aotc-compiled call that saved it)."
             )
 
@@ -180,7 +202,7 @@ def refresh_watched(diff: tuple[torch.Tensor, ...]) -> None:
         node = d.grad_fn
         watched = getattr(node, "aotc_watch", None)
         if watched is not None:
-            node.aotc_watch = [(t, t._version) for t, _ in watched]
+            node.aotc_watch = [(t, t._version, shape) for t, _, shape in watched]
             return
 
 

@@ -106,6 +106,11 @@ CHANGED_AFTER = {
         lambda: [torch.randn(4, 3), torch.randn(3, 3, requires_grad=True)],
         _add_under_no_grad(0),
     ),
+    "activation_input_changed": (
+        _maximum,
+        lambda: [torch.randn(3, requires_grad=True) * 1.5, torch.randn(3, requires_grad=True)],
+        _detached_write(0),
+    ),
     "not_saved_input_changed": (
         _sum_only,
         lambda: [torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)],
