@@ -269,6 +269,7 @@ def _internal_primaries(
         seen.add(id(root))
         returned = root is o or any(x is root for x in outs)
         rank = (0 if root.grad_fn is not None else 1) + (0 if returned else 2)
+        rank += 0 if _spans_storage(root) else 4  # the others are regenerated from it
         ref = ValueRef(UserOut(j), via_base=root is not o)
         if root is not o and returned:
             jr = next(k for k, x in enumerate(outs) if x is root)
@@ -489,6 +490,17 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
         lo += min(0, (size - 1) * stride)
         hi += max(0, (size - 1) * stride)
     return lo, hi
+
+
+def _spans_storage(t: torch.Tensor) -> bool:
+    """Whether `t` reaches every element of its storage (a `detach()`ed slice does not: a primary
+    that is one would be compiled as a copy of the slice, too small to regenerate the rest from).
+    Symbolic geometry counts as spanning."""
+    values = (t.storage_offset(), *t.shape, *t.stride(), t.untyped_storage().nbytes())
+    if any(isinstance(v, torch.SymInt) for v in values):
+        return True
+    lo, hi = _span(t)
+    return lo == 0 and (hi + 1) * t.element_size() >= t.untyped_storage().nbytes()
 
 
 def _holds(t: torch.Tensor, o: torch.Tensor) -> bool:

@@ -242,7 +242,19 @@ def _view_of_input_made_a_leaf(a0):  # fuzz campaign 2026-11-23, seed 31093
     return (v0,)
 
 
+def _detached_slice_and_view_of_an_intermediate(a0):  # fuzz campaign, seed 31295
+    v1 = a0.neg()
+    v2 = v1[0]
+    v3 = v2.detach().requires_grad_()
+    return (v3, v2)
+
+
 PROGRAMS = {
+    "detached_slice_and_view_of_an_intermediate": (
+        _detached_slice_and_view_of_an_intermediate,
+        lambda: [torch.randn(4, 1, requires_grad=True)],
+        [0, 1],
+    ),
     "view_of_input_made_a_leaf": (_view_of_input_made_a_leaf, lambda: [torch.randn(4, 1)], [0]),
     "detached_views_of_an_intermediate": (
         _detached_views_of_an_intermediate,
