@@ -304,9 +304,7 @@ def _fresh_copy(
             op = aten.view_as_real.default if val.is_complex() and not rv.is_complex() else None
             source = graph.call_function(op or aten.view.dtype, (copy,) if op else (copy, rv.dtype))
             with val.fake_mode:
-                source_val = (
-                    torch.view_as_real(fresh) if op else fresh.view(rv.dtype)  # type: ignore[assignment]
-                )
+                source_val = torch.view_as_real(fresh) if op else fresh.view(rv.dtype)
             source.meta = {**raw.meta, "val": source_val}
         ratio = val.element_size() // rv.element_size()
         offset = rv.storage_offset() - val.storage_offset() * ratio

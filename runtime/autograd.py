@@ -176,7 +176,7 @@ def _watched(t: torch.Tensor) -> _Watched:
     counter = t.detach()
     try:
         with _preserve_version(counter):
-            counter.set_()
+            counter.set_()  # type: ignore[call-overload]  # torch's stubs lack the empty form
     except Exception:  # noqa: BLE001 a subclass or functorch wrapper without set_: keep t
         return (t, t._version, t.shape)
     return (counter, t._version, t.shape)
@@ -202,7 +202,7 @@ def refresh_watched(diff: tuple[torch.Tensor, ...]) -> None:
         node = d.grad_fn
         watched = getattr(node, "aotc_watch", None)
         if watched is not None:
-            node.aotc_watch = [(t, t._version, shape) for t, _, shape in watched]
+            node.aotc_watch = [(t, t._version, shape) for t, _, shape in watched]  # type: ignore[union-attr]
             return
 
 

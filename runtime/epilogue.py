@@ -128,7 +128,7 @@ class EpiloguePlan:
 
 
 def _versions(
-    meta: MutationAliasInfo, graph_of: dict[UserArg, int]
+    meta: MutationAliasInfo, graph_of: dict[UserArg, GraphArg]
 ) -> tuple[tuple[UserArg, int], ...]:
     versions = {c.leaf: c.version_bumps for c in meta.leaf_changes if c.version_bumps}
     written = {g for g, info in enumerate(meta.inputs) if info.mutation.has_data}
