@@ -68,6 +68,7 @@ from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.schema import Dim, Geometry, OutputInfo, OutputKind, RootGrad, UserArg, UserOut
 
 _MULTI_OUTPUT = torch._C._autograd.CreationMeta.MULTI_OUTPUT_NODE
+_DEFAULT = torch._C._autograd.CreationMeta.DEFAULT
 # Heuristic: the autograd walk that finds which aliased input a view output came from stops
 # after this many nodes (views of inputs sit a few nodes from the input).
 _MAX_WALK = 2000
@@ -119,11 +120,38 @@ def _geometry(t: torch.Tensor, relative_to: torch.Tensor) -> Geometry:
     )
 
 
+# Note [Regenerated view nodes on fake tensors]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# When a view's base changes in place after the view was taken (`w = v.view(-1)`, then
+# `v.transpose_(0, 1)`), autograd regenerates the view's grad_fn the next time it is read. Eager's
+# real tensors regenerate it with `as_strided` of the view's own geometry, which always works;
+# fake tensors dispatch to Python, for which autograd replays the recorded view function on the
+# changed base instead (`view(-1)` of a transposed base), and that can fail. The metadata pass
+# reads such a view's node through `_grad_fn`: when the replay fails, eager's node (an
+# AsStridedBackward0 whose only edge is the base's) is stood for by the base's node, which is
+# what every question asked here (does it have history, what does a gradient from it reach)
+# needs. The stale no_grad / multi-output view error is eager's own and is not caught here.
+
+
+def _grad_fn(t: torch.Tensor) -> Any:
+    """`t.grad_fn` as eager has it; see Note [Regenerated view nodes on fake tensors]."""
+    try:
+        return t.grad_fn
+    except Exception:
+        if t._base is None or torch._C._autograd._get_creation_meta(t) != _DEFAULT:
+            raise
+        return t._base.grad_fn
+
+
 def _has_grad_fn(t: torch.Tensor) -> bool:
     try:
         return t.grad_fn is not None
     except RuntimeError:  # a stale no_grad view (see _view_flags)
+        if t._base is not None and torch._C._autograd._get_creation_meta(t) == _DEFAULT:
+            return t._base.requires_grad  # a failed replay: eager's node exists
         return False
+    except Exception:  # a failed replay (Note [Regenerated view nodes on fake tensors])
+        return t._base is not None and t._base.requires_grad
 
 
 def _root_grad(t: torch.Tensor) -> RootGrad:
@@ -143,7 +171,7 @@ def _view_flags(o: torch.Tensor) -> _ViewFlags:
     if o._base is None:
         return {}
     try:
-        grad_fn = o.grad_fn
+        grad_fn = _grad_fn(o)
     except RuntimeError:  # its base was written after it was made: reading grad_fn raises
         if torch._C._autograd._get_creation_meta(o) == _MULTI_OUTPUT:
             return {"multi_output_view": True, "stale_view": True}
@@ -153,7 +181,7 @@ def _view_flags(o: torch.Tensor) -> _ViewFlags:
         "multi_output_view": o.requires_grad
         and torch._C._autograd._get_creation_meta(o) == _MULTI_OUTPUT,
         # `requires_grad_()` on a view of a tensor that needs no grad: a leaf of its own
-        "new_leaf": o.requires_grad and o.grad_fn is None and not o._base.requires_grad,
+        "new_leaf": o.requires_grad and grad_fn is None and not o._base.requires_grad,
     }
 
 
@@ -250,6 +278,7 @@ def _internal_primaries(
         seen.add(id(root))
         returned = root is o or any(x is root for x in outs)
         rank = (0 if root.grad_fn is not None else 1) + (0 if returned else 2)
+        rank += 0 if _spans_storage(root) else 4  # the others are regenerated from it
         ref = ValueRef(UserOut(j), via_base=root is not o)
         if root is not o and returned:
             jr = next(k for k, x in enumerate(outs) if x is root)
@@ -412,9 +441,9 @@ def _reaches(o: torch.Tensor, target: torch.Tensor) -> bool:
     """Whether a gradient from `o` reaches `target` or its base (their grad_fns, or their
     accumulators)."""
     targets = [target, _root(target)]
-    goals = {id(t.grad_fn) for t in targets if _has_grad_fn(t)}
+    goals = {id(_grad_fn(t)) for t in targets if _has_grad_fn(t)}
     walked = 0
-    for node in _graph_nodes(o.grad_fn):
+    for node in _graph_nodes(_grad_fn(o)):
         walked += 1
         variable = getattr(node, "variable", None)
         if id(node) in goals or any(variable is t for t in targets):
@@ -429,7 +458,7 @@ def _leaf_view_on_path(o: torch.Tensor, leaves: list[object]) -> torch.Tensor | 
     if not _has_grad_fn(o):
         return None
     inputs = {id(t) for t in leaves}
-    for node in _graph_nodes(o.grad_fn):
+    for node in _graph_nodes(_grad_fn(o)):
         variable = getattr(node, "variable", None)
         if variable is not None and variable._base is not None and id(variable) not in inputs:
             return variable
@@ -448,10 +477,10 @@ def _view_source(o: torch.Tensor, candidates: list[UserArg], leaves: list[object
             t = leaves[a]
             assert isinstance(t, torch.Tensor)
             if _has_grad_fn(t):
-                by_node.setdefault(id(t.grad_fn), a)
+                by_node.setdefault(id(_grad_fn(t)), a)
             elif t.requires_grad:
                 by_leaf.setdefault(id(t), a)
-        for node in _graph_nodes(o.grad_fn):
+        for node in _graph_nodes(_grad_fn(o)):
             if id(node) in by_node:
                 return by_node[id(node)]
             variable = getattr(node, "variable", None)
@@ -471,6 +500,17 @@ def _span(t: torch.Tensor) -> tuple[Dim, Dim]:
         lo += min(0, (size - 1) * stride)
         hi += max(0, (size - 1) * stride)
     return lo, hi
+
+
+def _spans_storage(t: torch.Tensor) -> bool:
+    """Whether `t` reaches every element of its storage (a `detach()`ed slice does not: a primary
+    that is one would be compiled as a copy of the slice, too small to regenerate the rest from).
+    Symbolic geometry counts as spanning."""
+    values = (t.storage_offset(), *t.shape, *t.stride(), t.untyped_storage().nbytes())
+    if any(isinstance(v, torch.SymInt) for v in values):
+        return True
+    lo, hi = _span(t)
+    return lo == 0 and (hi + 1) * t.element_size() >= t.untyped_storage().nbytes()
 
 
 def _holds(t: torch.Tensor, o: torch.Tensor) -> bool:

@@ -300,11 +300,11 @@ def fakeify(
 def fresh_fake(t: torch.Tensor, *, as_leaves: bool) -> torch.Tensor:
     """A new fake tensor (in the ambient fake mode) with `t`'s sizes, strides, dtype, device and
     requires_grad; also its non-leafness unless `as_leaves`. Sizes may be SymInts: the copy
-    shares their symbols. Storage offsets and aliasing between inputs are not kept (symbolic
+    shares their symbols. The storage offset is kept; aliasing between inputs is not (symbolic
     compilations have no synthetic bases; see Note [Symbolic compilations]). A 0-d tensor that
     stands for a dynamic Python float keeps its symbol (Note [Dynamic Python floats] in
     aotc/backend.py)."""
-    fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    fake = _empty_with_geometry(t)
     memo = getattr(t, "item_memo", None)
     if memo is not None:
         fake.item_memo = memo  # type: ignore[attr-defined]  # FakeTensor's, set on an empty
@@ -312,10 +312,24 @@ def fresh_fake(t: torch.Tensor, *, as_leaves: bool) -> torch.Tensor:
         fake.requires_grad_(True)
         if not as_leaves and not t.is_leaf:
             # A non-leaf with exactly these strides (a clone would make them contiguous).
-            out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            out = _empty_with_geometry(t)
             with torch.enable_grad():
                 fake = out.copy_(fake)
     return fake
+
+
+def _empty_with_geometry(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor with `t`'s sizes, strides and storage offset. The offset matters to ops
+    that take an absolute one (`x.as_strided(size, stride, 0)` of an input that is a view at
+    offset 5 reads from the start of its storage, as in eager)."""
+    offset = t.storage_offset()
+    if isinstance(offset, int) and offset == 0:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    empty_dims = any(n == 0 for n in t.shape)
+    extent = 0 if empty_dims else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    storage = torch.empty(offset + extent, dtype=t.dtype, device=t.device).untyped_storage()
+    empty = torch.empty(0, dtype=t.dtype, device=t.device)
+    return empty.set_(storage, offset, t.shape, t.stride())
 
 
 @contextlib.contextmanager
@@ -517,9 +531,12 @@ class OverlappingWrites(TorchFunctionMode):
                 return _keep_strides(func, name, args, kwargs)
             return func(*args, **kwargs)
         if not self.rewrite:
-            result = func(*args, **kwargs)
             root = target._base if target._base is not None else target
-            if root.grad_fn is not None:
+            before = root.grad_fn
+            result = func(*args, **kwargs)
+            # Only a write autograd recorded (a new node: not under no_grad) has the backward
+            # eager refuses.
+            if root.grad_fn is not None and root.grad_fn is not before:
                 self.refused_nodes.add(id(root.grad_fn))
             return result
         self.count += 1

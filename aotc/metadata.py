@@ -103,6 +103,10 @@ class MetadataResult:
     # The program runs a torch.func transform that refuses saved-tensor hooks (Note [Traces under
     # torch.func] in aotc/functional.py): calls under such hooks raise, as in eager.
     refuses_saved_hooks: bool = False
+    # Graph args whose version counter a value eager's autograd saved shares (the arg itself, a
+    # view or a detached alias of it), unchanged since it was saved. See Note [Inputs changed
+    # after the call] in runtime/autograd.py.
+    saved_args: tuple[GraphArg, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +209,8 @@ def collect_metadata(
         refused = _backward_refusals(
             saved, overlaps.refused_nodes, plain_values, fwd_plan.needs_tangent
         )
+        # Last: it moves the args' versions. Without hooks (a torch.func retry) nothing was noted.
+        saved_args = saved.sharing_version(plain) if saved is not None else ()
     _check_detached_sources(roots, specs, plain_values)
     meta = MutationAliasInfo(
         inputs=inputs,
@@ -224,6 +230,7 @@ def collect_metadata(
         tuple(analysis.bases),
         root_values,
         refuses_saved_hooks=saved is None,
+        saved_args=saved_args,
     )
 
 

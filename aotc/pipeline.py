@@ -67,7 +67,7 @@ from aotc.runtime.wrappers import CompiledEntry, RuntimePlan
 from aotc.stages import Stage, StageRunner
 from aotc.structured import trace_failure, trace_record
 from aotc.symkey import ShapeFacts, is_symbolic
-from aotc.tracer import trace_joint
+from aotc.tracer import fresh_views, trace_joint
 
 
 @dataclass(frozen=True)
@@ -481,12 +481,15 @@ def _runtime_plan(
             and not any(c.requires_grad for c in metadata.meta.leaf_changes),
             watch_args=watched_args(part.forward.module, metadata.fwd_plan.num_outputs),
             rng_device=random_device(part.forward.module, metadata.fwd_plan.num_outputs),
+            watch=metadata.saved_args,
         )
         detach = _statically_no_grad(joint, leaves, convention)
     return RuntimePlan(
         name=name,
         convention=convention,
-        epilogue=plan_epilogue(metadata.meta, metadata.fwd_plan, convention),
+        epilogue=plan_epilogue(
+            metadata.meta, metadata.fwd_plan, convention, fresh_views(joint.module)
+        ),
         autograd=autograd_plan,
         detach_args=detach,
         # The user program's output structure: a TreeSpec (pytree.tree_flatten's), typed

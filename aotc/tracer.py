@@ -26,6 +26,8 @@ updated value into the user's tensor, which gives it the same autograd history e
 
 from __future__ import annotations
 
+import contextlib
+from contextlib import AbstractContextManager
 from typing import cast
 
 import torch
@@ -104,7 +106,11 @@ def trace_joint(
         primals = [to_functional(p) for p in flat[:num_primals]]
         tangents = [to_functional(t) for t in flat[num_primals:]]
         with functionalization():
-            with torch.set_grad_enabled(grad_enabled), OverlappingWrites():
+            with (
+                torch.set_grad_enabled(grad_enabled),
+                OverlappingWrites(),
+                _saved_geometry(metadata),
+            ):
                 fwd = run_program(primals)
             grads: list[object] = [None] * num_primals
             if training:
@@ -167,11 +173,33 @@ def trace_joint(
     inputs += tuple(TangentInput(k) for k in tangent_outs) if training else ()
     outputs: tuple[OutputDesc, ...] = tuple(FwdOutput(FwdOut(k)) for k in range(plan.num_outputs))
     outputs += tuple(GradOutput(GraphArg(g)) for g in range(num_primals)) if training else ()
-    _flatten_output(module, _view_bases(meta, plan))
+    _flatten_output(module, _view_bases(meta, plan), _detached_fresh(meta, plan))
     return JointGraph(module=module, inputs=inputs, outputs=outputs)
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+# Note [Saved values changed in place]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# When the program changes a value autograd saved (`y = x.tanh(); y.transpose_(0, 1)`), eager's
+# backward refuses (the metadata pass found which outputs: `MetadataResult.refused`, and the entry
+# raises eager's error when a gradient reaches one of them). The joint trace still differentiates
+# those outputs, and autograd there hands the backward formula the saved object itself: after a
+# metadata change in place (`transpose_`, `as_strided_`, ...) it has the new shape and the
+# formula fails to trace. So only when some backward is refused, each value is saved as an alias
+# taken when it was saved, which keeps the geometry it had then (the computed gradients are never
+# handed out: the entry refuses them first).
+
+
+def _saved_geometry(metadata: MetadataResult) -> AbstractContextManager[object]:
+    if not metadata.refused:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(torch.ops.aten.alias.default, _same)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
@@ -198,7 +226,30 @@ def _view_bases(meta: MutationAliasInfo, plan: FwdOutputPlan) -> dict[int, list[
     return bases
 
 
-def _flatten_output(module: torch.fx.GraphModule, view_bases: dict[int, list[int]]) -> None:
+def _detached_fresh(meta: MutationAliasInfo, plan: FwdOutputPlan) -> set[int]:
+    """Fresh user outputs that need no gradient: the graph may return them as views (Note
+    [Forward outputs that are views])."""
+    return {
+        k
+        for k, j in enumerate(plan.user_outs)
+        if meta.outputs[j].kind is OutputKind.FRESH
+        and not meta.outputs[j].requires_grad
+        and not plan.needs_tangent[k]
+    }
+
+
+def fresh_views(module: torch.fx.GraphModule) -> frozenset[int]:
+    """The forward outputs that the flat graph returns as views (`_flatten_output` kept them):
+    the epilogue detaches them."""
+    out = next(n for n in reversed(module.graph.nodes) if n.op == "output")
+    return frozenset(
+        k for k, v in enumerate(out.args[0]) if isinstance(v, torch.fx.Node) and _is_view_node(v)
+    )
+
+
+def _flatten_output(
+    module: torch.fx.GraphModule, view_bases: dict[int, list[int]], detached: set[int]
+) -> None:
     """make_fx returns ((fwd...), (grads...)); the stages want one flat tuple of values.
 
     See Note [Forward outputs that are views].
@@ -212,8 +263,14 @@ def _flatten_output(module: torch.fx.GraphModule, view_bases: dict[int, list[int
         value = flat[k]
         if not (isinstance(value, torch.fx.Node) and _is_view_node(value)):
             continue
+        if not raws and k in detached and _is_static(value):
+            continue  # returned as the view: the epilogue detaches it
         with graph.inserting_before(out):
-            if raws and _is_static(value) and all(_is_static(flat[r]) for r in raws):  # type: ignore[arg-type]
+            if (
+                raws
+                and _is_static(value)
+                and all(_is_static(flat[r]) and _retakeable(value, flat[r]) for r in raws)  # type: ignore[arg-type]
+            ):
                 flat[k], moved = _fresh_copy(graph, value, [flat[r] for r in raws])  # type: ignore[misc]
                 for r, node in zip(raws, moved):
                     flat[r] = node
@@ -239,6 +296,10 @@ def _flatten_output(module: torch.fx.GraphModule, view_bases: dict[int, list[int
 # fresh tensor with the same sizes and strides (`empty_strided` + `copy`), and the graph's own
 # views of it that the epilogue reads geometry from are re-taken off that copy with `as_strided`
 # at the same offsets relative to it. (With symbolic sizes it is a `clone`, as before.)
+# A fresh output that needs no gradient and has no such views is not returned through autograd
+# at all: it stays the graph's view (`a.neg().diagonal().detach()` keeps eager's strides and
+# storage: a copy would come back contiguous), and the epilogue detaches it (`OutputStep.detach`),
+# since eager's fresh outputs are never views.
 
 
 def _is_static(node: torch.fx.Node) -> bool:
@@ -267,14 +328,34 @@ def _fresh_copy(
     moved = []
     for raw in raws:
         rv = raw.meta["val"]
-        offset = rv.storage_offset() - val.storage_offset()
+        source, source_val = copy, fresh
+        if rv.dtype != val.dtype:  # view_as_real, or a view(dtype) of the same item size
+            op = aten.view_as_real.default if val.is_complex() and not rv.is_complex() else None
+            source = graph.call_function(op or aten.view.dtype, (copy,) if op else (copy, rv.dtype))
+            with val.fake_mode:
+                source_val = torch.view_as_real(fresh) if op else fresh.view(rv.dtype)
+            source.meta = {**raw.meta, "val": source_val}
+        ratio = val.element_size() // rv.element_size()
+        offset = rv.storage_offset() - val.storage_offset() * ratio
         node = graph.call_function(
-            aten.as_strided.default, (copy, list(rv.shape), list(rv.stride()), offset)
+            aten.as_strided.default, (source, list(rv.shape), list(rv.stride()), offset)
         )
         with val.fake_mode:
-            node.meta = {**raw.meta, "val": fresh.as_strided(rv.shape, rv.stride(), offset)}
+            node.meta = {**raw.meta, "val": source_val.as_strided(rv.shape, rv.stride(), offset)}
         moved.append(node)
     return copy, moved
+
+
+def _retakeable(value: torch.fx.Node, raw: torch.fx.Node) -> bool:
+    """Whether `_fresh_copy` can re-take `raw` off a copy of `value`: the same dtype, the real
+    view of a complex value, or a dtype of the same item size (else: a clone, as with symbolic
+    sizes)."""
+    val, rv = value.meta["val"], raw.meta["val"]
+    if rv.dtype == val.dtype:
+        return True
+    if val.is_complex() and not rv.is_complex():
+        return val.element_size() == 2 * rv.element_size()
+    return val.element_size() == rv.element_size()
 
 
 def _is_view_node(node: torch.fx.Node) -> bool:

@@ -53,6 +53,9 @@ class AutogradPlan:
     # The device type ("cpu", "cuda") whose generator state the forward notes for a double
     # backward that recomputes random ops; None: it recomputes none.
     rng_device: str | None = None
+    # Graph args whose version the backward checks as eager's saved values would: see Note
+    # [Inputs changed after the call].
+    watch: tuple[GraphArg, ...] = ()
 
 
 # One leaf requiring grad that anchored calls pass to autograd (Note [Grad anchor]). The backward
@@ -96,7 +99,8 @@ def make_autograd_function(
     anchored = plan.anchor
     # See Note [None gradients]: which grads arrived decides which gradients exist.
     track = plan.grad_deps is not None or bool(plan.refused)
-    watch = plan.watch_args
+    watch = plan.watch
+    dwatch = plan.watch_args
     rng = plan.rng_device
     get_rng = torch.cuda.get_rng_state if rng == "cuda" else torch.random.get_rng_state
 
@@ -111,8 +115,8 @@ def make_autograd_function(
             ctx.aotc_args = tuple(None if i in written else a for i, a in enumerate(args))
         else:
             ctx.aotc_args = args
-        if watch:
-            ctx.aotc_versions = [args[i]._version for i in watch]
+        if dwatch:
+            ctx.aotc_versions = [args[i]._version for i in dwatch]
         # Every saved tensor goes through save_for_backward, so saved-tensor hooks
         # (saved_tensors_hooks, save_on_cpu) around the call see exactly these values.
         if has_sizes:
@@ -121,6 +125,8 @@ def make_autograd_function(
         else:
             ctx.save_for_backward(*outs[n_out:n_tensors])
         holder.extend(outs[:n_out])
+        if watch:
+            ctx.aotc_watch = [_watched(args[g]) for g in watch]
         if track:
             ctx.set_materialize_grads(False)
             ctx.aotc_like = [(outs[k].shape, outs[k].dtype, outs[k].device) for k in diff]
@@ -147,7 +153,7 @@ def make_autograd_function(
         _ = ctx.saved_tensors
         if not all(map(_is_contiguous, grads)):
             grads = tuple(g if g.is_contiguous() else g.contiguous() for g in grads)
-        args, versions = ctx.aotc_args, ctx.aotc_versions if watch else ()
+        args, versions = ctx.aotc_args, ctx.aotc_versions if dwatch else ()
         state = ctx.aotc_rng if rng is not None else None
         if not keep_graph():
             ctx.aotc_args = ctx.aotc_versions = ctx.aotc_rng = None
@@ -175,6 +181,8 @@ def make_autograd_function(
         return bwd(*saved, *grads)
 
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[no-untyped-def]
+        if watch:
+            _check_watched(ctx.aotc_watch)
         if not track:
             return place(run_backward(ctx, grads))
         present = [g is not None for g in grads]
@@ -216,6 +224,64 @@ def _differentiable(args: tuple | None, grads: tuple) -> bool:
     return any(a is None or isinstance(a, _TensorBase) and a.requires_grad for a in args) or any(
         g is not None and g.requires_grad for g in grads
     )
+
+
+# Note [Inputs changed after the call]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# `y = torch.maximum(x, w)` saves x and w for the backward; if the caller then changes x in place
+# (`x.add_(1)` under no_grad, or through a view or a detached alias), eager's backward through y
+# raises "modified by an inplace operation". The compiled backward saves what its partition
+# chose (here a mask), not x, so nothing would notice. The metadata pass finds the graph args
+# whose version counter a value eager saved shares (`SavedValues.sharing_version`: the values
+# already stale at the end of the call are Note [Backward eager would refuse]); the forward keeps
+# each with its version (`ctx.aotc_watch`; a non-leaf only as an empty alias sharing its version
+# counter, so no activation is kept alive), the entry sets those versions again after its
+# epilogue (an epilogue that writes an input moves the version, as eager's in-place op did
+# before it saved the value), and the backward raises eager's error when one moved. The check
+# covers every differentiable output of the call together: a backward from an output whose path
+# does not reach the changed value is refused too (eager runs it).
+
+
+_Watched = tuple[torch.Tensor, int, torch.Size]  # the tensor (or its counter), version, shape
+
+
+def _watched(t: torch.Tensor) -> _Watched:
+    """A leaf (a parameter) is kept as is: its module keeps it alive anyway. Any other input is
+    kept as an empty alias that shares only its version counter, so that the node does not keep
+    an activation alive that the compiled backward does not need."""
+    if t.is_leaf:
+        return (t, t._version, t.shape)
+    counter = t.detach()
+    try:
+        with _preserve_version(counter):
+            counter.set_()  # type: ignore[call-overload]  # torch's stubs lack the empty form
+    except Exception:  # noqa: BLE001 a subclass or functorch wrapper without set_: keep t
+        return (t, t._version, t.shape)
+    return (counter, t._version, t.shape)
+
+
+_preserve_version = torch.autograd._unsafe_preserve_version_counter
+
+
+def _check_watched(watched: list[_Watched]) -> None:
+    for t, version, shape in watched:
+        if t._version != version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been {STALE}: "
+                f"[{t.type()} {list(shape)}] is at version {t._version}; expected version "
+                f"{version} instead (changed after the aotc-compiled call that saved it)."
+            )
+
+
+def refresh_watched(diff: tuple[torch.Tensor, ...]) -> None:
+    """After the epilogue: the versions the backward expects are those at the end of the call
+    (Note [Inputs changed after the call])."""
+    for d in diff:
+        node = d.grad_fn
+        watched = getattr(node, "aotc_watch", None)
+        if watched is not None:
+            node.aotc_watch = [(t, t._version, shape) for t, _, shape in watched]  # type: ignore[union-attr]
+            return
 
 
 def _picker(diff: tuple[int, ...], n_out: int) -> Callable[[tuple[torch.Tensor, ...]], tuple]:
@@ -333,6 +399,24 @@ class SavedValues:
 
     def any_stale(self) -> bool:
         return any(t._version != version for t, version in self._saved)
+
+    def sharing_version(self, args: list[torch.Tensor]) -> tuple[GraphArg, ...]:
+        """The args whose version counter some saved value, still current, shares: found by
+        moving each arg's counter and seeing which saved values move with it (views and
+        detached aliases share it; nothing else tells that apart on fake tensors). Moves the
+        args' versions: call it last."""
+        current = [(t, version) for t, version in self._saved if t._version == version]
+        found = []
+        for g, a in enumerate(args):
+            if not current:
+                break
+            before = [t._version for t, _ in current]
+            torch.autograd.graph.increment_version(a)
+            moved = [t._version != b for (t, _), b in zip(current, before)]
+            if any(moved):
+                found.append(GraphArg(g))
+                current = [c for c, m in zip(current, moved) if not m]
+        return tuple(found)
 
 
 def autograd_nodes(roots: Iterable[object]) -> Iterator[Any]:

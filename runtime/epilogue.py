@@ -82,6 +82,7 @@ class OutputStep:
     stale_view: bool = False  # eager's no_grad view whose base was written after: reading its
     # grad_fn raises; one version bump after it is made gives it the same state
     via_geometry: Geometry | None = None  # ALIAS_OF_INPUT: the no_grad view it was taken from
+    detach: bool = False  # FRESH: the graph returns a view; eager's output is none (detach it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +115,37 @@ class EpiloguePlan:
         return "\n".join(lines)
 
 
+# Note [Writes eager does not count]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Most in-place ops bump the version of what they write, and the metadata pass counts eager's
+# bumps per input (`LeafChange.version_bumps`). A few kernels write an argument without a bump:
+# batch norm in training mode updates its running statistics in place and leaves their
+# `_version` alone. The epilogue's copy-back bumps every input it writes, so each written input
+# gets its version set to eager's (its version before the call plus eager's count, possibly 0)
+# after the copy. It matters beyond `_version` itself: eager's batch norm saved the running
+# statistics for its backward, and a second call before that backward must not make the first
+# one's backward refuse (Note [Inputs changed after the call] in runtime/autograd.py).
+
+
+def _versions(
+    meta: MutationAliasInfo, graph_of: dict[UserArg, GraphArg]
+) -> tuple[tuple[UserArg, int], ...]:
+    versions = {c.leaf: c.version_bumps for c in meta.leaf_changes if c.version_bumps}
+    written = {g for g, info in enumerate(meta.inputs) if info.mutation.has_data}
+    seen_graph: set[int] = set()
+    for leaf, g in graph_of.items():
+        if g in written and leaf not in versions and g not in seen_graph:
+            bumps = next((c.version_bumps for c in meta.leaf_changes if c.leaf == leaf), 0)
+            versions[leaf] = bumps
+        seen_graph.add(g)
+    return tuple(versions.items())
+
+
 def plan_epilogue(
-    meta: MutationAliasInfo, fwd_plan: FwdOutputPlan, convention: CallingConvention
+    meta: MutationAliasInfo,
+    fwd_plan: FwdOutputPlan,
+    convention: CallingConvention,
+    fresh_views: frozenset[int] = frozenset(),
 ) -> EpiloguePlan:
     fwd_of_mut = {g: len(fwd_plan.user_outs) + k for k, g in enumerate(fwd_plan.mutated_args)}
     base0 = len(fwd_plan.user_outs) + len(fwd_plan.mutated_args)
@@ -142,7 +172,12 @@ def plan_epilogue(
                 )
             )
     fwd_of_user = {j: k for k, j in enumerate(fwd_plan.user_outs)}
-    new_leaves = [fwd_of_user[UserOut(j)] for j, o in enumerate(meta.outputs) if o.new_leaf]
+    # (A view of an input made a leaf is regenerated from the input: its OutputStep.new_leaf.)
+    new_leaves = [
+        fwd_of_user[UserOut(j)]
+        for j, o in enumerate(meta.outputs)
+        if o.new_leaf and UserOut(j) in fwd_of_user
+    ]
     new_leaves += [base0 + b for b in meta.new_leaf_bases]
     steps = []
     for j, out in enumerate(meta.outputs):
@@ -179,6 +214,7 @@ def plan_epilogue(
                 new_leaf=out.new_leaf and out.kind is not OutputKind.FRESH,
                 stale_view=out.stale_view,
                 via_geometry=out.via_geometry,
+                detach=out.kind is OutputKind.FRESH and source in fresh_views,
             )
         )
     late = (OutputKind.ALIAS_OF_OUTPUT, OutputKind.IS_OUTPUT)
@@ -188,7 +224,7 @@ def plan_epilogue(
         mutations=tuple(mutations),
         outputs=tuple(steps),
         order=order,
-        versions=tuple((c.leaf, c.version_bumps) for c in meta.leaf_changes if c.version_bumps),
+        versions=_versions(meta, graph_of),
         roots=meta.roots,
         new_leaves=tuple(new_leaves),
         make_require_grad=tuple(c.leaf for c in meta.leaf_changes if c.requires_grad),
@@ -256,7 +292,8 @@ def build_outputs(
         s = plan.outputs[j]
         match s.kind:
             case OutputKind.FRESH:
-                result[j] = fwd_outs[s.source]  # type: ignore[index]
+                fresh = fwd_outs[s.source]  # type: ignore[index]
+                result[j] = fresh.detach() if s.detach else fresh
             case OutputKind.IS_INPUT:
                 result[j] = leaves[s.source]  # type: ignore[index]
             case OutputKind.ALIAS_OF_INPUT:

@@ -26,6 +26,7 @@ from aotc.runtime.autograd import (
     AutogradPlan,
     HigherOrder,
     make_autograd_function,
+    refresh_watched,
 )
 from aotc.runtime.convention import apply_convention
 from aotc.runtime.epilogue import (
@@ -81,6 +82,7 @@ class CompiledEntry:
         "run",
         "_fwd",
         "_fn",
+        "_watch",
         "_apply",
         "_detach",
         "_diff",
@@ -121,6 +123,7 @@ class CompiledEntry:
         epilogue = plan.epilogue
         self._mutates = bool(epilogue.mutations or epilogue.versions or epilogue.make_require_grad)
         self._anchor = plan.autograd is not None and plan.autograd.anchor
+        self._watch = plan.autograd is not None and bool(plan.autograd.watch)
         self._enable_grad = plan.enable_grad
         self._unflatten = _unflattener(plan.out_spec)
         self.call: Callable[[list[object]], object]
@@ -172,6 +175,8 @@ class CompiledEntry:
             early = stale_input_views(plan.epilogue, leaves)
             graph_args = apply_convention(plan.convention, leaves)
             apply_mutations(plan.epilogue, leaves, graph_args, fwd_outs)
+            if self._watch:
+                refresh_watched(diff)
         return self._unflatten(build_outputs(plan.epilogue, leaves, fwd_outs, early))
 
 

@@ -85,12 +85,6 @@ CASES = {
 # (case, mode) pairs that differ today; every other pair must match eager.
 KNOWN = {
     ("size_after_transpose_of_a_view", "default"),
-    ("stride_of_detached_diagonal", "default"),
-    ("stride_of_detached_diagonal", "trace"),
-    ("version_bump_by_as_strided_", "default"),
-    ("fill_of_expanded_view_under_no_grad", "default"),
-    ("fill_of_expanded_view_under_no_grad", "trace"),
-    ("transpose_of_a_saved_output", "trace"),
 }
 
 

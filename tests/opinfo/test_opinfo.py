@@ -52,23 +52,15 @@ TOLERANCES: dict[str, tuple[float, float]] = {}
 # test id -> why aotc refuses it. Each sample must either match eager or raise
 # `aotc.UnsupportedError` (samples with static shapes, e.g. narrow with an int start, still run),
 # and at least one sample must raise it. All are "unsupported by design": aotc compiles one
-# static graph per input signature and cannot see tensor values.
+# static graph per input signature and cannot see tensor values. (Ops with data-dependent
+# shapes that the default capture runs, Dynamo leaving the value-dependent part to eager, are not
+# listed: masked_select, combinations, cov, corrcoef, tensor_split, gaussian_nll_loss, ctc_loss,
+# linalg.lstsq and the sparse CSR ops match eager there.)
 _DATA_DEPENDENT = "unsupported by design: data-dependent output shape or control flow"
 UNSUPPORTED: dict[str, str] = {
-    "sparse.sampled_addmm": "unsupported by design: sparse CSR inputs (aotc compiles strided tensors)",
-    "sparse.mm.reduce": "unsupported by design: sparse CSR inputs (aotc compiles strided tensors)",
-    "masked_select": f"{_DATA_DEPENDENT} (output size = number of True mask elements)",
-    "combinations": f"{_DATA_DEPENDENT} (implemented with masked_select)",
-    "corrcoef": f"{_DATA_DEPENDENT} (cov's composite calls aten.equal on tensor values)",
-    "cov": f"{_DATA_DEPENDENT} (composite calls aten.equal on tensor values)",
     "narrow": f"{_DATA_DEPENDENT} (start given as a tensor: .item())",
-    "tensor_split": f"{_DATA_DEPENDENT} (split indices given as a tensor: .item())",
     "index_put": f"{_DATA_DEPENDENT} (boolean-mask indices: nonzero)",
     "index_fill": f"{_DATA_DEPENDENT} (0-dim index: the backward formula calls unique)",
-    "nn.functional.gaussian_nll_loss": f"{_DATA_DEPENDENT} (`if torch.any(var < 0)` check)",
-    "nn.functional.ctc_loss": f"{_DATA_DEPENDENT} (_ctc_loss has no static-shape fake kernel)",
-    "linalg.lstsq": f"{_DATA_DEPENDENT} (residuals' shape depends on the computed rank)",
-    "linalg.lstsq.grad_oriented": f"{_DATA_DEPENDENT} (residuals' shape depends on the rank)",
     # A documented refusal with an actionable message, not a crash.
     "view_as_complex": "unsupported by design: outputs that are dtype-changing views of inputs "
     "cannot be regenerated (aotc asks for .clone())",

@@ -1,0 +1,295 @@
+"""Versions and saved values, differential against eager on fresh random inputs: a value eager's
+autograd saved that the caller changes in place after the call (eager's backward refuses), inputs
+eager's kernels write without a version bump (batch norm's running statistics), and a program
+that changes a saved value's geometry in place (Note [Inputs changed after the call] in
+runtime/autograd.py, Note [Writes eager does not count] in runtime/epilogue.py, Note [Saved
+values changed in place] in aotc/tracer.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import aotc
+
+CAPTURES = ["trace", "dynamo"]
+
+
+def _compile(fn: Callable, capture: str) -> Callable:
+    torch._dynamo.reset()
+    return aotc.compile(fn, capture=capture, check_invariants=True)
+
+
+def _outcome(fn, make, between, seed):
+    """Call, run `between(args)` (the caller's in-place change), backward; whether the backward
+    raised eager's stale-value error, or the gradients; and every input's version."""
+    torch.manual_seed(seed)
+    args = make()
+    outs = fn(*args)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    between(args)
+    loss = sum(o.float().sum() for o in outs if o.requires_grad)
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        return ("raised", "modified by an inplace operation" in str(e), [a._version for a in args])
+    grads = [None if a.grad is None else a.grad.clone() for a in args]
+    return ("ran", grads, [a._version for a in args])
+
+
+def _assert_same(fn, make, between, capture):
+    compiled = _compile(fn, capture)
+    for seed in (0, 1):
+        want = _outcome(fn, make, between, seed)
+        got = _outcome(compiled, make, between, seed)
+        assert got[0] == want[0], f"eager {want[0]}, aotc {got[0]}: {got[1]}"
+        assert got[2] == want[2], f"versions {got[2]} != eager's {want[2]}"
+        if want[0] == "raised":
+            assert got[1] == want[1]
+        else:
+            for g, w in zip(got[1], want[1]):
+                assert (g is None) == (w is None)
+                if w is not None:
+                    torch.testing.assert_close(g, w)
+
+
+def _add_under_no_grad(k):
+    def between(args):
+        with torch.no_grad():
+            args[k].add_(1.0)
+
+    return between
+
+
+def _detached_write(k):
+    def between(args):
+        args[k].detach().mul_(2.0)
+
+    return between
+
+
+def _nothing(args):
+    return None
+
+
+def _maximum(x, y):
+    return torch.maximum(x, y)
+
+
+def _mul_then_view(x, w):
+    return (x * w).view(-1)
+
+
+def _sum_only(x, y):
+    return x + y  # saves nothing
+
+
+def _saved_view_of_input(x, w):
+    return x[1:] * w
+
+
+CHANGED_AFTER = {
+    "maximum_other_changed": (
+        _maximum,
+        lambda: [torch.randn(3, requires_grad=True), torch.randn(3)],
+        _add_under_no_grad(1),
+    ),
+    "mul_saved_input_changed": (
+        _mul_then_view,
+        lambda: [torch.randn(2, 3, requires_grad=True), torch.randn(2, 3, requires_grad=True)],
+        _detached_write(0),
+    ),
+    "view_of_input_saved": (
+        _saved_view_of_input,
+        lambda: [torch.randn(4, 3), torch.randn(3, 3, requires_grad=True)],
+        _add_under_no_grad(0),
+    ),
+    "activation_input_changed": (
+        _maximum,
+        lambda: [torch.randn(3, requires_grad=True) * 1.5, torch.randn(3, requires_grad=True)],
+        _detached_write(0),
+    ),
+    "not_saved_input_changed": (
+        _sum_only,
+        lambda: [torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)],
+        _add_under_no_grad(1),
+    ),
+    "saved_but_unchanged": (
+        _maximum,
+        lambda: [torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)],
+        _nothing,
+    ),
+}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("name", sorted(CHANGED_AFTER))
+def test_input_changed_after_the_call(name, capture):
+    fn, make, between = CHANGED_AFTER[name]
+    _assert_same(fn, make, between, capture)
+
+
+def _written_then_saved(x, w):
+    x.mul_(2.0)  # eager saves x after this write: its version at the end of the call
+    return x.sin() * w
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("between", [_nothing, _add_under_no_grad(0)], ids=["kept", "changed"])
+def test_input_written_inside_then_saved(capture, between):
+    _assert_same(
+        _written_then_saved,
+        lambda: [torch.randn(3), torch.randn(3, requires_grad=True)],
+        between,
+        capture,
+    )
+
+
+def _batch_norm_twice(x, rm, rv, w, b):
+    first = torch.nn.functional.batch_norm(x, rm, rv, w, b, training=True)
+    return first
+
+
+def _bn_inputs():
+    return [
+        torch.randn(5, 3, requires_grad=True),
+        torch.randn(3),
+        torch.rand(3) + 0.5,
+        torch.randn(3, requires_grad=True),
+        torch.randn(3, requires_grad=True),
+    ]
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_batch_norm_running_stats_keep_eager_versions(capture):
+    """Eager's batch norm writes its running statistics without a version bump and saves them for
+    the backward: two calls before one backward must run, with eager's versions and values."""
+    compiled = _compile(_batch_norm_twice, capture)
+    for seed in (0, 1):
+        results = []
+        for fn in (_batch_norm_twice, compiled):
+            torch.manual_seed(seed)
+            args = _bn_inputs()
+            a = fn(*args)
+            b = fn(*args)
+            (a * b).sum().backward()
+            results.append((args, [t._version for t in args]))
+        (want, want_v), (got, got_v) = results
+        assert got_v == want_v
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+            assert (g.grad is None) == (w.grad is None)
+            if w.grad is not None:
+                torch.testing.assert_close(g.grad, w.grad)
+
+
+def _regenerated_view_of_a_changed_saved_output(a):
+    v = a.tanh()
+    w = v.view(-1)
+    v.transpose_(0, 1)  # eager's backward through w refuses: tanh saved v
+    return w, v.sum()
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_metadata_change_of_a_saved_output(capture):
+    _assert_same(
+        _regenerated_view_of_a_changed_saved_output,
+        lambda: [torch.randn(2, 3, dtype=torch.float64, requires_grad=True)],
+        _nothing,
+        capture,
+    )
+
+
+# ------------------------------------------- programs compared with eager by the fuzzer's check
+
+
+def _detached_views_of_an_intermediate(a):
+    v = a.neg()
+    return v.diagonal().detach(), v[1:, ::2].detach(), v.sum(), v.t().detach()
+
+
+def _views_under_no_grad(a):
+    with torch.no_grad():
+        v = a * 2
+        return v.diagonal(), v[1]
+
+
+def _zero_expanded_intermediate_under_no_grad(a):
+    v = a * 2
+    with torch.no_grad():
+        v.unsqueeze(1).expand(-1, 3, -1).zero_()
+    return v * 3, v
+
+
+def _masked_fill_expanded_under_no_grad(a, b):
+    v = a.sin()
+    with torch.no_grad():
+        v.expand(3, *v.shape).masked_fill_(b, 0.5)
+    return (v,)
+
+
+def _fill_expanded_with_grad(a):
+    v = a * 2
+    v.expand(2, *v.shape).fill_(1.0)  # eager's backward through v refuses
+    return (v,)
+
+
+def _view_of_input_made_a_leaf(a0):  # fuzz campaign 2026-11-23, seed 31093
+    v0 = a0.view(-1)
+    v0.requires_grad_()
+    return (v0,)
+
+
+def _detached_slice_and_view_of_an_intermediate(a0):  # fuzz campaign, seed 31295
+    v1 = a0.neg()
+    v2 = v1[0]
+    v3 = v2.detach().requires_grad_()
+    return (v3, v2)
+
+
+PROGRAMS = {
+    "detached_slice_and_view_of_an_intermediate": (
+        _detached_slice_and_view_of_an_intermediate,
+        lambda: [torch.randn(4, 1, requires_grad=True)],
+        [0, 1],
+    ),
+    "view_of_input_made_a_leaf": (_view_of_input_made_a_leaf, lambda: [torch.randn(4, 1)], [0]),
+    "detached_views_of_an_intermediate": (
+        _detached_views_of_an_intermediate,
+        lambda: [torch.randn(4, 5, requires_grad=True)],
+        [2],
+    ),
+    "views_under_no_grad": (
+        _views_under_no_grad,
+        lambda: [torch.randn(4, 4, requires_grad=True)],
+        [],
+    ),
+    "zero_expanded_intermediate_under_no_grad": (
+        _zero_expanded_intermediate_under_no_grad,
+        lambda: [torch.randn(4, 5, requires_grad=True)],
+        [0],
+    ),
+    "masked_fill_expanded_under_no_grad": (
+        _masked_fill_expanded_under_no_grad,
+        lambda: [torch.randn(4, requires_grad=True), torch.rand(3, 4) > 0.5],
+        [0],
+    ),
+    "fill_expanded_with_grad": (
+        _fill_expanded_with_grad,
+        lambda: [torch.randn(4, requires_grad=True)],
+        [0],
+    ),
+}
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("mode", ["trace", "default", "triton"])
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_program_matches_eager(name, mode):
+    from tests.fuzz.compare import Verdict, check
+
+    f, make, backward = PROGRAMS[name]
+    outcome = check(f, make, backward=backward, write_outputs=True, mode=mode)
+    assert outcome.verdict is Verdict.MATCH, outcome.detail
