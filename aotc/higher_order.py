@@ -47,6 +47,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from aotc.options import CompileOptions
+from aotc.passes.partition import ancestors
 from aotc.passes.recompute import is_random
 from aotc.runtime.autograd import AutogradPlan
 from aotc.runtime.errors import UnsupportedError
@@ -144,11 +145,11 @@ def _recomputed(forward: fx.GraphModule, num_fwd_outs: int) -> tuple[set[fx.Node
     the generator state from the call draws the same numbers: Note [Double backward])."""
     (out,) = [n for n in forward.graph.nodes if n.op == "output"]
     saved = list(out.args[0])[num_fwd_outs:]
-    needed = _ancestors(saved)
+    needed = ancestors(saved)
     random = [n for n in forward.graph.nodes if is_random(n)]
     if not any(n in needed for n in random):
         return needed, saved, False
-    return needed | _ancestors(random), saved, True
+    return needed | ancestors(random), saved, True
 
 
 def watched_args(forward: fx.GraphModule, num_fwd_outs: int) -> tuple[int, ...]:
@@ -248,15 +249,3 @@ def _attr(module: torch.nn.Module, path: str) -> Any:
     for part in path.split("."):
         value = getattr(value, part)
     return value
-
-
-def _ancestors(roots: Sequence[object]) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = [r for r in roots if isinstance(r, fx.Node)]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.extend(node.all_input_nodes)
-    return seen

@@ -83,6 +83,7 @@ from aotc.passes.recompute import (
 from aotc.runtime.schema import GraphArg
 
 __all__ = [
+    "ancestors",
     "PartitionResult",
     "Recomputation",
     "RecomputeReason",
@@ -198,7 +199,8 @@ class _Roles:
     relevant: frozenset[fx.Node]  # the gradients' ancestors (what the backward may need)
 
 
-def _ancestors(roots: Iterable[object], stop: frozenset[fx.Node] = frozenset()) -> set[fx.Node]:
+def ancestors(roots: Iterable[object], stop: frozenset[fx.Node] = frozenset()) -> set[fx.Node]:
+    """The nodes among `roots` and everything they read, transitively (not past `stop`)."""
     seen: set[fx.Node] = set()
     stack = [r for r in roots if isinstance(r, fx.Node)]
     while stack:
@@ -224,7 +226,7 @@ def _roles(joint: JointGraph) -> _Roles:
         if isinstance(d, GradOutput) and isinstance(v, fx.Node)
     )
     random_nodes = frozenset(n for n in graph.nodes if is_random(n))
-    fwd_required = _ancestors([*fwd_values, *random_nodes]) | set(primals)
+    fwd_required = ancestors([*fwd_values, *random_nodes]) | set(primals)
     tangent_dependent: set[fx.Node] = set(tangents)
     for node in graph.nodes:
         if any(i in tangent_dependent for i in node.all_input_nodes):
@@ -241,7 +243,7 @@ def _roles(joint: JointGraph) -> _Roles:
         random_nodes,
         frozenset(bwd_required),
         order,
-        frozenset(_ancestors(v for v, _ in grad_pairs)),
+        frozenset(ancestors(v for v, _ in grad_pairs)),
     )
 
 
@@ -655,11 +657,11 @@ def _recomputation(
 def _sides(roles: _Roles, saved: set[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]]:
     """The nodes the forward runs and the nodes the backward runs, for this saved set."""
     stop = frozenset(saved) | frozenset(roles.tangents)
-    bwd_nodes = _ancestors((v for v, _ in roles.grad_pairs), stop) - frozenset(saved)
+    bwd_nodes = ancestors((v for v, _ in roles.grad_pairs), stop) - frozenset(saved)
     bwd_nodes -= set(roles.tangents)
     # Random ops run in the forward even when nothing reads them (they advance the RNG), and
     # with them the values they read (`torch.rand_like(a * 2)`).
-    fwd_nodes = _ancestors([*roles.fwd_values, *saved, *roles.random]) | set(roles.primals)
+    fwd_nodes = ancestors([*roles.fwd_values, *saved, *roles.random]) | set(roles.primals)
     return fwd_nodes, bwd_nodes
 
 
