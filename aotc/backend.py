@@ -82,6 +82,7 @@ def compile_graph(
     (the `aotc.compile` object of the default capture mode; else a `DynamoGraph`); `reason`: why
     Dynamo recompiled, for listeners; `on_graph(graph)`: gets the `DynamoGraph`, or the lazily
     compiled `CompiledFunction` of a fallback (both have `.records`)."""
+    _refuse_metadata_changes(gm)
     fake_mode = detect_fake_mode(example_inputs)
     fakes = _fake_inputs(gm, example_inputs, fake_mode)
     floats = _dynamic_floats(fakes)
@@ -118,6 +119,43 @@ def compile_graph(
 
     run_lazily.aotc_compiled = compiled  # type: ignore[attr-defined]
     return run_lazily
+
+
+# In-place ops that change a tensor's sizes or strides (not its data).
+_METADATA_CHANGES = frozenset(
+    ("transpose_", "t_", "squeeze_", "unsqueeze_", "swapdims_", "swapaxes_", "as_strided_")
+)
+
+
+def _refuse_metadata_changes(gm: torch.fx.GraphModule) -> None:
+    """See Note [Metadata changes in Dynamo graphs]."""
+    for node in gm.graph.nodes:
+        target = node.target
+        name = target if node.op == "call_method" else getattr(target, "__name__", "")
+        if node.op in ("call_method", "call_function") and name in _METADATA_CHANGES:
+            raise UnsupportedError(
+                f"{name}() at {_node_line(node)}: Dynamo keeps the sizes and strides a tensor had "
+                "before an in-place metadata change, so Python code reading them after it "
+                "(`x.shape`, `x.stride()`) would get stale values in a compiled frame "
+                "(torch.compile with any backend). aotc.compile runs this frame eagerly; with "
+                "torch.compile, use the out-of-place op (`x = x.transpose(0, 1)`)."
+            )
+
+
+def _node_line(node: torch.fx.Node) -> str:
+    trace = str(node.meta.get("stack_trace") or "").strip().splitlines()
+    where = [ln.strip() for ln in trace if ln.strip().startswith("File ")]
+    return where[-1] if where else "an unknown line"
+
+
+# Note [Metadata changes in Dynamo graphs]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# `v = a.unsqueeze(0); v.transpose_(0, 1); return v.shape[0]` returns 1 through Dynamo (eager: 3),
+# with every backend: Dynamo answers `v.shape` from the sizes it recorded before the in-place
+# change, and bakes the answer into the frame's bytecode, where no backend sees it. A graph
+# holding such an op may therefore sit in a frame whose Python already read a stale size, so the
+# backend refuses it: under `aotc.compile` the frame runs eagerly (Note [Frames Dynamo cannot
+# convert] in aotc/capture.py); `torch.compile(backend="aotc")` raises this error naming the line.
 
 
 # Note [Dynamic Python floats]

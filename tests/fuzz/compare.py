@@ -197,6 +197,9 @@ def _observe(
         result["error"] = e
         return result
     except Exception as e:  # noqa: BLE001 eager's refusal, compared with aotc's
+        inner = getattr(e, "inner_exception", None)  # torch.compile's BackendCompilerFailed
+        if isinstance(inner, aotc.UnsupportedError):
+            result.update(unsupported=str(inner).strip().splitlines()[0][:300], error_step="call")
         result.update(error_step="call", error=e)
         return result
     result["rng"] = torch.get_rng_state()
