@@ -109,7 +109,8 @@ def trace_joint(
             with (
                 torch.set_grad_enabled(grad_enabled),
                 OverlappingWrites(),
-                _saved_geometry(metadata),
+                # Without hooks (torch.func refused them) the refused outputs are left out.
+                _saved_geometry(metadata) if hooked else contextlib.nullcontext(),
             ):
                 fwd = run_program(primals)
             grads: list[object] = [None] * num_primals
