@@ -549,13 +549,19 @@ def _reduce(
         acc = out.dtype
         fn = a.fn if a.dtype == acc else (lambda idx: Op("cast", (a.fn(idx),), acc))
     red = ReductionInfo(a.size, dims, kind)
-    shape, strides = _shape(out), _strides(out)
-    stride = (
-        strides
-        if node in ctx.outputs and _offset_is_zero(out) and _non_overlapping(shape, strides)
-        else contiguous_strides(shape)
-    )
+    shape, stride = _reduction_layout(ctx, node, out)
     return Computed(node.name, NodeKind.REDUCTION, shape, stride, out.dtype, fn, red, node)
+
+
+def _reduction_layout(
+    ctx: _Lowering, node: fx.Node, out: torch.Tensor
+) -> tuple[tuple[Size, ...], tuple[Size, ...]]:
+    """A reduction-shaped member's shape and the strides it is stored with: eager's when it is a
+    graph output laid out plainly (no offset, no overlap), else contiguous."""
+    shape, strides = _shape(out), _strides(out)
+    if node in ctx.outputs and _offset_is_zero(out) and _non_overlapping(shape, strides):
+        return shape, strides
+    return shape, contiguous_strides(shape)
 
 
 @register(aten.cumsum.default, aten.cumprod.default)
@@ -572,10 +578,5 @@ def _scan(ctx: _Lowering, node: fx.Node, a: _Value, dim: int, *, dtype: Any = No
     kind = "cumsum" if node.target == aten.cumsum.default else "cumprod"
     fn = a.fn if a.dtype == out.dtype else (lambda idx: Op("cast", (a.fn(idx),), out.dtype))
     red = ReductionInfo(a.size, (dim,), kind)
-    shape, strides = _shape(out), _strides(out)
-    stride = (
-        strides
-        if node in ctx.outputs and _offset_is_zero(out) and _non_overlapping(shape, strides)
-        else contiguous_strides(shape)
-    )
+    shape, stride = _reduction_layout(ctx, node, out)
     return Computed(node.name, NodeKind.REDUCTION, shape, stride, out.dtype, fn, red, node)
