@@ -23,6 +23,8 @@ thread each); in each, eager vs aotc (default options: the ATen backend on CPU) 
 (min-cut, no-op compilers) run `loss = f(*inputs); loss.backward()` interleaved, and the process
 reports the median of per-round means; reported: the median over processes of the times and of
 the same-process ratios against eager. Gradients accumulate in .grad alike for every system.
+An A/A control runs eager twice as two systems (`eager_again/eager`): the spread of that ratio
+is the noise of the run the other ratios are read against.
 
 A scaling case compiles a joint graph of >= 10,000 nodes (a long pointwise chain) and reports the
 aotc partition time against a 2 s goal; over the goal it adds a cProfile top-15 of the partition.
@@ -401,12 +403,14 @@ def _grads_match(wl: Workload, compiled: Callable[..., torch.Tensor]) -> bool:
 
 def step_worker(name: str, rounds: int, target_round_s: float = 0.1) -> dict[str, float]:
     """In a fresh process: median per-round mean step time (ms) of eager, aotc and AOTAutograd
-    (min-cut) on one workload, interleaved."""
+    (min-cut) on one workload, interleaved. `eager_again` runs eager a second time as its own
+    system: eager_again/eager is the A/A control, the same-process noise of this run."""
     torch.set_num_threads(1)
     wl = next(w for w in workloads() if w.name == name)
     inputs = wl.inputs()
     systems: dict[str, Callable[..., torch.Tensor]] = {
         "eager": wl.fn,
+        "eager_again": wl.fn,
         "aotc": aotc.compile(wl.fn, cache=False, capture="trace"),
         "aot_autograd": make_aot(wl, min_cut_rematerialization_partition),
     }
@@ -638,6 +642,7 @@ def table(results: dict[str, Any]) -> str:
                 s["aot_autograd"],
                 q["aotc/eager"],
                 q["aot_autograd/eager"],
+                q.get("eager_again/eager", float("nan")),
                 "yes" if r["meets_goal"] else "NO",
             ]
         )
@@ -654,6 +659,7 @@ def table(results: dict[str, Any]) -> str:
             "aot ms",
             "aotc/eager",
             "aot/eager",
+            "A/A eager",
             "goal",
         ],
         rows,
@@ -728,7 +734,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(
             f"  {wl.name:22s} saved B: eager {h['eager']:>9d}  aotc {h['aotc']:>9d}  "
             f"aot_autograd {h['aot_autograd']:>9d}; step vs eager: aotc {q['aotc/eager']:.3f}  "
-            f"aot_autograd {q['aot_autograd/eager']:.3f}",
+            f"aot_autograd {q['aot_autograd/eager']:.3f}  (A/A eager {q['eager_again/eager']:.3f})",
             flush=True,
         )
         if not r["meets_goal"]:
@@ -760,8 +766,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "one step, same for eager/aotc/AOTAutograd; partition time = median over reps of "
             "fresh compilations (aotc: record.partition.seconds; torch: wall time of the "
             "partition_fn call); step time = per fresh process (1 torch thread) the median of "
-            "per-round means of fwd+bwd, eager/aotc/aot_autograd(min-cut) interleaved; reported "
-            "the median over processes of times and of same-process ratios"
+            "per-round means of fwd+bwd, eager/eager_again/aotc/aot_autograd(min-cut) "
+            "interleaved (eager_again/eager: the A/A control, this run's same-process noise); "
+            "reported the median over processes of times and of same-process ratios"
         ),
     )
     print(table(results))

@@ -5,7 +5,9 @@
 - `eliminate_common_subexpressions`: one node per (op, args) among deterministic ops.
 - `remove_noop_views`: views and copies that return their input unchanged in shape and layout
   (`view(x, x.shape)`, `expand(x, x.shape)`, `alias(x)`, `_to_copy(x)` with x's dtype) read
-  their input instead.
+  their input instead; so does the last view of a chain of views that ends where it started
+  (`t(t(w))`, `view(view(x, s), x.shape)`, `permute(permute(x, p), inverse(p))`), which reads
+  the chain's start (see Note [View chains that come back]).
 
 Worked example (CSE then no-op removal then DCE):
 
@@ -31,6 +33,34 @@ _IDENTITY_VIEWS = {
     aten.expand.default,
 }
 _IDENTITY_COPIES = {aten.alias.default, aten.clone.default}
+
+# Note [View chains that come back]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Autograd formulas compose views: a Linear's weight gradient is `t(mm(t(g), x))` and then
+# TBackward's `t` of that, and its input gradient reads `t(t(w))`. Each link is one ATen call
+# (~4 us of dispatch on CPU) and, on the ATen executor, the backward runs every one of them,
+# where eager's C++ autograd nodes pay less per call. A view at the end of a chain of
+# view-only ops (`_CHAIN_VIEWS`: no data movement when they are views, and the same values
+# when `reshape` copies) whose size, stride, storage offset and dtype equal those of the
+# chain's start is that start: the same elements of the same storage (graphs here are
+# functional, so nothing mutates it in between). Readers of the end read the start instead
+# and dead-code elimination drops the links nothing else reads. Graph outputs are left alone,
+# as for every no-op here: whether an output is a view of another value is user-visible
+# aliasing, which the runtime regenerates from the graph.
+_CHAIN_VIEWS = {
+    aten.t.default,
+    aten.transpose.int,
+    aten.permute.default,
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.expand.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.unsqueeze.default,
+    aten.alias.default,
+}
+_MAX_CHAIN = 8
 
 
 def _copy(graph: StageGraph) -> fx.Graph:
@@ -135,9 +165,43 @@ def remove_noop_views(graph: StageGraph) -> StageGraph:
 def _remove_noops(g: fx.Graph) -> None:
     outputs = set(next(n for n in reversed(g.nodes) if n.op == "output").all_input_nodes)
     for node in list(g.nodes):
-        if _is_noop(node) and node not in outputs:
+        if node in outputs:
+            continue
+        if _is_noop(node):
             node.replace_all_uses_with(node.args[0])
             g.erase_node(node)
+        elif (start := _chain_start(node)) is not None:
+            node.replace_all_uses_with(start)
+            g.erase_node(node)  # a view: pure; links nothing else reads go in DCE
+
+
+def _chain_start(node: fx.Node) -> fx.Node | None:
+    """The start of the view chain ending at `node` when `node` has its exact geometry (see
+    Note [View chains that come back]), else None."""
+    if node.op != "call_function" or node.target not in _CHAIN_VIEWS or not node.users:
+        return None
+    out = node.meta.get("val")
+    if not isinstance(out, torch.Tensor):
+        return None
+    src = node.args[0] if node.args else None
+    for _ in range(_MAX_CHAIN):
+        if not isinstance(src, fx.Node):
+            return None
+        val = src.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return None
+        if (
+            val.dtype == out.dtype
+            and val.device == out.device
+            and _known_equal(val.shape, out.shape)
+            and _known_equal(val.stride(), out.stride())
+            and _known_equal((val.storage_offset(),), (out.storage_offset(),))
+        ):
+            return src
+        if src.op != "call_function" or src.target not in _CHAIN_VIEWS or not src.args:
+            return None
+        src = src.args[0]
+    return None
 
 
 def cleanup(graph: StageGraph) -> StageGraph:

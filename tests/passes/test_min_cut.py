@@ -192,3 +192,52 @@ def test_noop_views_are_removed():
     targets = _targets(after)
     assert "aten.expand.default" not in targets and "aten.view.default" in targets
     torch.testing.assert_close(after.module(x)[0], f(x)[0])
+
+
+def test_view_chains_that_come_back_read_their_start():
+    # Linear's backward: the input gradient reads t(t(w)); the weight gradient is a view chain
+    # of an mm, left alone where it is an output (aliasing of outputs is user-visible).
+    def f(x, w):
+        a = x.t().t().sin()
+        b = w.view(12).view(3, 4).permute(1, 0).permute(1, 0)
+        c = x.unsqueeze(0).squeeze(0)
+        return (a + b.cos() + c, w.t().t())
+
+    x, w = torch.randn(3, 4), torch.randn(3, 4)
+    before = _stage(f, x, w)
+    after = eliminate_dead_code(remove_noop_views(before))
+    targets = _targets(after)
+    for op in ("aten.view.default", "aten.permute.default", "aten.unsqueeze.default"):
+        assert op not in targets, targets
+    assert targets.count("aten.t.default") == 2  # only the returned chain w.t().t()
+    for got, want in zip(after.module(x, w), f(x, w)):
+        torch.testing.assert_close(got, want)
+
+
+def test_view_chains_that_do_not_come_back_stay():
+    def f(x):
+        return (x.t().contiguous().t().sin(), x.view(4, 3).view(2, 6).sin())
+
+    x = torch.randn(3, 4)
+    after = remove_noop_views(_stage(f, x))
+    targets = _targets(after)
+    assert targets.count("aten.t.default") == 2 and targets.count("aten.view.default") == 2
+    for got, want in zip(after.module(x), f(x)):
+        torch.testing.assert_close(got, want)
+
+
+def test_linear_backward_runs_no_double_transposes():
+    # On the ATen executor every view in the backward is an ATen call; t(t(w)) is w.
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    x = torch.randn(5, 8, requires_grad=True)
+    compiled = aotc.compile(model)
+    compiled(x).sum().backward()
+    bw = aotc.inspect(compiled)[0].partition.backward.module.graph
+    returned = set(next(n for n in reversed(bw.nodes) if n.op == "output").all_input_nodes)
+    for node in bw.nodes:
+        if node.target == torch.ops.aten.t.default and node not in returned:
+            src = node.args[0]
+            assert not (isinstance(src, fx.Node) and src.target == torch.ops.aten.t.default), (
+                node.format_node()
+            )
+    assert_matches_eager(model, lambda: (torch.randn(5, 8, requires_grad=True),))
