@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch.fx as fx
+
 from aotc import keytrace
 from aotc.cachekey import CacheKey, _key_of, cache_key, verify_key
 from aotc.functional import FlatProgram
@@ -122,11 +124,12 @@ def find(
     options: CompileOptions,
     grad_enabled: bool,
     facts: ShapeFacts | None = None,
+    graph: fx.GraphModule | None = None,
 ) -> tuple[CacheKey, StoredEntry | None]:
     """The key of this signature and its verified entry, if stored. A meta key whose entry is a
     redirect (its program's meta and fake texts differed, see `store_verified`) is keyed again
     with the fake tracer."""
-    key = cache_key(program, leaves, names, options, grad_enabled, facts=facts)
+    key = cache_key(program, leaves, names, options, grad_enabled, facts=facts, graph=graph)
     stored = _read(options, key.key) if key.key is not None else None
     if stored is not None and stored.body == _REDIRECT:
         key = cache_key(program, leaves, names, options, grad_enabled, tracers=("fake",))
