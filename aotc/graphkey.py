@@ -88,18 +88,24 @@ def graph_text(gm: fx.GraphModule) -> str:
 
 
 def _graph_lines(gm: fx.GraphModule, prefix: str, lines: list[str]) -> None:
+    # Nodes by position, not by name: Dynamo names nodes after the user's locals, and a renamed
+    # local is the same program. (Input names are in the signature text.)
+    ids: dict[fx.Node, str] = {}
     for node in gm.graph.nodes:
+        ids[node] = f"%{prefix.count(' ') // 2}.{len(ids)}"
+        name = ids[node]
         if node.op == "placeholder":
-            lines.append(f"{prefix}{node.name} = input {node.target!r}")
+            lines.append(f"{prefix}{name} = input")
         elif node.op == "output":
-            lines.append(f"{prefix}return {_arg(node.args[0])}")
+            lines.append(f"{prefix}return {_arg(node.args[0], ids)}")
         elif node.op == "get_attr":
-            lines.append(f"{prefix}{node.name} = attr {node.target!r} {_attr(gm, node, prefix)}")
+            # The attribute's name says which lifted input it reads: it stays in the text.
+            lines.append(f"{prefix}{name} = attr {node.target!r} {_attr(gm, node, prefix)}")
         elif node.op in ("call_function", "call_method"):
             target = _target(node.target) if node.op == "call_function" else f".{node.target}"
-            args = ", ".join(_arg(a) for a in node.args)
-            kwargs = ", ".join(f"{k}={_arg(v)}" for k, v in node.kwargs.items())
-            lines.append(f"{prefix}{node.name} = {target}({args}; {kwargs})")
+            args = ", ".join(_arg(a, ids) for a in node.args)
+            kwargs = ", ".join(f"{k}={_arg(v, ids)}" for k, v in node.kwargs.items())
+            lines.append(f"{prefix}{name} = {target}({args}; {kwargs})")
         else:
             raise Unkeyable(f"graph node {node.format_node()} ({node.op})")
 
@@ -137,9 +143,9 @@ def _resolve(module: str, qualname: str) -> object:
     return obj
 
 
-def _arg(value: object) -> str:
+def _arg(value: object, ids: dict[fx.Node, str]) -> str:
     if isinstance(value, fx.Node):
-        return f"%{value.name}"
+        return ids[value]
     if value is None or isinstance(value, (bool, int, str)):
         return repr(value)
     if isinstance(value, float):
@@ -151,12 +157,13 @@ def _arg(value: object) -> str:
     if value is Ellipsis:
         return "..."
     if isinstance(value, slice):
-        return f"slice({_arg(value.start)}, {_arg(value.stop)}, {_arg(value.step)})"
+        parts = (value.start, value.stop, value.step)
+        return f"slice({', '.join(_arg(v, ids) for v in parts)})"
     if isinstance(value, (tuple, list)):
         kind = "tuple" if isinstance(value, tuple) else "list"
-        return f"{kind}[{', '.join(_arg(v) for v in value)}]"
+        return f"{kind}[{', '.join(_arg(v, ids) for v in value)}]"
     if isinstance(value, dict):
-        items = ", ".join(f"{_arg(k)}: {_arg(v)}" for k, v in value.items())
+        items = ", ".join(f"{_arg(k, ids)}: {_arg(v, ids)}" for k, v in value.items())
         return "dict{" + items + "}"
     raise Unkeyable(f"graph argument of type {type(value).__name__}")
 

@@ -16,8 +16,10 @@ not decode is ignored with a warning and rebuilt. The file format is in runtime/
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,6 +143,7 @@ def find(
 
 def _read(options: CompileOptions, key: str) -> StoredEntry | None:
     assert options.cache_dir is not None
+    flush(key)  # Note [Deferred cache stores]
     body = store.read_entry(options.cache_dir, key)
     return StoredEntry(key, body) if body is not None else None
 
@@ -235,12 +238,14 @@ def store_verified(
     the ShapeEnv (`ShapeFacts.added_guards`), replayed on a hit."""
     assert key.key is not None
     if shape_guards is not None:  # a fake-traced key: nothing to verify
-        store_entry(options, key.key, entry, kernels, shape_guards)
+        _store_later(key.key, lambda: store_entry(options, key.key, entry, kernels, shape_guards))
         return
+    # Deciding where the entry goes may run the user's program (a fake key trace): that stays
+    # on this thread. Only encoding and writing are deferred (Note [Deferred cache stores]).
     fake_text = observed.text if observed is not None else None
     refused = verify_key(key, program, leaves, grad_enabled, fake_text)
     if refused is None:
-        store_entry(options, key.key, entry, kernels)
+        _store_later(key.key, lambda: store_entry(options, key.key, entry, kernels))
         return
     log.info("%s: not stored under its meta key: %s", entry.program.plan.name, refused)
     if fake_text is not None:
@@ -250,8 +255,72 @@ def store_verified(
     if fake.key is None:
         log.info("not caching: %s", fake.reason)
         return
-    if store_entry(options, fake.key, entry, kernels):
-        _write_redirect(options, key.key)
+    fake_key, meta_key = fake.key, key.key
+
+    def store_and_redirect() -> None:
+        if store_entry(options, fake_key, entry, kernels):
+            _write_redirect(options, meta_key)
+
+    _store_later(meta_key, store_and_redirect, also=fake_key)
+
+
+# Note [Deferred cache stores]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Encoding a cold compile's entry (its graphs, the inspection record) and writing it costs
+# ~10% of a cold compile and serves only the next process, so it runs on a thread of its own
+# once the compile has decided what to store: the compiled function returns without waiting.
+# Everything the thread reads is immutable once the compile has assembled it (frozen records,
+# fx graphs nothing edits afterwards). Rules that keep this invisible:
+# - One store at a time (`_STORE_LOCK`); each is a non-daemon thread, so the interpreter waits
+#   for pending stores at exit and the entry is on disk when the process ends normally.
+# - A lookup of a key with a pending store waits for it (`_read`), so a second compile of the
+#   same program in the same process hits exactly as with a synchronous store.
+# - `aotc.cache_flush()` waits for every pending store (tests, scripts that copy the cache);
+#   AOTC_CACHE_SYNC=1 stores on the compiling thread.
+# - A failure of the store (a bug, a full disk) is logged as a warning and never reaches the
+#   user's call; the program is then simply compiled again by the next process.
+# Deciding *where* the entry goes stays on the compiling thread: it can run the user's program
+# (the fake key trace of Note [Meta key trace]), which must not happen behind the user's back.
+_STORE_LOCK = threading.Lock()
+_PENDING_LOCK = threading.Lock()
+_PENDING: dict[str, threading.Thread] = {}
+
+
+def _store_later(key: str, store: Callable[[], object], also: str | None = None) -> None:
+    if os.environ.get("AOTC_CACHE_SYNC", "") == "1":
+        _run_store(store, ())
+        return
+    keys = (key,) if also is None else (key, also)
+    thread = threading.Thread(
+        target=_run_store, args=(store, keys), name=f"aotc-cache-store-{key[:12]}"
+    )
+    with _PENDING_LOCK:
+        for k in keys:
+            _PENDING[k] = thread
+    thread.start()
+
+
+def _run_store(store: Callable[[], object], keys: tuple[str, ...]) -> None:
+    try:
+        with _STORE_LOCK:
+            store()
+    except Exception as e:  # noqa: BLE001 see Note [Deferred cache stores]
+        log.warning("aotc cache: storing an entry failed (%s: %s); not cached", type(e).__name__, e)
+    finally:
+        with _PENDING_LOCK:
+            for k in keys:
+                if _PENDING.get(k) is threading.current_thread():
+                    del _PENDING[k]
+
+
+def flush(key: str | None = None) -> None:
+    """Wait for the pending cache stores (of `key` only, if given); see Note [Deferred cache
+    stores]."""
+    with _PENDING_LOCK:
+        threads = list(_PENDING.values()) if key is None else [_PENDING.get(key)]
+    for thread in threads:
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
 
 _REDIRECT: dict[str, Any] = {"redirect": "fake"}
@@ -314,6 +383,7 @@ __all__ = [
     "StoredEntry",
     "decode_hit",
     "find",
+    "flush",
     "is_enabled",
     "store_entry",
     "store_verified",

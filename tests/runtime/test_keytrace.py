@@ -186,6 +186,7 @@ def test_disagreeing_meta_trace_redirects_to_the_fake_key(tmp_path, monkeypatch,
     with caplog.at_level("INFO", logger="aotc.cache"):
         first = assert_matches_eager(fn, args, cache_dir=d, capture="trace")
     assert "meta and fake key traces differ" in caplog.text
+    aotc.cache_flush()
     bodies = [
         persist.store.read_entry(d, n.removesuffix(".json"))
         for n in sorted(os.listdir(d))
