@@ -11,6 +11,30 @@ values the plain codec encodes (runtime/codec.py).
 Ensures: a hit decodes to the typed records a cold compile builds, and the driver assembles
 both the same way (`runtime.artifact.assemble`, Note [One compiled program]); an entry that does
 not decode is ignored with a warning and rebuilt. The file format is in runtime/cache.py.
+
+Note [Cache entries and artifacts]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Issue #15 asks for one compiled record that the driver produces, the cache stores and export
+writes, with one codec. That record is `runtime.artifact.CompiledProgram`: the runtime plan
+(calling convention, epilogue plan, autograd plan, output structure), the forward and backward
+ATen graphs and their Triton lowerings as step programs (kernel launches by file and launch
+spec). The two containers add only what their own lookup needs, each a frozen record in the same
+codec:
+- an exported `CompiledArtifact` adds how a *caller* binds to the program (argument tree spec,
+  lifted module state by name, training flags, the signature guard, device), because `aotc.load`
+  has no compiler to derive them;
+- a `CacheEntry` adds the compiler's `Inspection` record (so a hit shows the same
+  `aotc.inspect` records) and the cold stage times. Its binding is the cache key itself (Note
+  [Cache key] in aotc/cachekey.py, Note [Graph key] in aotc/graphkey.py): the key covers the
+  input signature, and the driver that looked it up already holds the caller's leaves, guard and
+  names, exactly as for a cold compile. Storing an artifact's binding fields in the cache would
+  duplicate the key (and has no meaning for a Dynamo graph, whose binding is Dynamo's guards).
+Both are written by `codec.encode` and read by `codec.decode` against the same registered
+records, graphs by runtime/fxcodec.py with the same op allowlist, and both become a callable
+through `runtime.artifact.assemble`. The one deliberate difference is where Triton kernels come
+from: an artifact ships kernel modules that `load` imports (trust it as a pickle), a cache
+directory never supplies code (Note [Cache entry format]), so a hit regenerates kernels from the
+stored decomposed graphs.
 """
 
 from __future__ import annotations
