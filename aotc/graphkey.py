@@ -39,8 +39,9 @@ inputs' signature, (c) the global state the calls read, and (d) aotc's and torch
   parameter; its geometry is in the signature text. Any other attribute is unkeyable.
 - Global state that an ATen-level trace would have seen but a graph does not show: which
   scaled-dot-product-attention backends are enabled, deterministic algorithms, float32 matmul
-  precision, cuDNN/mkldnn switches. These are written into the text (`_global_state`); grad mode,
-  autocast and the default dtype are in the signature text already.
+  precision, cuDNN/mkldnn switches, the default device (`torch.set_default_device`). These are
+  written into the text (`_global_state`); grad mode, autocast and the default dtype are in the
+  signature text already.
 What the text leaves out is what does not change the compile: source lines and stack traces in
 node metadata (errors may then name the line of the program that stored the entry, as with the
 key trace), node metadata values (recomputed from the inputs), graph-module names.
@@ -190,7 +191,7 @@ def _global_state() -> str:
     """Global switches that choose ATen kernels or decompositions below the graph's calls."""
     cuda = torch.backends.cuda
     return (
-        f"globals sdp=flash:{cuda.flash_sdp_enabled()} mem:{cuda.mem_efficient_sdp_enabled()} "
+        f"globals device={torch.get_default_device()} sdp=flash:{cuda.flash_sdp_enabled()} mem:{cuda.mem_efficient_sdp_enabled()} "
         f"math:{cuda.math_sdp_enabled()} cudnn:{cuda.cudnn_sdp_enabled()} "
         f"deterministic={torch.are_deterministic_algorithms_enabled()}"
         f"/{torch.is_deterministic_algorithms_warn_only_enabled()} "

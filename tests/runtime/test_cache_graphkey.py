@@ -171,3 +171,21 @@ def test_a_failing_store_never_breaks_the_call(tmp_path, monkeypatch, caplog):
     assert "cache_load" not in aotc.inspect(again)[0].stage_seconds
     aotc.cache_flush()
     assert len(entries(d)) == 1
+
+
+def test_global_switches_below_the_graph_are_in_the_text(monkeypatch):
+    x = torch.randn(2, 3, 8, 4)
+    fn = lambda q: torch.nn.functional.scaled_dot_product_attention(q, q, q).sum()  # noqa: E731
+    before = text(fn, x)
+    flash = torch.backends.cuda.flash_sdp_enabled()
+    torch.backends.cuda.enable_flash_sdp(not flash)
+    try:
+        assert text(fn, x) != before
+    finally:
+        torch.backends.cuda.enable_flash_sdp(flash)
+    torch.set_default_device("meta")
+    try:
+        changed = graphkey._global_state()
+    finally:
+        torch.set_default_device(None)
+    assert changed != graphkey._global_state()
