@@ -39,6 +39,7 @@ stored decomposed graphs.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -291,60 +292,87 @@ def store_verified(
 # Note [Deferred cache stores]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Encoding a cold compile's entry (its graphs, the inspection record) and writing it costs
-# ~10% of a cold compile and serves only the next process, so it runs on a thread of its own
-# once the compile has decided what to store: the compiled function returns without waiting.
-# Everything the thread reads is immutable once the compile has assembled it (frozen records,
-# fx graphs nothing edits afterwards). Rules that keep this invisible:
-# - One store at a time (`_STORE_LOCK`); each is a non-daemon thread, so the interpreter waits
-#   for pending stores at exit and the entry is on disk when the process ends normally.
-# - A lookup of a key with a pending store waits for it (`_read`), so a second compile of the
-#   same program in the same process hits exactly as with a synchronous store.
-# - `aotc.cache_flush()` waits for every pending store (tests, scripts that copy the cache);
-#   AOTC_CACHE_SYNC=1 stores on the compiling thread.
-# - A failure of the store (a bug, a full disk) is logged as a warning and never reaches the
-#   user's call; the program is then simply compiled again by the next process.
-# Deciding *where* the entry goes stays on the compiling thread: it can run the user's program
-# (the fake key trace of Note [Meta key trace]), which must not happen behind the user's back.
-_STORE_LOCK = threading.Lock()
-_PENDING_LOCK = threading.Lock()
-_PENDING: dict[str, threading.Thread] = {}
+# ~5-10% of a cold compile and serves only the next process, so it is queued once the compile
+# has decided what to store, and the compiled function returns without it. Everything a queued
+# store reads is immutable once the compile has assembled it (frozen records, fx graphs nothing
+# edits afterwards). When a queued store runs:
+# - `_STORE_DELAY` seconds later, on a timer thread (one per batch of stores). Not at once: a
+#   thread that starts encoding right away holds the GIL in 5 ms slices against the first call
+#   and backward, and on a loaded machine each hand-over of the GIL waits for the OS scheduler
+#   (measured: 20 ms of encoding cost the first call 170-380 ms at load average 6).
+# - at a lookup of the same key (`_read`): a second compile of the same program in the same
+#   process hits exactly as with a synchronous store; other keys' stores stay queued.
+# - at `aotc.cache_flush()` (every queued store, on the caller's thread) and at interpreter exit
+#   (an atexit flush), so an entry is on disk when the process ends normally; a process killed
+#   before then loses its queued entries (it compiles again next time, nothing is wrong).
+# - at once, on the compiling thread, with AOTC_CACHE_SYNC=1.
+# One store runs at a time (`_STORE_LOCK`). A failure of a store (a bug, a full disk) is logged
+# as a warning and never reaches the user's call. Deciding *where* the entry goes stays on the
+# compiling thread: it can run the user's program (the fake key trace of Note [Meta key trace]),
+# which must not happen behind the user's back.
+_STORE_DELAY = 1.0
+_STORE_LOCK = threading.Lock()  # held while a store runs
+_QUEUE_LOCK = threading.Lock()  # guards _QUEUED and _TIMER
+_QUEUED: dict[str, Callable[[], object]] = {}  # key -> its store, in queueing order
+_TIMER: list[threading.Timer] = []
 
 
-def _store_later(key: str, store: Callable[[], object], also: str | None = None) -> None:
+def _store_later(key: str, job: Callable[[], object], also: str | None = None) -> None:
     if os.environ.get("AOTC_CACHE_SYNC", "") == "1":
-        _run_store(store, ())
+        _run_store(job)
         return
-    keys = (key,) if also is None else (key, also)
-    thread = threading.Thread(
-        target=_run_store, args=(store, keys), name=f"aotc-cache-store-{key[:12]}"
-    )
-    with _PENDING_LOCK:
-        for k in keys:
-            _PENDING[k] = thread
-    thread.start()
+    with _QUEUE_LOCK:
+        _QUEUED[key] = job
+        if also is not None:
+            _QUEUED[also] = job  # the same job under both keys: run once, see _take
+        if not _TIMER:
+            timer = threading.Timer(_STORE_DELAY, _on_timer)
+            timer.daemon = True  # the atexit flush writes what is queued
+            timer.name = "aotc-cache-store"
+            _TIMER.append(timer)
+            timer.start()
 
 
-def _run_store(store: Callable[[], object], keys: tuple[str, ...]) -> None:
+def _on_timer() -> None:
+    with _QUEUE_LOCK:
+        _TIMER.clear()
+    flush()
+
+
+def _take(key: str | None) -> list[Callable[[], object]]:
+    """Remove and return the queued jobs (of `key` only, if given), each once."""
+    with _QUEUE_LOCK:
+        keys = list(_QUEUED) if key is None else [key] if key in _QUEUED else []
+        jobs = {id(_QUEUED[k]): _QUEUED[k] for k in keys}
+        for k in [k for k, j in _QUEUED.items() if id(j) in jobs]:
+            del _QUEUED[k]
+    return list(jobs.values())
+
+
+def _run_store(job: Callable[[], object]) -> None:
     try:
         with _STORE_LOCK:
-            store()
+            job()
     except Exception as e:  # noqa: BLE001 see Note [Deferred cache stores]
         log.warning("aotc cache: storing an entry failed (%s: %s); not cached", type(e).__name__, e)
-    finally:
-        with _PENDING_LOCK:
-            for k in keys:
-                if _PENDING.get(k) is threading.current_thread():
-                    del _PENDING[k]
 
 
 def flush(key: str | None = None) -> None:
-    """Wait for the pending cache stores (of `key` only, if given); see Note [Deferred cache
-    stores]."""
-    with _PENDING_LOCK:
-        threads = list(_PENDING.values()) if key is None else [_PENDING.get(key)]
-    for thread in threads:
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
+    """Run the queued cache stores (of `key` only, if given) on this thread, after any store
+    already running; see Note [Deferred cache stores]."""
+    for job in _take(key):
+        _run_store(job)
+    with _STORE_LOCK:
+        pass  # a store the timer thread took before us has finished
+
+
+def pending() -> int:
+    """How many stores are queued (for tests)."""
+    with _QUEUE_LOCK:
+        return len({id(j) for j in _QUEUED.values()})
+
+
+atexit.register(flush)
 
 
 _REDIRECT: dict[str, Any] = {"redirect": "fake"}
@@ -408,6 +436,7 @@ __all__ = [
     "decode_hit",
     "find",
     "flush",
+    "pending",
     "is_enabled",
     "store_entry",
     "store_verified",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import pytest
 import torch
@@ -12,6 +13,13 @@ import torch
 import aotc
 from aotc import graphkey, keytrace, persist
 from tests.conftest import assert_matches_eager, assert_module_matches_eager
+
+
+@pytest.fixture(autouse=True)
+def _no_queued_stores():
+    aotc.cache_flush()  # stores other tests queued (Note [Deferred cache stores])
+    yield
+    aotc.cache_flush()
 
 
 def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
@@ -132,25 +140,49 @@ def test_default_mode_is_keyed_without_a_key_trace(tmp_path, monkeypatch):
     assert "cache_load" not in aotc.inspect(third)[0].stage_seconds
 
 
-def test_deferred_store_is_on_disk_after_flush(tmp_path):
+def test_deferred_store_is_on_disk_after_flush(tmp_path, monkeypatch):
+    monkeypatch.setattr(persist, "_STORE_DELAY", 60.0)  # only the flush writes it
     d = str(tmp_path)
     f = aotc.compile(lambda x: (x.exp() * 3).sum(), cache_dir=d, capture="trace")
     f(torch.randn(4, requires_grad=True)).backward()
+    assert persist.pending() == 1 and entries(d) == []
     aotc.cache_flush()
-    assert len(entries(d)) == 1
-    assert not persist._PENDING
+    assert len(entries(d)) == 1 and persist.pending() == 0
+
+
+def test_deferred_store_runs_on_its_own_later(tmp_path, monkeypatch):
+    monkeypatch.setattr(persist, "_STORE_DELAY", 0.05)
+    d = str(tmp_path)
+    aotc.compile(lambda x: x.cos() * 2, cache_dir=d, capture="trace")(torch.randn(3))
+    for _ in range(200):
+        if entries(d):
+            break
+        time.sleep(0.05)
+    assert len(entries(d)) == 1 and persist.pending() == 0
+
+
+def test_second_compile_of_the_same_program_waits_for_its_entry(tmp_path, monkeypatch):
+    monkeypatch.setattr(persist, "_STORE_DELAY", 60.0)
+    d = str(tmp_path)
+    fn = lambda x: (x.sigmoid() * x).sum()  # noqa: E731
+    other = aotc.compile(lambda x: x.abs() + 1, cache_dir=d, capture="trace")
+    other(torch.randn(3))
+    args = lambda: (torch.randn(6, requires_grad=True),)  # noqa: E731
+    assert_matches_eager(fn, args, cache_dir=d, capture="trace")
+    assert persist.pending() == 2
+    warm = assert_matches_eager(fn, args, cache_dir=d, capture="trace")
+    assert "cache_load" in aotc.inspect(warm)[0].stage_seconds
+    assert persist.pending() == 1  # the other program's store is still queued
+    aotc.cache_flush()
 
 
 def test_sync_env_stores_on_the_compiling_thread(tmp_path, monkeypatch):
     monkeypatch.setenv("AOTC_CACHE_SYNC", "1")
-    started: list[object] = []
-    real_thread = persist.threading.Thread
-    monkeypatch.setattr(
-        persist.threading, "Thread", lambda *a, **k: started.append(a) or real_thread(*a, **k)
-    )
+    monkeypatch.setattr(persist, "_STORE_DELAY", 60.0)
     d = str(tmp_path)
     aotc.compile(lambda x: x.tanh() + 1, cache_dir=d, capture="trace")(torch.randn(3))
-    assert len(entries(d)) == 1 and not started
+    assert persist.pending() == 0
+    assert len(sorted(n for n in os.listdir(d) if n.endswith(".json"))) == 1
 
 
 def test_a_failing_store_never_breaks_the_call(tmp_path, monkeypatch, caplog):
