@@ -262,15 +262,18 @@ def store_verified(
     compile's own run] in aotc/keytrace.py). `shape_guards`: what a symbolic compilation added to
     the ShapeEnv (`ShapeFacts.added_guards`), replayed on a hit."""
     assert key.key is not None
+    stored_key: str = key.key
     if shape_guards is not None:  # a fake-traced key: nothing to verify
-        _store_later(key.key, lambda: store_entry(options, key.key, entry, kernels, shape_guards))
+        _store_later(
+            stored_key, lambda: store_entry(options, stored_key, entry, kernels, shape_guards)
+        )
         return
     # Deciding where the entry goes may run the user's program (a fake key trace): that stays
     # on this thread. Only encoding and writing are deferred (Note [Deferred cache stores]).
     fake_text = observed.text if observed is not None else None
     refused = verify_key(key, program, leaves, grad_enabled, fake_text)
     if refused is None:
-        _store_later(key.key, lambda: store_entry(options, key.key, entry, kernels))
+        _store_later(stored_key, lambda: store_entry(options, stored_key, entry, kernels))
         return
     log.info("%s: not stored under its meta key: %s", entry.program.plan.name, refused)
     if fake_text is not None:
