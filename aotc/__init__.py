@@ -78,7 +78,7 @@ from aotc.runtime.errors import (  # noqa: E402  (needs _map_checkout in a check
 )
 
 if TYPE_CHECKING:
-    from aotc.api import CompiledFunction, CompiledModule, compile, inspect
+    from aotc.api import CompiledFunction, CompiledModule, cache_flush, compile, inspect
     from aotc.capture import DynamoFunction, DynamoModule
     from aotc.exporting import export
     from aotc.options import Backend, Capture, CompileOptions, Partitioner, configure_logging
@@ -92,6 +92,7 @@ _LAZY = {
     "DynamoModule": "aotc.capture",
     "compile": "aotc.api",
     "inspect": "aotc.api",
+    "cache_flush": "aotc.api",
     "CompileOptions": "aotc.options",
     "Backend": "aotc.options",
     "Capture": "aotc.options",
@@ -135,6 +136,7 @@ __all__ = [
     "LoadedArtifact",
     "UnsupportedError",
     "__version__",
+    "cache_flush",
     "compile",
     "configure_logging",
     "export",

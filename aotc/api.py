@@ -748,3 +748,14 @@ def inspect(compiled: Any) -> list[CompiledRecord]:
     raise TypeError(
         f"aotc.inspect() expects what aotc.compile() returned, got {type(compiled).__name__}"
     )
+
+
+def cache_flush() -> None:
+    """Wait until every cache entry this process has compiled is written to the cache
+    directory. Entries are encoded and written on a background thread after the compile returns
+    (see Note [Deferred cache stores] in aotc/persist.py); the interpreter also waits for them at
+    exit, and a second compile of the same program waits for its own entry. Call this before
+    copying or inspecting the cache directory from the same process."""
+    from aotc import persist
+
+    persist.flush()

@@ -322,7 +322,7 @@ def _compile_ahead(
 
     names = graph_input_names(gm) + [a.name for a in accesses]
     entry: CompiledEntry = compile_signature(
-        program, leaves, names, opts, name, _graph_source(gm), mode
+        program, leaves, names, opts, name, _graph_source(gm), mode, graph=gm
     )
     check_static_geometry(entry.plan.epilogue, name)
     graph = DynamoGraph(entry)

@@ -58,15 +58,17 @@ from __future__ import annotations
 import enum
 import hashlib
 import importlib.metadata
+import logging
 import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
+import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from aotc import keytrace
+from aotc import graphkey, keytrace
 from aotc.functional import FlatProgram
 from aotc.options import CompileOptions
 from aotc.runtime import cache as store
@@ -86,6 +88,7 @@ _NOT_IN_KEY = frozenset(
     }
 )
 _PLAIN = keytrace.PLAIN
+log = logging.getLogger("aotc.cache")
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,11 +107,14 @@ def cache_key(
     grad_enabled: bool,
     tracers: Sequence[str] | None = None,
     facts: ShapeFacts | None = None,
+    graph: fx.GraphModule | None = None,
 ) -> CacheKey:
     """See Note [Cache key]. `tracers`: which key tracers to try, in order (default: meta, then
     fake, or fake alone for inputs the meta tracer does not model). `facts`: the symbols of a
     symbolic compilation's inputs (Note [Symbolic cache entries] in aotc/symkey.py); the key then
-    also covers what the ShapeEnv knows about them, and only the fake tracer runs."""
+    also covers what the ShapeEnv knows about them, and only the fake tracer runs. `graph`: the
+    Dynamo graph `program` runs, keyed by its text when it can be (Note [Graph key] in
+    aotc/graphkey.py; tracer "graph", which needs no verification)."""
     try:
         parts = [
             _versions(),
@@ -119,6 +125,13 @@ def cache_key(
             parts.append("shape facts\n" + facts.prior_text())
     except _Unkeyable as e:
         return CacheKey(None, str(e))
+    if graph is not None and facts is None and tracers is None:
+        try:
+            return _digest(parts, "graph", graphkey.graph_text(graph))
+        except _Unkeyable:
+            pass  # a node the graph text cannot pin down: the key trace decides
+        except Exception as e:  # noqa: BLE001 a bug in the graph text must not fail the compile
+            log.warning("graph key failed (%s: %s); keying by trace", type(e).__name__, e)
     if facts is not None:
         tracers = ("fake",)
     elif tracers is None:
@@ -196,16 +209,18 @@ _VERSIONS: list[str] = []
 
 
 def _versions() -> str:
-    """aotc (version and a digest of its sources), torch, triton, Python, entry format."""
+    """aotc (version and a digest of its sources), torch, triton, Python, entry format. The
+    sources are digested by path, size and modification time (nanoseconds), not content: a
+    stat per file instead of reading ~700 kB on every process's first key (an edit or a
+    reinstall changes the time; identical sources at another time only cost a miss)."""
     if not _VERSIONS:
         digest = hashlib.sha256()
         for package in ("aotc", "aotc.passes", "aotc.runtime"):
             folder = os.path.dirname(os.path.abspath(sys.modules[package].__file__ or ""))
-            for name in sorted(os.listdir(folder)):
-                if name.endswith(".py"):
-                    digest.update(f"{package}/{name}".encode())
-                    with open(os.path.join(folder, name), "rb") as f:
-                        digest.update(f.read())
+            with os.scandir(folder) as it:
+                files = sorted((e.name, e.stat()) for e in it if e.name.endswith(".py"))
+            for name, st in files:
+                digest.update(f"{package}/{name} {st.st_size} {st.st_mtime_ns}\n".encode())
         try:
             triton = importlib.metadata.version("triton")
         except importlib.metadata.PackageNotFoundError:

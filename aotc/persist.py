@@ -11,15 +11,44 @@ values the plain codec encodes (runtime/codec.py).
 Ensures: a hit decodes to the typed records a cold compile builds, and the driver assembles
 both the same way (`runtime.artifact.assemble`, Note [One compiled program]); an entry that does
 not decode is ignored with a warning and rebuilt. The file format is in runtime/cache.py.
+
+Note [Cache entries and artifacts]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Issue #15 asks for one compiled record that the driver produces, the cache stores and export
+writes, with one codec. That record is `runtime.artifact.CompiledProgram`: the runtime plan
+(calling convention, epilogue plan, autograd plan, output structure), the forward and backward
+ATen graphs and their Triton lowerings as step programs (kernel launches by file and launch
+spec). The two containers add only what their own lookup needs, each a frozen record in the same
+codec:
+- an exported `CompiledArtifact` adds how a *caller* binds to the program (argument tree spec,
+  lifted module state by name, training flags, the signature guard, device), because `aotc.load`
+  has no compiler to derive them;
+- a `CacheEntry` adds the compiler's `Inspection` record (so a hit shows the same
+  `aotc.inspect` records) and the cold stage times. Its binding is the cache key itself (Note
+  [Cache key] in aotc/cachekey.py, Note [Graph key] in aotc/graphkey.py): the key covers the
+  input signature, and the driver that looked it up already holds the caller's leaves, guard and
+  names, exactly as for a cold compile. Storing an artifact's binding fields in the cache would
+  duplicate the key (and has no meaning for a Dynamo graph, whose binding is Dynamo's guards).
+Both are written by `codec.encode` and read by `codec.decode` against the same registered
+records, graphs by runtime/fxcodec.py with the same op allowlist, and both become a callable
+through `runtime.artifact.assemble`. The one deliberate difference is where Triton kernels come
+from: an artifact ships kernel modules that `load` imports (trust it as a pickle), a cache
+directory never supplies code (Note [Cache entry format]), so a hit regenerates kernels from the
+stored decomposed graphs.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch.fx as fx
 
 from aotc import keytrace
 from aotc.cachekey import CacheKey, _key_of, cache_key, verify_key
@@ -122,11 +151,12 @@ def find(
     options: CompileOptions,
     grad_enabled: bool,
     facts: ShapeFacts | None = None,
+    graph: fx.GraphModule | None = None,
 ) -> tuple[CacheKey, StoredEntry | None]:
     """The key of this signature and its verified entry, if stored. A meta key whose entry is a
     redirect (its program's meta and fake texts differed, see `store_verified`) is keyed again
     with the fake tracer."""
-    key = cache_key(program, leaves, names, options, grad_enabled, facts=facts)
+    key = cache_key(program, leaves, names, options, grad_enabled, facts=facts, graph=graph)
     stored = _read(options, key.key) if key.key is not None else None
     if stored is not None and stored.body == _REDIRECT:
         key = cache_key(program, leaves, names, options, grad_enabled, tracers=("fake",))
@@ -138,6 +168,7 @@ def find(
 
 def _read(options: CompileOptions, key: str) -> StoredEntry | None:
     assert options.cache_dir is not None
+    flush(key)  # Note [Deferred cache stores]
     body = store.read_entry(options.cache_dir, key)
     return StoredEntry(key, body) if body is not None else None
 
@@ -231,13 +262,18 @@ def store_verified(
     compile's own run] in aotc/keytrace.py). `shape_guards`: what a symbolic compilation added to
     the ShapeEnv (`ShapeFacts.added_guards`), replayed on a hit."""
     assert key.key is not None
+    stored_key: str = key.key
     if shape_guards is not None:  # a fake-traced key: nothing to verify
-        store_entry(options, key.key, entry, kernels, shape_guards)
+        _store_later(
+            stored_key, lambda: store_entry(options, stored_key, entry, kernels, shape_guards)
+        )
         return
+    # Deciding where the entry goes may run the user's program (a fake key trace): that stays
+    # on this thread. Only encoding and writing are deferred (Note [Deferred cache stores]).
     fake_text = observed.text if observed is not None else None
     refused = verify_key(key, program, leaves, grad_enabled, fake_text)
     if refused is None:
-        store_entry(options, key.key, entry, kernels)
+        _store_later(stored_key, lambda: store_entry(options, stored_key, entry, kernels))
         return
     log.info("%s: not stored under its meta key: %s", entry.program.plan.name, refused)
     if fake_text is not None:
@@ -247,8 +283,99 @@ def store_verified(
     if fake.key is None:
         log.info("not caching: %s", fake.reason)
         return
-    if store_entry(options, fake.key, entry, kernels):
-        _write_redirect(options, key.key)
+    fake_key, meta_key = fake.key, key.key
+
+    def store_and_redirect() -> None:
+        if store_entry(options, fake_key, entry, kernels):
+            _write_redirect(options, meta_key)
+
+    _store_later(meta_key, store_and_redirect, also=fake_key)
+
+
+# Note [Deferred cache stores]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Encoding a cold compile's entry (its graphs, the inspection record) and writing it costs
+# ~5-10% of a cold compile and serves only the next process, so it is queued once the compile
+# has decided what to store, and the compiled function returns without it. Everything a queued
+# store reads is immutable once the compile has assembled it (frozen records, fx graphs nothing
+# edits afterwards). When a queued store runs:
+# - `_STORE_DELAY` seconds later, on a timer thread (one per batch of stores). Not at once: a
+#   thread that starts encoding right away holds the GIL in 5 ms slices against the first call
+#   and backward, and on a loaded machine each hand-over of the GIL waits for the OS scheduler
+#   (measured: 20 ms of encoding cost the first call 170-380 ms at load average 6).
+# - at a lookup of the same key (`_read`): a second compile of the same program in the same
+#   process hits exactly as with a synchronous store; other keys' stores stay queued.
+# - at `aotc.cache_flush()` (every queued store, on the caller's thread) and at interpreter exit
+#   (an atexit flush), so an entry is on disk when the process ends normally; a process killed
+#   before then loses its queued entries (it compiles again next time, nothing is wrong).
+# - at once, on the compiling thread, with AOTC_CACHE_SYNC=1.
+# One store runs at a time (`_STORE_LOCK`). A failure of a store (a bug, a full disk) is logged
+# as a warning and never reaches the user's call. Deciding *where* the entry goes stays on the
+# compiling thread: it can run the user's program (the fake key trace of Note [Meta key trace]),
+# which must not happen behind the user's back.
+_STORE_DELAY = 1.0
+_STORE_LOCK = threading.Lock()  # held while a store runs
+_QUEUE_LOCK = threading.Lock()  # guards _QUEUED and _TIMER
+_QUEUED: dict[str, Callable[[], object]] = {}  # key -> its store, in queueing order
+_TIMER: list[threading.Timer] = []
+
+
+def _store_later(key: str, job: Callable[[], object], also: str | None = None) -> None:
+    if os.environ.get("AOTC_CACHE_SYNC", "") == "1":
+        _run_store(job)
+        return
+    with _QUEUE_LOCK:
+        _QUEUED[key] = job
+        if also is not None:
+            _QUEUED[also] = job  # the same job under both keys: run once, see _take
+        if not _TIMER:
+            timer = threading.Timer(_STORE_DELAY, _on_timer)
+            timer.daemon = True  # the atexit flush writes what is queued
+            timer.name = "aotc-cache-store"
+            _TIMER.append(timer)
+            timer.start()
+
+
+def _on_timer() -> None:
+    with _QUEUE_LOCK:
+        _TIMER.clear()
+    flush()
+
+
+def _take(key: str | None) -> list[Callable[[], object]]:
+    """Remove and return the queued jobs (of `key` only, if given), each once."""
+    with _QUEUE_LOCK:
+        keys = list(_QUEUED) if key is None else [key] if key in _QUEUED else []
+        jobs = {id(_QUEUED[k]): _QUEUED[k] for k in keys}
+        for k in [k for k, j in _QUEUED.items() if id(j) in jobs]:
+            del _QUEUED[k]
+    return list(jobs.values())
+
+
+def _run_store(job: Callable[[], object]) -> None:
+    try:
+        with _STORE_LOCK:
+            job()
+    except Exception as e:  # noqa: BLE001 see Note [Deferred cache stores]
+        log.warning("aotc cache: storing an entry failed (%s: %s); not cached", type(e).__name__, e)
+
+
+def flush(key: str | None = None) -> None:
+    """Run the queued cache stores (of `key` only, if given) on this thread, after any store
+    already running; see Note [Deferred cache stores]."""
+    for job in _take(key):
+        _run_store(job)
+    with _STORE_LOCK:
+        pass  # a store the timer thread took before us has finished
+
+
+def pending() -> int:
+    """How many stores are queued (for tests)."""
+    with _QUEUE_LOCK:
+        return len({id(j) for j in _QUEUED.values()})
+
+
+atexit.register(flush)
 
 
 _REDIRECT: dict[str, Any] = {"redirect": "fake"}
@@ -311,6 +438,8 @@ __all__ = [
     "StoredEntry",
     "decode_hit",
     "find",
+    "flush",
+    "pending",
     "is_enabled",
     "store_entry",
     "store_verified",

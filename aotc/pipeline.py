@@ -238,10 +238,12 @@ def compile_signature(
     name: str,
     source: str = "<unknown>",
     fake_mode: FakeTensorMode | None = None,
+    graph: fx.GraphModule | None = None,
 ) -> CompiledEntry:
     """`fake_mode`: a compilation on fakes (`leaves`): Dynamo's, or aotc's own with
-    `dynamic=True` (see Note [Symbolic compilations] in aotc/symbolic.py). A failure is reported (see `FailedCompile`) and
-    re-raised; see Note [User-facing tracebacks]."""
+    `dynamic=True` (see Note [Symbolic compilations] in aotc/symbolic.py). `graph`: the Dynamo
+    graph `program` runs, for its cache key (Note [Graph key] in aotc/graphkey.py). A failure is
+    reported (see `FailedCompile`) and re-raised; see Note [User-facing tracebacks]."""
     start = time.perf_counter()
     try:
         # Tracing saves fake tensors for autograd; the user's saved-tensor hooks must not see
@@ -253,12 +255,16 @@ def compile_signature(
                 torch.autograd.graph.saved_tensors_hooks(_identity, _identity),
                 compiling(),
             ):
-                return _compile_signature(program, leaves, names, options, name, source, fake_mode)
+                return _compile_signature(
+                    program, leaves, names, options, name, source, fake_mode, graph
+                )
         except Exception as e:
             if user_hooks or not refused_by_functorch(e):
                 raise
         with transform_state(), compiling():
-            return _compile_signature(program, leaves, names, options, name, source, fake_mode)
+            return _compile_signature(
+                program, leaves, names, options, name, source, fake_mode, graph
+            )
     except Exception as e:
         if type(e).__module__.startswith("torch._dynamo"):
             raise  # Dynamo's own control flow (restart analysis), not a failure
@@ -335,6 +341,7 @@ def _compile_signature(
     name: str,
     source: str,
     given_mode: FakeTensorMode | None,
+    graph: fx.GraphModule | None = None,
 ) -> CompiledEntry:
     stages = StageRunner(options.check_invariants)
     grad_enabled = torch.is_grad_enabled()
@@ -343,8 +350,9 @@ def _compile_signature(
     snapshot = facts.snapshot() if facts is not None else None
     if cacheable:
         key, stored = stages.run(
-            Stage.CACHE_KEY, persist.find, program, leaves, names, options, grad_enabled, facts
-        )
+            Stage.CACHE_KEY, persist.find, program, leaves, names, options, grad_enabled, facts,
+            graph,
+        )  # fmt: skip
         hit = stages.run(Stage.CACHE_LOAD, persist.decode_hit, stored, options) if stored else None
         if hit is not None and (facts is None or facts.replay(hit.shape_guards)):
             lowerings = _lower_both(stages, hit.program, options)

@@ -12,6 +12,7 @@ command's own (aotc/dynamo_log.py) is attached.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -22,9 +23,13 @@ if TYPE_CHECKING:
 def is_tracing() -> bool:
     from torch._logging._internal import trace_log
 
-    from aotc.dynamo_log import DynamoLog
-
-    return any(not isinstance(h, DynamoLog) for h in trace_log.handlers)
+    if not trace_log.handlers:
+        return False
+    # A DynamoLog handler exists only once aotc.dynamo_log is imported: no import on a hit.
+    dynamo_log = sys.modules.get("aotc.dynamo_log")
+    if dynamo_log is None:
+        return True
+    return any(not isinstance(h, dynamo_log.DynamoLog) for h in trace_log.handlers)
 
 
 def trace_record(record: CompiledRecord) -> None:

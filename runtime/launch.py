@@ -32,7 +32,10 @@ arguments, and it must pick the graph's. So a binding is used only after a dry r
 for each (overload, argument kinds) seen, both the binding and `_op` run once on meta tensors of
 the node's geometry under a dispatch mode that records what reaches the dispatcher; the binding
 is kept only if it dispatched exactly one call, the same overload with equal arguments (tensors
-by identity, everything else by type and value). Bindings of ops with no tensor argument
+by identity, everything else by type and value). The dry run only asks what reaches the
+dispatcher, so the recording mode answers the first call with meta stand-ins of the node's value
+instead of running its meta kernel (most are Python reference implementations: ~1 ms each,
+most of a cache hit's assembly); later calls (a composite binding, refused anyway) run. Bindings of ops with no tensor argument
 (factories, which `torch.set_default_device`'s mode rewrites) and of mutating ops are not tried.
 The verdict is cached per process; a failed or impossible dry run (no meta kernel, symbolic
 sizes) keeps `_op`.
@@ -46,6 +49,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _SIMPLE = (bool, int, str, type(None))
 
@@ -206,11 +211,12 @@ def _verified_binding(target: torch._ops.OpOverload, node: fx.Node) -> Callable[
         args, kwargs = _example(node.args), _example(node.kwargs)
     except _NoExample:
         return None
-    want = _dispatched(target._op, args, kwargs)
+    result = _result(node.meta.get("val"))
+    want = _dispatched(target._op, args, kwargs, result)
     if want is None:
         return None
     for candidate in candidates:
-        if candidate is not None and _dispatched(candidate, args, kwargs) == want:
+        if candidate is not None and _dispatched(candidate, args, kwargs, result) == want:
             return candidate  # type: ignore[no-any-return]
     return None
 
@@ -243,15 +249,47 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _dispatched(fn: Callable[..., Any], args: Any, kwargs: Any) -> _Dispatched | None:
-    """What calling `fn(*args, **kwargs)` sends to the dispatcher (None if it fails)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+def _result(val: Any) -> Callable[[], Any] | None:
+    """Meta stand-ins of a node's value, the result the dry run's dispatcher returns without
+    running the op (see Note [Fast op bindings]); None when they cannot be made."""
+    try:
+        example = _example_value(val)
+    except _NoExample:
+        return None
+    return lambda: pytree.tree_map(
+        lambda v: (
+            torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+            if isinstance(v, torch.Tensor)
+            else v
+        ),
+        example,
+    )
 
+
+def _example_value(val: Any) -> Any:
+    if isinstance(val, torch.Tensor):
+        if any(isinstance(s, torch.SymInt) for s in (*val.shape, *val.stride())):
+            raise _NoExample
+        return val
+    if isinstance(val, (list, tuple)):
+        return type(val)(_example_value(v) for v in val)
+    if isinstance(val, (int, float, bool)) or val is None:
+        return val
+    raise _NoExample
+
+
+def _dispatched(
+    fn: Callable[..., Any], args: Any, kwargs: Any, result: Callable[[], Any] | None = None
+) -> _Dispatched | None:
+    """What calling `fn(*args, **kwargs)` sends to the dispatcher (None if it fails).
+    `result`: what the dispatcher returns for the first call instead of running the op."""
     seen = _Dispatched()
 
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             seen.append((func, args, dict(kwargs or {})))
+            if result is not None and len(seen) == 1:
+                return result()
             return func(*args, **(kwargs or {}))
 
     try:

@@ -23,6 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def entries(d: str) -> list[str]:
+    aotc.cache_flush()  # entries are written on a background thread (Note [Deferred cache stores])
     return sorted(n for n in os.listdir(d) if n.endswith(".json") and not n.startswith(".tmp"))
 
 
