@@ -465,7 +465,9 @@ def _runtime_plan(
     """The epilogue, and for training the autograd plan: what runs around the graphs."""
     autograd_plan: AutogradPlan | None = None
     detach: tuple[GraphArg, ...] = ()
-    epilogue = plan_epilogue(metadata.meta, metadata.fwd_plan, convention, fresh_views(joint.module))
+    epilogue = plan_epilogue(
+        metadata.meta, metadata.fwd_plan, convention, fresh_views(joint.module)
+    )
     if part is not None:
         grad_args = tuple(d.arg for d in part.backward.outputs if isinstance(d, GradOutput))
         diff_outs = tuple(

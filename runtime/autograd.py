@@ -58,6 +58,9 @@ class AutogradPlan:
     watch: tuple[GraphArg, ...] = ()
 
 
+# Whether plans get the generated node of Note [Generated node] (tests compare it with the generic).
+GENERATED_NODES = True
+
 # One leaf requiring grad that anchored calls pass to autograd (Note [Grad anchor]). The backward
 # returns None for it, so nothing ever accumulates into it.
 GRAD_ANCHOR = torch.empty(0, requires_grad=True)
@@ -204,7 +207,9 @@ def make_autograd_function(
             )
         return place(computed)
 
-    if not (anchored or rng is not None or written or track):  # See Note [Generated node]
+    if GENERATED_NODES and not (
+        anchored or rng is not None or written or track
+    ):  # Note [Generated node]
         forward, backward = _generate_node(
             plan,
             name,
@@ -272,8 +277,14 @@ def _generate_node(
     n_tensors = n_out + plan.num_saved - plan.num_saved_symints
     n_all = n_out + plan.num_saved
     fl = ["def forward(ctx, holder, *args):", "    outs = fwd(*args)", "    ctx.aotc_args = args"]
+    # One version snapshot per graph arg: an arg both watched (inputs changed after the call)
+    # and noted for a double backward reads its version once, into its watch record.
+    both = set(plan.watch) & set(plan.watch_args)
+    fl += [f"    w{g} = watched(args[{g}])" for g in plan.watch if g in both]
     if plan.watch_args:
-        versions = "".join(f"args[{i}]._version, " for i in plan.watch_args)
+        versions = "".join(
+            f"w{i}[1], " if i in both else f"args[{i}]._version, " for i in plan.watch_args
+        )
         fl.append(f"    ctx.aotc_versions = [{versions}]")
     saved = ", ".join(f"outs[{k}]" for k in range(n_out, n_tensors))
     fl.append(f"    ctx.save_for_backward({saved})")
@@ -285,7 +296,7 @@ def _generate_node(
     elif n_out:
         fl.append(f"    holder.extend(outs[:{n_out}])")
     if plan.watch:
-        watched = "".join(f"watched(args[{g}]), " for g in plan.watch)
+        watched = "".join(f"w{g}, " if g in both else f"watched(args[{g}]), " for g in plan.watch)
         fl.append(f"    ctx.aotc_watch = [{watched}]")
     fl.append(f"    return ({''.join(f'outs[{k}], ' for k in plan.diff_outs)})")
 
@@ -298,7 +309,9 @@ def _generate_node(
         f"    if grad_enabled() and differentiable(ctx.aotc_args, {gtuple}):",
         f"        return place(double_backward(ctx, {gtuple}))",
         "    if not keep_graph():",
-        "        ctx.aotc_args = ctx.aotc_versions = None" if plan.watch_args else "        ctx.aotc_args = None",
+        "        ctx.aotc_args = ctx.aotc_versions = None"
+        if plan.watch_args
+        else "        ctx.aotc_args = None",
     ]
     for g in grads:
         bl += [f"    if not {g}.is_contiguous():", f"        {g} = {g}.contiguous()"]

@@ -265,7 +265,7 @@ class GuardedDispatcher:
             if hit:
                 cached = last[2]
                 if cached.state is None or cached.state():
-                    return cached.entry.call(leaves)  # type: ignore[attr-defined]
+                    return cached.entry.hit(leaves)  # type: ignore[attr-defined]
         try:
             key = (extra, self._key(leaves))
             link = self._heads.get(key)
