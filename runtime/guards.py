@@ -109,7 +109,10 @@ def signature_check(signature: tuple[Any, ...]) -> Callable[[Sequence[object]], 
         else:
             namespace[f"c{i}"] = part
             conds.append(f"not isinstance({leaf}, Tensor) and (type({leaf}), {leaf}) == c{i}")
-    if len(tensors) > 1:  # no two tensor leaves share storage (an empty one counts as 0)
+    if len(tensors) == 2:  # the two tensor leaves share no storage (an empty one counts as 0)
+        a, b = (f"{t}.untyped_storage().data_ptr()" for t in tensors)
+        conds.append(f"{a} != {b}")
+    elif len(tensors) > 2:  # no two tensor leaves share storage
         ptrs = ", ".join(f"{t}.untyped_storage().data_ptr()" for t in tensors)
         conds.append(f"len({{{ptrs}}}) == {len(tensors)}")
     conds.append(f"grad_enabled() is {bool(grad_enabled)}")
