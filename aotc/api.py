@@ -132,7 +132,7 @@ class CompiledFunction:
                 return self._recover(e, args, kwargs, 0)
         extra = (spec, self._extra_key()) if self._extra_key is not None else spec
         try:
-            return gen.dispatch(leaves, extra)
+            return gen.dispatch.run(leaves, extra)
         except (Retry, StateCreated) as e:
             return self._recover(e, args, kwargs, 0)
 
@@ -193,7 +193,7 @@ class CompiledFunction:
                 return self._recover(e, args, kwargs, attempt + 1)
         extra = (spec, self._extra_key()) if self._extra_key is not None else spec
         try:
-            return gen.dispatch(leaves, extra)
+            return gen.dispatch.run(leaves, extra)
         except (Retry, StateCreated) as e:
             return self._recover(e, args, kwargs, attempt + 1)
 

@@ -164,6 +164,15 @@ def watched_args(forward: fx.GraphModule, num_fwd_outs: int) -> tuple[int, ...]:
     )
 
 
+def saved_graph_args(forward: fx.GraphModule, num_fwd_outs: int) -> frozenset[int]:
+    """Graph args the forward saves as they are (a placeholder among the saved values): their
+    version counter is checked when the backward unpacks them, as eager's saved values are."""
+    (out,) = [n for n in forward.graph.nodes if n.op == "output"]
+    saved = set(list(out.args[0])[num_fwd_outs:])
+    inputs = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    return frozenset(i for i, n in enumerate(inputs) if n in saved)
+
+
 def random_device(forward: fx.GraphModule, num_fwd_outs: int) -> str | None:
     """The device type whose generator state a forward notes (AutogradPlan.rng_device): that of
     its random ops when the differentiable backward recomputes them, else None."""

@@ -39,7 +39,12 @@ from torch.utils._pytree import TreeSpec
 from aotc import persist
 from aotc.cachekey import CacheKey
 from aotc.functional import FlatProgram, compiling, refused_by_functorch, transform_state
-from aotc.higher_order import DifferentiableBackward, random_device, watched_args
+from aotc.higher_order import (
+    DifferentiableBackward,
+    random_device,
+    saved_graph_args,
+    watched_args,
+)
 from aotc.metadata import MetadataResult, collect_metadata
 from aotc.options import CompileOptions, full_tracebacks
 from aotc.passes.cleanup import cleanup
@@ -468,6 +473,9 @@ def _runtime_plan(
     """The epilogue, and for training the autograd plan: what runs around the graphs."""
     autograd_plan: AutogradPlan | None = None
     detach: tuple[GraphArg, ...] = ()
+    epilogue = plan_epilogue(
+        metadata.meta, metadata.fwd_plan, convention, fresh_views(joint.module)
+    )
     if part is not None:
         grad_args = tuple(d.arg for d in part.backward.outputs if isinstance(d, GradOutput))
         diff_outs = tuple(
@@ -489,15 +497,13 @@ def _runtime_plan(
             and not any(c.requires_grad for c in metadata.meta.leaf_changes),
             watch_args=watched_args(part.forward.module, metadata.fwd_plan.num_outputs),
             rng_device=random_device(part.forward.module, metadata.fwd_plan.num_outputs),
-            watch=metadata.saved_args,
+            watch=_watched_inputs(metadata, part, epilogue),
         )
         detach = _statically_no_grad(joint, leaves, convention)
     return RuntimePlan(
         name=name,
         convention=convention,
-        epilogue=plan_epilogue(
-            metadata.meta, metadata.fwd_plan, convention, fresh_views(joint.module)
-        ),
+        epilogue=epilogue,
         autograd=autograd_plan,
         detach_args=detach,
         # The user program's output structure: a TreeSpec (pytree.tree_flatten's), typed
@@ -506,6 +512,22 @@ def _runtime_plan(
         enable_grad=part is not None and not grad_enabled,
         refuse_saved_hooks=metadata.refuses_saved_hooks,
     )
+
+
+def _watched_inputs(
+    metadata: MetadataResult, part: PartitionResult, epilogue: EpiloguePlan
+) -> tuple[GraphArg, ...]:
+    """The graph args whose versions the backward checks itself (AutogradPlan.watch): those a
+    value eager saved shares a version counter with, less those the compiled forward saves as
+    they are, whose versions autograd checks when the backward unpacks them (one snapshot per
+    input, not two). Only when the epilogue writes nothing: a write after the save would move a
+    saved input's version, which the backward's own check re-reads after the epilogue instead
+    (Note [Inputs changed after the call] in runtime/autograd.py)."""
+    watch = metadata.saved_args
+    if not watch or epilogue.mutations or epilogue.versions:
+        return watch
+    saved = saved_graph_args(part.forward.module, metadata.fwd_plan.num_outputs)
+    return tuple(g for g in watch if g not in saved)
 
 
 Lowerings = tuple[CompiledGraph | None, CompiledGraph | None]

@@ -58,6 +58,9 @@ class AutogradPlan:
     watch: tuple[GraphArg, ...] = ()
 
 
+# Whether plans get the generated node of Note [Generated node] (tests compare it with the generic).
+GENERATED_NODES = True
+
 # One leaf requiring grad that anchored calls pass to autograd (Note [Grad anchor]). The backward
 # returns None for it, so nothing ever accumulates into it.
 GRAD_ANCHOR = torch.empty(0, requires_grad=True)
@@ -204,11 +207,140 @@ def make_autograd_function(
             )
         return place(computed)
 
+    if GENERATED_NODES and not (
+        anchored or rng is not None or written or track
+    ):  # Note [Generated node]
+        forward, backward = _generate_node(
+            plan,
+            name,
+            {
+                "fwd": fwd,
+                "bwd": bwd,
+                "grad_enabled": grad_enabled,
+                "differentiable": _differentiable,
+                "double_backward": _double_backward,
+                "place": place,
+                "keep_graph": keep_graph,
+                "any_autocast": any_autocast,
+                "no_autocast": torch._C._DisableAutocast,
+                "watched": _watched,
+                "check_watched": _check_watched,
+            },
+        )
     return type(
         f"AotcFunction_{name}",
         (torch.autograd.Function,),
         {"forward": staticmethod(forward), "backward": staticmethod(backward)},
     )
+
+
+# Note [Generated node]
+# ~~~~~~~~~~~~~~~~~~~~~
+# The forward and backward above run once per training call each. For plans without an anchor,
+# random ops to replay, graph args the epilogue writes, or gradients to track (nearly all), they
+# are generated as straight-line source with every index inlined, like runtime/fastpath.py does
+# for calls: no per-call branches on the plan, no slicing of the output tuple, no picker or
+# placer frames, and the version snapshots the plan needs (`watch_args` for a double backward,
+# `watch` for inputs changed after the call) written out per graph arg. For the tiny program of
+# bench/overhead.py:
+#
+#     def forward(ctx, holder, *args):
+#         outs = fwd(*args)
+#         ctx.aotc_args = args
+#         ctx.save_for_backward(outs[1])
+#         holder.append(outs[0])
+#         return (outs[0],)
+#
+#     def backward(ctx, g0):
+#         if grad_enabled() and differentiable(ctx.aotc_args, (g0,)):
+#             return double_backward(ctx, (g0,))   # placed as the generic backward does
+#         if not keep_graph():
+#             ctx.aotc_args = None
+#         if not g0.is_contiguous():
+#             g0 = g0.contiguous()
+#         s0, = ctx.saved_tensors
+#         if any_autocast():
+#             with no_autocast():
+#                 r = bwd(s0, g0)
+#         else:
+#             r = bwd(s0, g0)
+#         return (None, r[0], None)
+#
+# Each does what the generic function does for the same plan, in the same order (tests/runtime/
+# test_generated_node.py compares both over plans with sizes, watches and several outputs).
+
+
+def _generate_node(
+    plan: AutogradPlan, name: str, namespace: dict[str, Any]
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    n_out = plan.num_fwd_outs
+    n_tensors = n_out + plan.num_saved - plan.num_saved_symints
+    n_all = n_out + plan.num_saved
+    fl = ["def forward(ctx, holder, *args):", "    outs = fwd(*args)", "    ctx.aotc_args = args"]
+    # One version snapshot per graph arg: an arg both watched (inputs changed after the call)
+    # and noted for a double backward reads its version once, into its watch record.
+    both = set(plan.watch) & set(plan.watch_args)
+    fl += [f"    w{g} = watched(args[{g}])" for g in plan.watch if g in both]
+    if plan.watch_args:
+        versions = "".join(
+            f"w{i}[1], " if i in both else f"args[{i}]._version, " for i in plan.watch_args
+        )
+        fl.append(f"    ctx.aotc_versions = [{versions}]")
+    saved = ", ".join(f"outs[{k}]" for k in range(n_out, n_tensors))
+    fl.append(f"    ctx.save_for_backward({saved})")
+    if plan.num_saved_symints:
+        sizes = "".join(f"outs[{k}], " for k in range(n_tensors, n_all))
+        fl.append(f"    ctx.aotc_sizes = ({sizes})")
+    if n_out == 1:
+        fl.append("    holder.append(outs[0])")
+    elif n_out:
+        fl.append(f"    holder.extend(outs[:{n_out}])")
+    if plan.watch:
+        watched = "".join(f"w{g}, " if g in both else f"watched(args[{g}]), " for g in plan.watch)
+        fl.append(f"    ctx.aotc_watch = [{watched}]")
+    fl.append(f"    return ({''.join(f'outs[{k}], ' for k in plan.diff_outs)})")
+
+    grads = [f"g{p}" for p in range(len(plan.diff_outs))]
+    gtuple = f"({''.join(g + ', ' for g in grads)})"
+    bl = [f"def backward(ctx{''.join(', ' + g for g in grads)}):"]
+    if plan.watch:
+        bl.append("    check_watched(ctx.aotc_watch)")
+    bl += [
+        f"    if grad_enabled() and differentiable(ctx.aotc_args, {gtuple}):",
+        f"        return place(double_backward(ctx, {gtuple}))",
+        "    if not keep_graph():",
+        "        ctx.aotc_args = ctx.aotc_versions = None"
+        if plan.watch_args
+        else "        ctx.aotc_args = None",
+    ]
+    for g in grads:
+        bl += [f"    if not {g}.is_contiguous():", f"        {g} = {g}.contiguous()"]
+    num_saved_tensors = n_tensors - n_out
+    svars = [f"s{k}" for k in range(num_saved_tensors)]
+    if svars:
+        bl.append(f"    {''.join(v + ', ' for v in svars)}= ctx.saved_tensors")
+    else:
+        bl.append("    ctx.saved_tensors")  # unpacking is what eager's backward does too
+    if plan.num_saved_symints:
+        bl.append("    sizes = ctx.aotc_sizes")
+        svars.append("*sizes")
+    call = f"bwd({', '.join(svars + grads)})"
+    bl += [
+        "    if any_autocast():",
+        "        with no_autocast():",
+        f"            r = {call}",
+        "    else:",
+        f"        r = {call}",
+    ]
+    n_result = 1 + plan.num_graph_args
+    slots = {1 + g: k for k, g in enumerate(plan.grad_args)}
+    result = "".join(f"r[{slots[i]}], " if i in slots else "None, " for i in range(n_result))
+    bl.append(f"    return ({result})")
+    source = "\n".join(fl) + "\n\n\n" + "\n".join(bl) + "\n"
+    exec(compile(source, f"<aotc autograd node {name}>", "exec"), namespace)  # noqa: S102
+    forward, backward = namespace["forward"], namespace["backward"]
+    forward.__aotc_source__ = backward.__aotc_source__ = source
+    return forward, backward
 
 
 _is_contiguous = torch.Tensor.is_contiguous

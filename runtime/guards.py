@@ -57,8 +57,12 @@ def signature_key(leaves: Sequence[object]) -> tuple[object, ...]:
 #                 and l0.requires_grad is True and l0.is_leaf is True
 #                 and isinstance(l1, Tensor) and ... and l1.is_leaf is True
 #                 and l0.untyped_storage().data_ptr() != l1.untyped_storage().data_ptr()
-#                 and grad_enabled() is True and not any_autocast())
+#                 and grad_enabled() is True and not any_autocast()
+#                 and not functorch_active())
 #
+# The last condition is not in the key: a passing check also tells the dispatcher that the
+# entry's generated call may skip its own autocast and functorch checks (Note [Calls after a
+# guard hit] in runtime/fastpath.py); under a transform the key path runs the checked call.
 # It compares exactly the fields `signature_key` puts in the key, with the same equality (`is`
 # for singletons and bools, `==` for the rest; non-tensor leaves as the same `(type, value)`
 # tuple), so it is True iff the key would equal the signature: no guard is dropped. Signatures
@@ -77,6 +81,7 @@ def signature_check(signature: tuple[Any, ...]) -> Callable[[Sequence[object]], 
         "Tensor": Tensor,
         "grad_enabled": torch.is_grad_enabled,
         "any_autocast": torch._C._is_any_autocast_enabled,
+        "functorch_active": torch._C._are_functorch_transforms_active,
     }
     conds: list[str] = []
     tensors: list[str] = []
@@ -104,11 +109,15 @@ def signature_check(signature: tuple[Any, ...]) -> Callable[[Sequence[object]], 
         else:
             namespace[f"c{i}"] = part
             conds.append(f"not isinstance({leaf}, Tensor) and (type({leaf}), {leaf}) == c{i}")
-    if len(tensors) > 1:  # no two tensor leaves share storage (an empty one counts as 0)
+    if len(tensors) == 2:  # the two tensor leaves share no storage (an empty one counts as 0)
+        a, b = (f"{t}.untyped_storage().data_ptr()" for t in tensors)
+        conds.append(f"{a} != {b}")
+    elif len(tensors) > 2:  # no two tensor leaves share storage
         ptrs = ", ".join(f"{t}.untyped_storage().data_ptr()" for t in tensors)
         conds.append(f"len({{{ptrs}}}) == {len(tensors)}")
     conds.append(f"grad_enabled() is {bool(grad_enabled)}")
     conds.append("not any_autocast()")
+    conds.append("not functorch_active()")  # Note [Calls after a guard hit] in fastpath.py
     lines = ["def check(leaves):", f"    if len(leaves) != {n}:", "        return False"]
     if n:
         lines.append(f"    {', '.join(f'l{i}' for i in range(n))}, = leaves")

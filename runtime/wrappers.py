@@ -80,6 +80,7 @@ class CompiledEntry:
         "record",
         "call",
         "run",
+        "hit",
         "_fwd",
         "_fn",
         "_watch",
@@ -135,6 +136,8 @@ class CompiledEntry:
         # `run` is `call` itself, not a method calling it: one frame less for callers that hold
         # `entry.run` (the torch.compile backend's per-call closure).
         self.run: Callable[[list[object]], object] = self.call
+        # After a passing signature check (Note [Calls after a guard hit] in runtime/fastpath.py).
+        self.hit: Callable[[list[object]], object] = getattr(self.call, "aotc_hit", self.call)
 
     def _call_locked(self, leaves: list[object]) -> object:
         with MUTATION_LOCK:
@@ -352,7 +355,7 @@ class Dispatcher:
             except (RuntimeError, TypeError):  # e.g. a sparse leaf: the key path explains it
                 hit = False
             if hit:
-                return last[2].call(leaves)
+                return last[2].hit(leaves)
         try:
             key = (extra, signature_key(leaves))
             entry = self._entries.get(key)

@@ -135,3 +135,32 @@ def test_repeated_calls_take_the_checked_entry(k):
     )
     assert len(compiled.records) == 1
     assert compiled._dispatch._last is not None
+
+
+def test_check_fails_under_functorch_transform():
+    """A passing check lets the dispatcher skip the entry's own autocast/functorch checks (Note
+    [Calls after a guard hit] in runtime/fastpath.py), so it must fail inside a transform."""
+    x, y = torch.randn(3), torch.randn(3)
+    check = signature_check(signature_key([x, y]))
+    assert check is not None and check([x, y])
+    seen = []
+
+    def inner(t):
+        seen.append(check([x, y]))
+        return t * 2
+
+    torch.func.vmap(inner)(torch.randn(2, 3))
+    assert seen == [False]
+
+
+def test_compiled_entry_under_transform_after_hit():
+    """The entry checked last, then called inside torch.func.grad: eager's values."""
+
+    def f(x, w):
+        return (x * w).sin().sum()
+
+    compiled = aotc.compile(f, capture="trace", cache=False)
+    x, w = torch.randn(4), torch.randn(4, requires_grad=True)
+    compiled(x, w).backward()
+    got = torch.func.grad(compiled)(x, w)
+    torch.testing.assert_close(got, torch.func.grad(f)(x, w))
