@@ -448,6 +448,42 @@ def _metadata(
     return convention, metadata, fake_mode
 
 
+def _watch_dependencies(
+    outs: tuple[tuple[FwdOut, ...] | None, ...], diff_outs: tuple[FwdOut, ...]
+) -> tuple[tuple[int, ...], ...] | None:
+    """Per watched arg, the diff_outs positions whose backward uses its saved values; None
+    when each is used by all (Note [Inputs changed after the call])."""
+    if all(o is None for o in outs):
+        return None
+    every = tuple(range(len(diff_outs)))
+    return tuple(every if o is None else tuple(diff_outs.index(k) for k in o) for o in outs)
+
+
+def _saved_aliases(
+    forward: fx.GraphModule, num_fwd_outs: int, num_tensors: int, args: set[GraphArg]
+) -> tuple[int, ...]:
+    """Positions among the saved tensors of those that are one of `args` (graph args) or a view
+    of one (AutogradPlan.unversioned_saved)."""
+    if not args:
+        return ()
+    inputs = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    chosen = {inputs[g] for g in args if g < len(inputs)}
+    (output,) = [n for n in forward.graph.nodes if n.op == "output"]
+    saved = list(output.args[0])[num_fwd_outs : num_fwd_outs + num_tensors]
+    found = []
+    for i, node in enumerate(saved):
+        while (
+            isinstance(node, fx.Node)
+            and node.op == "call_function"
+            and getattr(node.target, "is_view", False)
+            and node.args
+        ):
+            node = node.args[0]
+        if node in chosen:
+            found.append(i)
+    return tuple(found)
+
+
 def _runtime_plan(
     name: str,
     convention: CallingConvention,
@@ -482,6 +518,13 @@ def _runtime_plan(
             watch_args=watched_args(part.forward.module, metadata.fwd_plan.num_outputs),
             rng_device=random_device(part.forward.module, metadata.fwd_plan.num_outputs),
             watch=metadata.saved_args,
+            watch_deps=_watch_dependencies(metadata.saved_arg_outs, diff_outs),
+            unversioned_saved=_saved_aliases(
+                part.forward.module,
+                metadata.fwd_plan.num_outputs,
+                len(part.saved) - part.num_saved_symints,
+                {g for g, o in zip(metadata.saved_args, metadata.saved_arg_outs) if o is not None},
+            ),
         )
         detach = _statically_no_grad(joint, leaves, convention)
     return RuntimePlan(

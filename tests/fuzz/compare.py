@@ -74,6 +74,8 @@ def check(
         want = _observe(f, make_inputs, backward, write_outputs, 100 + call)
         got = _observe(compiled, make_inputs, backward, write_outputs, 100 + call)
         refused = got.get("unsupported")
+        if refused is None and mode == "dynamo" and want.get("error_step") != "call":
+            refused = _dynamo_itself(f, make_inputs, backward, write_outputs, 100 + call, got)
         if refused is not None and want.get("error_step") != "call":
             return Outcome(Verdict.REFUSED, refused)
         try:
@@ -83,6 +85,35 @@ def check(
         if want.get("error_step") is not None:
             break  # both refused the same step; the next call would only repeat it
     return Outcome(Verdict.MATCH)
+
+
+def _dynamo_itself(
+    f: Callable[..., Any],
+    make_inputs: Callable[[], list[Any]],
+    backward: list[int],
+    write_outputs: bool,
+    seed: int,
+    got: dict[str, Any],
+) -> str | None:
+    """Dynamo's own failure, not aotc's: torch.compile raised an internal Dynamo error at the
+    call where eager ran, and torch.compile(backend="eager") raises the same error type on the
+    same program (so no backend could run it). Counted as a refusal, with Dynamo's message;
+    None when the call did not fail that way (then it is compared as usual)."""
+    error = got.get("error")
+    if got.get("error_step") != "call" or not isinstance(
+        error, torch._dynamo.exc.TorchDynamoException
+    ):
+        return None
+    if isinstance(getattr(error, "inner_exception", None), aotc.AotcError):
+        return None
+    torch._dynamo.reset()
+    baseline = _observe(
+        torch.compile(f, backend="eager"), make_inputs, backward, write_outputs, seed
+    )
+    torch._dynamo.reset()
+    if baseline.get("error_step") != "call" or type(baseline.get("error")) is not type(error):
+        return None
+    return f"Dynamo itself (backend='eager' too): {_error_text(got)}"
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

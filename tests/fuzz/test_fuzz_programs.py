@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from tests.fuzz.campaign import run_program, shrink_failure
-from tests.fuzz.compare import Verdict
+from tests.fuzz.compare import Verdict, check
 from tests.fuzz.generate import generate
 from tests.fuzz.shrink import shrink
 
@@ -94,3 +95,31 @@ def test_shrinker_keeps_only_what_the_failure_needs():
 
 def _writes(program) -> bool:
     return any(".mul_(" in line for stmt in program.body for line in stmt)
+
+
+def _view_of_split_then_version_bump(a0, a1, a2):
+    v0 = a2.split(1, 1)[0]
+    a1.as_strided_(a1.shape, a1.stride())  # a graph break; bumps the version of a2's base
+    return (v0,)
+
+
+def _inputs_split_bump():
+    x0 = torch.randn((3, 2, 4), dtype=torch.float64, requires_grad=True) * 1.0
+    return [x0[2], x0[1], x0[:, 1]]
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_dynamo_own_failure_counts_as_refusal_only_when_every_backend_fails():
+    """Campaign seed 1000: Dynamo's resumed frame reads `is_leaf` of a split view whose base
+    moved on, and raises InternalTorchDynamoError with backend="eager" as with "aotc". The
+    comparison counts that as a refusal (Dynamo's, named so), never as a match or a silent
+    difference; trace capture runs the program like eager."""
+    f, make = _view_of_split_then_version_bump, _inputs_split_bump
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.InternalTorchDynamoError):
+        torch.compile(f, backend="eager")(*make())
+    torch._dynamo.reset()
+    outcome = check(f, make, backward=[], mode="dynamo")
+    assert outcome.verdict is Verdict.REFUSED, outcome
+    assert "Dynamo itself" in outcome.detail, outcome.detail
+    assert check(f, make, backward=[], mode="trace").verdict is Verdict.MATCH
