@@ -341,7 +341,26 @@ def _inputs_dead_maximum():
     return [torch.randn((4,), requires_grad=True), x1[:, 1], x1[0], x1[1]]
 
 
+def _rand_like_of_a_transposed_intermediate(a0, a1, a2):  # fuzz campaign 2026-11-23, 5067
+    v0 = a2 + a2  # eager lays v0 out as a2: transposed
+    v3 = torch.rand_like(v0)  # filled in v0's memory order
+    return (a2.squeeze() * v3,)
+
+
+def _inputs_rand_like():
+    return [
+        torch.randn((4, 1), requires_grad=True),
+        torch.randn((3, 4), requires_grad=True) * 1.0,
+        torch.randn((4, 3)).t(),
+    ]
+
+
 PROGRAMS = {
+    "rand_like_of_a_transposed_intermediate": (
+        _rand_like_of_a_transposed_intermediate,
+        _inputs_rand_like,
+        [],
+    ),
     "dead_maximum_then_squeeze_of_an_alias": (
         _dead_maximum_then_squeeze_of_an_alias,
         _inputs_dead_maximum,
