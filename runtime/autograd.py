@@ -464,7 +464,8 @@ class SavedValues:
     @contextlib.contextmanager
     def recording(self) -> Iterator[set[int]]:
         """Notes which saved values (indices, as in `sharing_version`) a backward unpacks."""
-        self._unpacked = found = set()
+        found: set[int] = set()
+        self._unpacked = found
         try:
             yield found
         finally:
