@@ -82,6 +82,9 @@ def _shape(val: torch.Tensor) -> tuple[Size, ...]:
     return tuple(static_or_expr(s) for s in val.shape)
 
 
+_LAYOUT_READERS = frozenset({torch.ops.aten.as_strided.default})
+
+
 def _strides(val: torch.Tensor) -> tuple[Size, ...]:
     return tuple(static_or_expr(s) for s in val.stride())
 
@@ -155,11 +158,13 @@ class _Lowering:
         self.items.append(comp)
 
     def extern(self, node: fx.Node) -> None:
-        # A random op fills its result in its memory order, and `rand_like(x)` lays the result
-        # out as x (preserve_format): x must have eager's strides, or the values land on other
-        # elements than in eager.
-        seeded = isinstance(node.target, torch._ops.OpOverload) and (
-            torch.Tag.nondeterministic_seeded in node.target.tags
+        # Ops whose result depends on their input's memory layout, not only its values: a
+        # random op fills its result in memory order and `rand_like(x)` lays it out as x
+        # (preserve_format); `as_strided` reads x's memory through the strides eager's x has.
+        # Such an input must have eager's strides, or the values land on other elements.
+        seeded = node.target in _LAYOUT_READERS or (
+            isinstance(node.target, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded in node.target.tags
         )
         reads = []
         for inp in node.all_input_nodes:

@@ -355,7 +355,30 @@ def _inputs_rand_like():
     ]
 
 
+def _as_strided_of_a_transposed_intermediate(a0):  # fuzz campaign 2026-11-23, 5251
+    a0.transpose_(0, 1)
+    v1 = a0.detach().clone() + 1.0  # eager lays v1 out as a0: transposed
+    v1.as_strided_(v1.shape, v1.stride())  # reads v1's memory through eager's strides
+    return (v1,)
+
+
+def _detached_clone_of_an_input(a0, a1):  # fuzz campaign 2026-11-23, 5269
+    v1 = a1.detach().clone().detach()  # its own memory, not a1's
+    a0.expand(2, *a0.shape).zero_()
+    return (v1,)
+
+
 PROGRAMS = {
+    "as_strided_of_a_transposed_intermediate": (
+        _as_strided_of_a_transposed_intermediate,
+        lambda: [torch.randn((2, 3), requires_grad=True) * 1.0],
+        [],
+    ),
+    "detached_clone_of_an_input": (
+        _detached_clone_of_an_input,
+        lambda: [torch.randn((3, 4), requires_grad=True) * 1.0, torch.randn((3, 4))],
+        [],
+    ),
     "rand_like_of_a_transposed_intermediate": (
         _rand_like_of_a_transposed_intermediate,
         _inputs_rand_like,
