@@ -95,23 +95,29 @@ def _dynamo_itself(
     seed: int,
     got: dict[str, Any],
 ) -> str | None:
-    """Dynamo's own failure, not aotc's: torch.compile raised an internal Dynamo error at the
-    call where eager ran, and torch.compile(backend="eager") raises the same error type on the
-    same program (so no backend could run it). Counted as a refusal, with Dynamo's message;
-    None when the call did not fail that way (then it is compared as usual)."""
+    """Dynamo's own failure, not aotc's: torch.compile raised at the call where eager ran, and
+    torch.compile(backend="eager") raises the same on the same program (so no backend could run
+    it): a Dynamo error of the same type (InternalTorchDynamoError, TorchRuntimeError), or any
+    other error with the same type and first line (an AssertionError from Dynamo's fake-tensor
+    conversion). Counted as a refusal, with Dynamo's message; None when the call did not fail
+    that way (then it is compared as usual). An aotc error is never Dynamo's."""
     error = got.get("error")
-    if got.get("error_step") != "call" or not isinstance(
-        error, torch._dynamo.exc.TorchDynamoException
-    ):
+    if got.get("error_step") != "call" or error is None or isinstance(error, aotc.AotcError):
         return None
     if isinstance(getattr(error, "inner_exception", None), aotc.AotcError):
         return None
+    if isinstance(error, torch._dynamo.exc.BackendCompilerFailed):
+        return None  # the backend (aotc) failed, not Dynamo
     torch._dynamo.reset()
     baseline = _observe(
         torch.compile(f, backend="eager"), make_inputs, backward, write_outputs, seed
     )
     torch._dynamo.reset()
     if baseline.get("error_step") != "call" or type(baseline.get("error")) is not type(error):
+        return None
+    if not isinstance(error, torch._dynamo.exc.TorchDynamoException) and _error_text(
+        baseline
+    ) != _error_text(got):
         return None
     return f"Dynamo itself (backend='eager' too): {_error_text(got)}"
 

@@ -108,15 +108,43 @@ def _inputs_split_bump():
     return [x0[2], x0[1], x0[:, 1]]
 
 
+def _copy_into_an_alias_then_read_another(a1, a2, a3):
+    v0 = a1.unbind(0)[1]
+    a2.copy_(v0)  # a2 comes to require grad; a3 shares its base
+    a3.abs()  # Dynamo's fake-tensor conversion of a3 asserts on requires_grad
+    return (v0,)
+
+
+def _inputs_copy_alias():
+    x2 = torch.randn((3, 2, 4))
+    return [torch.randn((3,), requires_grad=True), x2[2], x2[0]]
+
+
+DYNAMO_OWN_FAILURES = {
+    # campaign seed 1000: a resumed frame reads `is_leaf` of a split view whose base moved on
+    "split_view_then_version_bump": (
+        _view_of_split_then_version_bump,
+        _inputs_split_bump,
+        torch._dynamo.exc.InternalTorchDynamoError,
+    ),
+    # campaign seed 3005: an AssertionError from Dynamo's meta conversion
+    "copy_into_an_alias_then_read_another": (
+        _copy_into_an_alias_then_read_another,
+        _inputs_copy_alias,
+        AssertionError,
+    ),
+}
+
+
 @pytest.mark.filterwarnings("ignore")
-def test_dynamo_own_failure_counts_as_refusal_only_when_every_backend_fails():
-    """Campaign seed 1000: Dynamo's resumed frame reads `is_leaf` of a split view whose base
-    moved on, and raises InternalTorchDynamoError with backend="eager" as with "aotc". The
-    comparison counts that as a refusal (Dynamo's, named so), never as a match or a silent
-    difference; trace capture runs the program like eager."""
-    f, make = _view_of_split_then_version_bump, _inputs_split_bump
+@pytest.mark.parametrize("name", sorted(DYNAMO_OWN_FAILURES))
+def test_dynamo_own_failure_counts_as_refusal_only_when_every_backend_fails(name):
+    """torch.compile raises with backend="eager" as with "aotc" where eager runs: the comparison
+    counts that as a refusal (Dynamo's, named so), never as a match or a silent difference;
+    trace capture runs the program like eager."""
+    f, make, error = DYNAMO_OWN_FAILURES[name]
     torch._dynamo.reset()
-    with pytest.raises(torch._dynamo.exc.InternalTorchDynamoError):
+    with pytest.raises(error):
         torch.compile(f, backend="eager")(*make())
     torch._dynamo.reset()
     outcome = check(f, make, backward=[], mode="dynamo")
