@@ -107,6 +107,9 @@ class MetadataResult:
     # view or a detached alias of it), unchanged since it was saved. See Note [Inputs changed
     # after the call] in runtime/autograd.py.
     saved_args: tuple[GraphArg, ...] = ()
+    # Per saved_args entry: the forward outputs whose backward unpacks one of its saved values;
+    # None: every differentiable output's (or unknown). See the same Note.
+    saved_arg_outs: tuple[tuple[FwdOut, ...] | None, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,8 +212,8 @@ def collect_metadata(
         refused = _backward_refusals(
             saved, overlaps.refused_nodes, plain_values, fwd_plan.needs_tangent
         )
-        # Last: it moves the args' versions. Without hooks (a torch.func retry) nothing was noted.
-        saved_args = saved.sharing_version(plain) if saved is not None else ()
+        # Without hooks (a torch.func retry) nothing was noted.
+        watched = _watched_args(saved, plain, plain_values, fwd_plan.needs_tangent)
     _check_detached_sources(roots, specs, plain_values)
     meta = MutationAliasInfo(
         inputs=inputs,
@@ -230,7 +233,8 @@ def collect_metadata(
         tuple(analysis.bases),
         root_values,
         refuses_saved_hooks=saved is None,
-        saved_args=saved_args,
+        saved_args=tuple(g for g, _ in watched),
+        saved_arg_outs=tuple(outs for _, outs in watched),
     )
 
 
@@ -419,6 +423,44 @@ def _backward_refusals(
         except Exception:  # noqa: BLE001 a probe that fails otherwise refuses nothing
             continue
     return tuple(refused)
+
+
+def _watched_args(
+    saved: SavedValues | None,
+    args: list[torch.Tensor],
+    values: list[torch.Tensor],
+    needs: tuple[bool, ...],
+) -> tuple[tuple[GraphArg, tuple[FwdOut, ...] | None], ...]:
+    """The graph args whose version counter a value eager saved shares, each with the forward
+    outputs whose backward unpacks such a value (None: all of them). With several
+    differentiable outputs, a fake backward from each notes what it unpacks; an arg whose saved
+    values no backward unpacks (their nodes are gone: they fed no output) is left out. See Note [Inputs changed after the call]."""
+    if saved is None:
+        return ()
+    sharing = [
+        (g, held)
+        for g, indices in saved.sharing_version(args)
+        if (held := frozenset(i for i in indices if saved.held(i)))
+    ]
+    diff = [k for k, need in enumerate(needs) if need]
+    if not sharing or len(diff) < 2:
+        return tuple((g, None) for g, _ in sharing)
+    unpacked: dict[int, set[int] | None] = {}
+    for k in diff:
+        value = values[k]
+        with saved.recording() as found:
+            try:
+                torch.autograd.backward([value], [torch.ones_like(value)], retain_graph=True)
+            except Exception:  # noqa: BLE001 a refused or failing probe: assume it uses all
+                unpacked[k] = None
+                continue
+        unpacked[k] = found
+    watched = []
+    for g, indices in sharing:
+        outs = [k for k in diff if (u := unpacked[k]) is None or not u.isdisjoint(indices)]
+        if outs:
+            watched.append((g, None if len(outs) == len(diff) else tuple(map(FwdOut, outs))))
+    return tuple(watched)
 
 
 _OVERLAP_BACKWARD = (

@@ -461,6 +461,42 @@ def _metadata(
     return convention, metadata, fake_mode
 
 
+def _watch_dependencies(
+    outs: tuple[tuple[FwdOut, ...] | None, ...], diff_outs: tuple[FwdOut, ...]
+) -> tuple[tuple[int, ...], ...] | None:
+    """Per watched arg, the diff_outs positions whose backward uses its saved values; None
+    when each is used by all (Note [Inputs changed after the call])."""
+    if all(o is None for o in outs):
+        return None
+    every = tuple(range(len(diff_outs)))
+    return tuple(every if o is None else tuple(diff_outs.index(k) for k in o) for o in outs)
+
+
+def _saved_aliases(
+    forward: fx.GraphModule, num_fwd_outs: int, num_tensors: int, args: set[GraphArg]
+) -> tuple[int, ...]:
+    """Positions among the saved tensors of those that are one of `args` (graph args) or a view
+    of one (AutogradPlan.unversioned_saved)."""
+    if not args:
+        return ()
+    inputs = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    chosen = {inputs[g] for g in args if g < len(inputs)}
+    (output,) = [n for n in forward.graph.nodes if n.op == "output"]
+    saved = list(output.args[0])[num_fwd_outs : num_fwd_outs + num_tensors]
+    found = []
+    for i, node in enumerate(saved):
+        while (
+            isinstance(node, fx.Node)
+            and node.op == "call_function"
+            and getattr(node.target, "is_view", False)
+            and node.args
+        ):
+            node = node.args[0]
+        if node in chosen:
+            found.append(i)
+    return tuple(found)
+
+
 def _runtime_plan(
     name: str,
     convention: CallingConvention,
@@ -481,6 +517,7 @@ def _runtime_plan(
         diff_outs = tuple(
             FwdOut(k) for k, needs in enumerate(metadata.fwd_plan.needs_tangent) if needs
         )
+        watch, watch_outs = _watched_inputs(metadata, part, epilogue)
         autograd_plan = AutogradPlan(
             num_graph_args=len(convention.graph_sources),
             num_fwd_outs=metadata.fwd_plan.num_outputs,
@@ -497,7 +534,14 @@ def _runtime_plan(
             and not any(c.requires_grad for c in metadata.meta.leaf_changes),
             watch_args=watched_args(part.forward.module, metadata.fwd_plan.num_outputs),
             rng_device=random_device(part.forward.module, metadata.fwd_plan.num_outputs),
-            watch=_watched_inputs(metadata, part, epilogue),
+            watch=watch,
+            watch_deps=_watch_dependencies(watch_outs, diff_outs),
+            unversioned_saved=_saved_aliases(
+                part.forward.module,
+                metadata.fwd_plan.num_outputs,
+                len(part.saved) - part.num_saved_symints,
+                {g for g, o in zip(watch, watch_outs) if o is not None},
+            ),
         )
         detach = _statically_no_grad(joint, leaves, convention)
     return RuntimePlan(
@@ -516,18 +560,21 @@ def _runtime_plan(
 
 def _watched_inputs(
     metadata: MetadataResult, part: PartitionResult, epilogue: EpiloguePlan
-) -> tuple[GraphArg, ...]:
-    """The graph args whose versions the backward checks itself (AutogradPlan.watch): those a
-    value eager saved shares a version counter with, less those the compiled forward saves as
-    they are, whose versions autograd checks when the backward unpacks them (one snapshot per
-    input, not two). Only when the epilogue writes nothing: a write after the save would move a
-    saved input's version, which the backward's own check re-reads after the epilogue instead
-    (Note [Inputs changed after the call] in runtime/autograd.py)."""
-    watch = metadata.saved_args
-    if not watch or epilogue.mutations or epilogue.versions:
-        return watch
-    saved = saved_graph_args(part.forward.module, metadata.fwd_plan.num_outputs)
-    return tuple(g for g in watch if g not in saved)
+) -> tuple[tuple[GraphArg, ...], tuple[tuple[FwdOut, ...] | None, ...]]:
+    """The graph args whose versions the backward checks itself (AutogradPlan.watch), with the
+    diff outputs whose backward reads each (None: every output's): those a value eager saved
+    shares a version counter with, less those the compiled forward saves as they are and every
+    output's backward reads, whose versions autograd checks when the backward unpacks them (one
+    snapshot per input, not two). Only when the epilogue writes nothing: a write after the save
+    would move a saved input's version, which the backward's own check re-reads after the
+    epilogue instead. An arg only some outputs' backwards read stays watched: its saved alias
+    gets a version counter of its own, and the watch decides per output (Note [Inputs changed
+    after the call] in runtime/autograd.py)."""
+    pairs = tuple(zip(metadata.saved_args, metadata.saved_arg_outs))
+    if pairs and not (epilogue.mutations or epilogue.versions):
+        saved = saved_graph_args(part.forward.module, metadata.fwd_plan.num_outputs)
+        pairs = tuple((g, o) for g, o in pairs if not (o is None and g in saved))
+    return tuple(g for g, _ in pairs), tuple(o for _, o in pairs)
 
 
 Lowerings = tuple[CompiledGraph | None, CompiledGraph | None]

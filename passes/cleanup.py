@@ -156,6 +156,27 @@ def _known_equal(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
     return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
 
 
+def _returned_storage(outputs: set[fx.Node]) -> set[fx.Node]:
+    """The outputs and every value an output is a view of (through view ops): their memory is
+    returned. `v = x.clone(); return v.detach()` returns the clone's memory, not x's."""
+    found = set(outputs)
+    stack = list(outputs)
+    while stack:
+        node = stack.pop()
+        target = node.target
+        if (
+            node.op == "call_function"
+            and isinstance(target, torch._ops.OpOverload)
+            and target.is_view
+            and node.args
+            and isinstance(node.args[0], fx.Node)
+            and node.args[0] not in found
+        ):
+            found.add(node.args[0])
+            stack.append(node.args[0])
+    return found
+
+
 def remove_noop_views(graph: StageGraph) -> StageGraph:
     g = _copy(graph)
     _remove_noops(g)
@@ -164,10 +185,13 @@ def remove_noop_views(graph: StageGraph) -> StageGraph:
 
 def _remove_noops(g: fx.Graph) -> None:
     outputs = set(next(n for n in reversed(g.nodes) if n.op == "output").all_input_nodes)
+    returned = _returned_storage(outputs)
     for node in list(g.nodes):
         if node in outputs:
             continue
         if _is_noop(node):
+            if node in returned and node.target not in _IDENTITY_VIEWS:
+                continue  # a copy whose memory an output views: dropping it would alias the input
             node.replace_all_uses_with(node.args[0])
             g.erase_node(node)
         elif (start := _chain_start(node)) is not None:

@@ -82,6 +82,9 @@ def _shape(val: torch.Tensor) -> tuple[Size, ...]:
     return tuple(static_or_expr(s) for s in val.shape)
 
 
+_LAYOUT_READERS = frozenset({torch.ops.aten.as_strided.default})
+
+
 def _strides(val: torch.Tensor) -> tuple[Size, ...]:
     return tuple(static_or_expr(s) for s in val.stride())
 
@@ -126,14 +129,17 @@ class _Lowering:
 
         return _Value(size, dtype, fn, buffer=name)
 
-    def realize(self, node: fx.Node) -> str:
+    def realize(self, node: fx.Node, eager_layout: bool = False) -> str:
+        """`eager_layout`: lay the buffer out with eager's strides even when it is not a graph
+        output (the input of a random op: see `extern`)."""
         value = self.env[node]
         if isinstance(value, _Value) and value.buffer is not None:
             return value.buffer
         if not isinstance(value, _Value):
             raise Unsupported(f"{node.name} is not a tensor value")
         val = _val(node)
-        stride = _strides(val) if node in self.outputs else contiguous_strides(value.size)
+        keep = eager_layout or node in self.outputs
+        stride = _strides(val) if keep else contiguous_strides(value.size)
         if not _offset_is_zero(val) or not _non_overlapping(value.size, stride):
             stride = contiguous_strides(value.size)
         comp = Computed(
@@ -152,6 +158,14 @@ class _Lowering:
         self.items.append(comp)
 
     def extern(self, node: fx.Node) -> None:
+        # Ops whose result depends on their input's memory layout, not only its values: a
+        # random op fills its result in memory order and `rand_like(x)` lays it out as x
+        # (preserve_format); `as_strided` reads x's memory through the strides eager's x has.
+        # Such an input must have eager's strides, or the values land on other elements.
+        seeded = node.target in _LAYOUT_READERS or (
+            isinstance(node.target, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded in node.target.tags
+        )
         reads = []
         for inp in node.all_input_nodes:
             value = self.env.get(inp)
@@ -160,7 +174,7 @@ class _Lowering:
                 self.extern(inp)  # a view feeding an ATen call stays an ATen view, no copy
                 reads.append(inp.name)
             elif isinstance(value, _Value):
-                buf = self.realize(inp)
+                buf = self.realize(inp, eager_layout=seeded)
                 reads.append(buf)
                 if buf != inp.name:  # e.g. a no-op reshape: the node's value is that buffer
                     self.aliases[inp.name] = buf

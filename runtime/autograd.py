@@ -18,7 +18,9 @@ inputs become un-mutatable; floating outputs become requires_grad), which eager 
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +58,14 @@ class AutogradPlan:
     # Graph args whose version the backward checks as eager's saved values would: see Note
     # [Inputs changed after the call].
     watch: tuple[GraphArg, ...] = ()
+    # Per watch entry: the positions in diff_outs whose backward uses the saved value; the
+    # backward checks an entry only when one of them received a gradient. None: every entry
+    # is used by every differentiable output.
+    watch_deps: tuple[tuple[int, ...], ...] | None = None
+    # Saved tensors (positions among them) that are a watched graph arg or a view of one, saved
+    # as an alias with a version counter of its own: with watch_deps, the watch decides whether
+    # their change refuses a backward, not save_for_backward's check on every unpack.
+    unversioned_saved: tuple[int, ...] = ()
 
 
 # Whether plans get the generated node of Note [Generated node] (tests compare it with the generic).
@@ -101,10 +111,12 @@ def make_autograd_function(
     grad_enabled = torch.is_grad_enabled
     anchored = plan.anchor
     # See Note [None gradients]: which grads arrived decides which gradients exist.
-    track = plan.grad_deps is not None or bool(plan.refused)
     watch = plan.watch
+    watch_deps = plan.watch_deps
+    track = plan.grad_deps is not None or bool(plan.refused) or watch_deps is not None
     dwatch = plan.watch_args
     rng = plan.rng_device
+    unversioned = tuple(n_out + i for i in plan.unversioned_saved)
     get_rng = torch.cuda.get_rng_state if rng == "cuda" else torch.random.get_rng_state
 
     def forward(ctx, holder: list, *args: torch.Tensor):  # type: ignore[no-untyped-def]
@@ -122,6 +134,8 @@ def make_autograd_function(
             ctx.aotc_versions = [args[i]._version for i in dwatch]
         # Every saved tensor goes through save_for_backward, so saved-tensor hooks
         # (saved_tensors_hooks, save_on_cpu) around the call see exactly these values.
+        if unversioned:
+            outs = _unversioned(outs, unversioned)
         if has_sizes:
             ctx.save_for_backward(*outs[n_out:n_tensors])
             ctx.aotc_sizes = tuple(outs[n_tensors:])
@@ -184,11 +198,15 @@ def make_autograd_function(
         return bwd(*saved, *grads)
 
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[no-untyped-def]
-        if watch:
+        if watch and watch_deps is None:
             _check_watched(ctx.aotc_watch)
         if not track:
             return place(run_backward(ctx, grads))
         present = [g is not None for g in grads]
+        if watch_deps is not None:
+            _check_watched(
+                [w for w, dep in zip(ctx.aotc_watch, watch_deps) if any(present[p] for p in dep)]
+            )
         for pos, reason in refused:
             if present[pos]:
                 raise UnsupportedError(
@@ -369,9 +387,32 @@ def _differentiable(args: tuple | None, grads: tuple) -> bool:
 # each with its version (`ctx.aotc_watch`; a non-leaf only as an empty alias sharing its version
 # counter, so no activation is kept alive), the entry sets those versions again after its
 # epilogue (an epilogue that writes an input moves the version, as eager's in-place op did
-# before it saved the value), and the backward raises eager's error when one moved. The check
-# covers every differentiable output of the call together: a backward from an output whose path
-# does not reach the changed value is refused too (eager runs it).
+# before it saved the value), and the backward raises eager's error when one moved.
+# Eager refuses only a backward that runs a node unpacking the changed value: `return x * w,
+# x + 1` with w changed after the call still gives gradients from the second output. So when the
+# call has several differentiable outputs, the metadata pass runs a fake backward from each and
+# notes which saved values it unpacked (`SavedValues.recording`); each watched arg keeps the
+# outputs whose backward reaches one of its saved values (`watch_deps`, in diff_outs positions;
+# an arg no backward reaches is not watched), and the backward checks an arg only when one of
+# those outputs received a gradient. The granularity is the output: autograd.grad(out, inputs=)
+# that eager would prune to nodes not using the value is still refused when out's backward uses
+# it for another input's gradient (refusing more than eager, never less).
+
+
+def _unversioned(outs: tuple, positions: tuple[int, ...]) -> tuple:
+    """outs with each tensor at `positions` replaced by an alias of its memory that has a
+    version counter of its own (Note [Inputs changed after the call])."""
+    result = list(outs)
+    for i in positions:
+        t = result[i]
+        alias = t.new_empty(0)
+        try:
+            with torch.no_grad():
+                alias.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+        except Exception:  # noqa: BLE001 a subclass without set_: keep t (checked on unpack)
+            continue
+        result[i] = alias
+    return tuple(result)
 
 
 _Watched = tuple[torch.Tensor, int, torch.Size]  # the tensor (or its counter), version, shape
@@ -513,6 +554,15 @@ def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
     return t
 
 
+class _Packed:
+    """A value SavedValues saved, as autograd holds it."""
+
+    __slots__ = ("tensor", "version", "index", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, version: int, index: int) -> None:
+        self.tensor, self.version, self.index = tensor, version, index
+
+
 class SavedValues:
     """Saved-tensor hooks for the plain metadata run: note every value autograd saves with its
     version, and keep eager's version check on unpack (the compile runs under identity hooks
@@ -520,33 +570,60 @@ class SavedValues:
 
     def __init__(self) -> None:
         self._saved: list[tuple[torch.Tensor, int]] = []
+        # What autograd holds for each saved value: dead once its node was freed (the value
+        # fed no output), so no backward can unpack it.
+        self._held: list[weakref.ref[_Packed]] = []
+        self._unpacked: set[int] | None = None  # while recording: indices into _saved
 
-    def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
-        packed = (t, t._version)
-        self._saved.append(packed)
+    def _pack(self, t: torch.Tensor) -> _Packed:
+        packed = _Packed(t, t._version, len(self._saved))
+        self._saved.append((t, t._version))
+        self._held.append(weakref.ref(packed))
         return packed
 
+    def _unpack(self, packed: _Packed) -> torch.Tensor:
+        if self._unpacked is not None:
+            self._unpacked.add(packed.index)
+        return _unpack((packed.tensor, packed.version))
+
+    def held(self, index: int) -> bool:
+        """Whether some autograd node still holds saved value `index`."""
+        return self._held[index]() is not None
+
     def hooks(self) -> Any:
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[set[int]]:
+        """Notes which saved values (indices, as in `sharing_version`) a backward unpacks."""
+        found: set[int] = set()
+        self._unpacked = found
+        try:
+            yield found
+        finally:
+            self._unpacked = None
 
     def any_stale(self) -> bool:
         return any(t._version != version for t, version in self._saved)
 
-    def sharing_version(self, args: list[torch.Tensor]) -> tuple[GraphArg, ...]:
-        """The args whose version counter some saved value, still current, shares: found by
-        moving each arg's counter and seeing which saved values move with it (views and
-        detached aliases share it; nothing else tells that apart on fake tensors). Moves the
-        args' versions: call it last."""
-        current = [(t, version) for t, version in self._saved if t._version == version]
+    def sharing_version(
+        self, args: list[torch.Tensor]
+    ) -> tuple[tuple[GraphArg, frozenset[int]], ...]:
+        """The args whose version counter some saved value, still current, shares, each with
+        those values' indices: found by moving each arg's counter (and setting it back) and
+        seeing which saved values move with it (views and detached aliases share it; nothing
+        else tells that apart on fake tensors)."""
+        current = [(i, t) for i, (t, version) in enumerate(self._saved) if t._version == version]
         found = []
         for g, a in enumerate(args):
             if not current:
                 break
-            before = [t._version for t, _ in current]
-            torch.autograd.graph.increment_version(a)
-            moved = [t._version != b for (t, _), b in zip(current, before)]
+            before = [t._version for _, t in current]
+            with _preserve_version(a):
+                torch.autograd.graph.increment_version(a)
+                moved = [t._version != b for (_, t), b in zip(current, before)]
             if any(moved):
-                found.append(GraphArg(g))
+                found.append((GraphArg(g), frozenset(i for (i, _), m in zip(current, moved) if m)))
                 current = [c for c, m in zip(current, moved) if not m]
         return tuple(found)
 

@@ -90,6 +90,11 @@ def _saved_view_of_input(x, w):
     return x[1:] * w
 
 
+def _saved_by_a_dead_value(x, w):
+    torch.maximum(x, w)  # saves x and w in a node no output reaches
+    return x * 2
+
+
 CHANGED_AFTER = {
     "maximum_other_changed": (
         _maximum,
@@ -116,6 +121,11 @@ CHANGED_AFTER = {
         lambda: [torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)],
         _add_under_no_grad(1),
     ),
+    "saved_by_a_dead_value": (
+        _saved_by_a_dead_value,
+        lambda: [torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)],
+        _add_under_no_grad(1),
+    ),
     "saved_but_unchanged": (
         _maximum,
         lambda: [torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)],
@@ -129,6 +139,76 @@ CHANGED_AFTER = {
 def test_input_changed_after_the_call(name, capture):
     fn, make, between = CHANGED_AFTER[name]
     _assert_same(fn, make, between, capture)
+
+
+def _outcome_from(fn, make, between, seed, chosen):
+    """As `_outcome`, with the backward through the outputs at positions `chosen` only."""
+    torch.manual_seed(seed)
+    args = make()
+    outs = fn(*args)
+    between(args)
+    loss = sum(outs[j].sum() for j in chosen)
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        return ("raised", "modified by an inplace operation" in str(e), [a._version for a in args])
+    return ("ran", [None if a.grad is None else a.grad.clone() for a in args], None)
+
+
+def _mul_and_add(x, w):
+    return x * w, x + 1  # mul saves x and w; add saves nothing
+
+
+def _sin_and_exp(x, w):
+    return x.sin(), w.exp()  # sin saves x; exp saves its result
+
+
+def _shared_then_split(x, w):
+    h = x * w  # saves x and w, used by both outputs' backward
+    return h.sin(), h.cos(), w + 1
+
+
+WHICH_OUTPUT = {
+    "mul_and_add": (
+        _mul_and_add,
+        lambda: [torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)],
+        _add_under_no_grad(1),
+    ),
+    "sin_and_exp_first_changed": (
+        _sin_and_exp,
+        lambda: [torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)],
+        _detached_write(0),
+    ),
+    "shared_then_split": (
+        _shared_then_split,
+        lambda: [torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)],
+        _add_under_no_grad(1),
+    ),
+}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("name", sorted(WHICH_OUTPUT))
+def test_input_changed_after_the_call_refuses_only_the_backward_that_uses_it(name, capture):
+    """Eager refuses only a backward that unpacks the changed saved value: a backward from an
+    output whose path does not reach it runs, with eager's gradients (Note [Inputs changed
+    after the call])."""
+    fn, make, between = WHICH_OUTPUT[name]
+    compiled = _compile(fn, capture)
+    n_outs = len(fn(*make()))
+    choices = [[j] for j in range(n_outs)] + [list(range(n_outs))]
+    kinds = set()
+    for chosen in choices:
+        want = _outcome_from(fn, make, between, 0, chosen)
+        got = _outcome_from(compiled, make, between, 0, chosen)
+        kinds.add(want[0])
+        assert got[0] == want[0], f"outputs {chosen}: eager {want[0]}, aotc {got[0]}: {got[1]}"
+        if want[0] == "ran":
+            for g, w in zip(got[1], want[1]):
+                assert (g is None) == (w is None)
+                if w is not None:
+                    torch.testing.assert_close(g, w)
+    assert kinds == {"ran", "raised"}  # each case has both kinds of backward
 
 
 def _written_then_saved(x, w):
@@ -249,7 +329,66 @@ def _detached_slice_and_view_of_an_intermediate(a0):  # fuzz campaign, seed 3129
     return (v3, v2)
 
 
+def _dead_maximum_then_squeeze_of_an_alias(a0, a1, a2, a3):  # fuzz campaign 2026-11-23, 1176
+    torch.maximum(a2, a2)  # saves a2 in a node no output reaches
+    v1 = a2 * torch.randn((2, 4))
+    a3.squeeze_(0)  # bumps the version counter a2 shares (one base)
+    return (v1,)
+
+
+def _inputs_dead_maximum():
+    x1 = torch.randn((3, 2, 4), requires_grad=True) * 1.0
+    return [torch.randn((4,), requires_grad=True), x1[:, 1], x1[0], x1[1]]
+
+
+def _rand_like_of_a_transposed_intermediate(a0, a1, a2):  # fuzz campaign 2026-11-23, 5067
+    v0 = a2 + a2  # eager lays v0 out as a2: transposed
+    v3 = torch.rand_like(v0)  # filled in v0's memory order
+    return (a2.squeeze() * v3,)
+
+
+def _inputs_rand_like():
+    return [
+        torch.randn((4, 1), requires_grad=True),
+        torch.randn((3, 4), requires_grad=True) * 1.0,
+        torch.randn((4, 3)).t(),
+    ]
+
+
+def _as_strided_of_a_transposed_intermediate(a0):  # fuzz campaign 2026-11-23, 5251
+    a0.transpose_(0, 1)
+    v1 = a0.detach().clone() + 1.0  # eager lays v1 out as a0: transposed
+    v1.as_strided_(v1.shape, v1.stride())  # reads v1's memory through eager's strides
+    return (v1,)
+
+
+def _detached_clone_of_an_input(a0, a1):  # fuzz campaign 2026-11-23, 5269
+    v1 = a1.detach().clone().detach()  # its own memory, not a1's
+    a0.expand(2, *a0.shape).zero_()
+    return (v1,)
+
+
 PROGRAMS = {
+    "as_strided_of_a_transposed_intermediate": (
+        _as_strided_of_a_transposed_intermediate,
+        lambda: [torch.randn((2, 3), requires_grad=True) * 1.0],
+        [],
+    ),
+    "detached_clone_of_an_input": (
+        _detached_clone_of_an_input,
+        lambda: [torch.randn((3, 4), requires_grad=True) * 1.0, torch.randn((3, 4))],
+        [],
+    ),
+    "rand_like_of_a_transposed_intermediate": (
+        _rand_like_of_a_transposed_intermediate,
+        _inputs_rand_like,
+        [],
+    ),
+    "dead_maximum_then_squeeze_of_an_alias": (
+        _dead_maximum_then_squeeze_of_an_alias,
+        _inputs_dead_maximum,
+        [0],
+    ),
     "detached_slice_and_view_of_an_intermediate": (
         _detached_slice_and_view_of_an_intermediate,
         lambda: [torch.randn(4, 1, requires_grad=True)],

@@ -74,6 +74,8 @@ def check(
         want = _observe(f, make_inputs, backward, write_outputs, 100 + call)
         got = _observe(compiled, make_inputs, backward, write_outputs, 100 + call)
         refused = got.get("unsupported")
+        if refused is None and mode == "dynamo" and want.get("error_step") != "call":
+            refused = _dynamo_itself(f, make_inputs, backward, write_outputs, 100 + call, got)
         if refused is not None and want.get("error_step") != "call":
             return Outcome(Verdict.REFUSED, refused)
         try:
@@ -83,6 +85,41 @@ def check(
         if want.get("error_step") is not None:
             break  # both refused the same step; the next call would only repeat it
     return Outcome(Verdict.MATCH)
+
+
+def _dynamo_itself(
+    f: Callable[..., Any],
+    make_inputs: Callable[[], list[Any]],
+    backward: list[int],
+    write_outputs: bool,
+    seed: int,
+    got: dict[str, Any],
+) -> str | None:
+    """Dynamo's own failure, not aotc's: torch.compile raised at the call where eager ran, and
+    torch.compile(backend="eager") raises the same on the same program (so no backend could run
+    it): a Dynamo error of the same type (InternalTorchDynamoError, TorchRuntimeError), or any
+    other error with the same type and first line (an AssertionError from Dynamo's fake-tensor
+    conversion). Counted as a refusal, with Dynamo's message; None when the call did not fail
+    that way (then it is compared as usual). An aotc error is never Dynamo's."""
+    error = got.get("error")
+    if got.get("error_step") != "call" or error is None or isinstance(error, aotc.AotcError):
+        return None
+    if isinstance(getattr(error, "inner_exception", None), aotc.AotcError):
+        return None
+    if isinstance(error, torch._dynamo.exc.BackendCompilerFailed):
+        return None  # the backend (aotc) failed, not Dynamo
+    torch._dynamo.reset()
+    baseline = _observe(
+        torch.compile(f, backend="eager"), make_inputs, backward, write_outputs, seed
+    )
+    torch._dynamo.reset()
+    if baseline.get("error_step") != "call" or type(baseline.get("error")) is not type(error):
+        return None
+    if not isinstance(error, torch._dynamo.exc.TorchDynamoException) and _error_text(
+        baseline
+    ) != _error_text(got):
+        return None
+    return f"Dynamo itself (backend='eager' too): {_error_text(got)}"
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -141,8 +178,14 @@ def _is_leaf(t: torch.Tensor) -> object:
 
 def _error_kind(e: BaseException) -> str:
     """An autograd error without the node name it names (`Output 0 of SplitBackward0`): the
-    regenerated views are as_strided views, eager's the original op's."""
-    return re.sub(r"Output \d+ of \w+", "Output of a view", str(e))[:80]
+    regenerated views are as_strided views, eager's the original op's; for the same reason
+    eager's "Output 0 of Select is a view of a view which was created in no_grad mode ..." is
+    aotc's one-level "A view was created in no_grad mode ...": the same refusal."""
+    text = re.sub(r"Output \d+ of \w+", "Output of a view", str(e))
+    text = text.replace(
+        "Output of a view is a view of a view which was created", "A view was created"
+    )
+    return text[:80]
 
 
 def _tensor_state(t: torch.Tensor) -> dict[str, Any]:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from tests.fuzz.campaign import run_program, shrink_failure
-from tests.fuzz.compare import Verdict
+from tests.fuzz.compare import Verdict, check
 from tests.fuzz.generate import generate
 from tests.fuzz.shrink import shrink
 
@@ -94,3 +95,59 @@ def test_shrinker_keeps_only_what_the_failure_needs():
 
 def _writes(program) -> bool:
     return any(".mul_(" in line for stmt in program.body for line in stmt)
+
+
+def _view_of_split_then_version_bump(a0, a1, a2):
+    v0 = a2.split(1, 1)[0]
+    a1.as_strided_(a1.shape, a1.stride())  # a graph break; bumps the version of a2's base
+    return (v0,)
+
+
+def _inputs_split_bump():
+    x0 = torch.randn((3, 2, 4), dtype=torch.float64, requires_grad=True) * 1.0
+    return [x0[2], x0[1], x0[:, 1]]
+
+
+def _copy_into_an_alias_then_read_another(a1, a2, a3):
+    v0 = a1.unbind(0)[1]
+    a2.copy_(v0)  # a2 comes to require grad; a3 shares its base
+    a3.abs()  # Dynamo's fake-tensor conversion of a3 asserts on requires_grad
+    return (v0,)
+
+
+def _inputs_copy_alias():
+    x2 = torch.randn((3, 2, 4))
+    return [torch.randn((3,), requires_grad=True), x2[2], x2[0]]
+
+
+DYNAMO_OWN_FAILURES = {
+    # campaign seed 1000: a resumed frame reads `is_leaf` of a split view whose base moved on
+    "split_view_then_version_bump": (
+        _view_of_split_then_version_bump,
+        _inputs_split_bump,
+        torch._dynamo.exc.InternalTorchDynamoError,
+    ),
+    # campaign seed 3005: an AssertionError from Dynamo's meta conversion
+    "copy_into_an_alias_then_read_another": (
+        _copy_into_an_alias_then_read_another,
+        _inputs_copy_alias,
+        AssertionError,
+    ),
+}
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("name", sorted(DYNAMO_OWN_FAILURES))
+def test_dynamo_own_failure_counts_as_refusal_only_when_every_backend_fails(name):
+    """torch.compile raises with backend="eager" as with "aotc" where eager runs: the comparison
+    counts that as a refusal (Dynamo's, named so), never as a match or a silent difference;
+    trace capture runs the program like eager."""
+    f, make, error = DYNAMO_OWN_FAILURES[name]
+    torch._dynamo.reset()
+    with pytest.raises(error):
+        torch.compile(f, backend="eager")(*make())
+    torch._dynamo.reset()
+    outcome = check(f, make, backward=[], mode="dynamo")
+    assert outcome.verdict is Verdict.REFUSED, outcome
+    assert "Dynamo itself" in outcome.detail, outcome.detail
+    assert check(f, make, backward=[], mode="trace").verdict is Verdict.MATCH

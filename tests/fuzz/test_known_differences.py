@@ -68,7 +68,26 @@ def _inputs_saved():
     return [torch.randn((2, 3), dtype=torch.float64, requires_grad=True)]
 
 
+def _view_of_a_no_grad_view_then_base_written(a0, a1, a2):  # campaign seed 3104 (branch s7fuzz)
+    v0 = torch.where(a1 > 0, a1, a2)
+    with torch.no_grad():
+        v3 = v0.narrow(0, 1, 1)
+    v6 = v3.view(-1)[-1]  # is_leaf/grad_fn raise in both, worded per view chain
+    v0.detach().zero_()
+    return (v6,)
+
+
+def _inputs_no_grad_view():
+    x0 = torch.randn((3, 2, 4), requires_grad=True)
+    return [x0[:, 1], x0[2], x0[0]]
+
+
 CASES = {
+    "view_of_a_no_grad_view_then_base_written": (
+        _view_of_a_no_grad_view_then_base_written,
+        _inputs_no_grad_view,
+        [],
+    ),
     "transpose_of_a_saved_output": (_transpose_of_a_saved_output, _inputs_saved, [0]),
     # Dynamo's own answer (torch.compile(backend="eager") returns 1 too): the default mode runs
     # such frames eagerly (Note [Metadata changes in Dynamo graphs] in aotc/backend.py)
