@@ -142,6 +142,7 @@ def test_new_process_hits_a_triton_entry(tmp_path):
     """The entry written here serves a fresh process, whose kernel caches are empty."""
     d = str(tmp_path / "cache")
     cold = assert_matches_eager(block, block_args, backend="triton", cache_dir=d)
+    aotc.cache_flush()  # the entry is queued (Note [Deferred cache stores]); the child reads it
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(root=ROOT, d=d))
     env = dict(os.environ, PYTHONPATH=ROOT)
