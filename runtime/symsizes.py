@@ -20,6 +20,8 @@ from typing import Any
 import sympy
 import torch
 
+from aotc.runtime.symexpr import SizeExpr
+
 
 class SymKind(enum.Enum):
     SIZE = "size"
@@ -76,9 +78,12 @@ def read_symbols(sources: Sequence[SymSource], args: Sequence[Any]) -> tuple[int
 
 
 def size_code(e: Any) -> str:
-    """Python source of an integer size expression (ints, size symbols, +, *, floor division)."""
+    """Python source of an integer size expression (ints, size symbols, +, *, floor division;
+    or a `SizeExpr`, runtime.symexpr, whose text was checked when it was made)."""
     if isinstance(e, int):
         return str(e)
+    if isinstance(e, SizeExpr):
+        return f"({e.text})"
     if e.is_Integer:
         return str(int(e))
     if e.is_Symbol:
