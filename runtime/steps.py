@@ -6,9 +6,11 @@ decomposed graph, the steps, the buffer plan).
 Stage: `node_runner(nodes, keep, aliases, ...) -> run(env)` (used by passes.kernelize when it
 lowers a graph, and here when a program is rebuilt); `build_compiled_graph(program, sources)
 -> CompiledGraph` (an exported artifact's lowered graph, see runtime/artifact.py).
-Requires: a functional ATen fx graph (the decomposed graph) with `meta["val"]` on every node.
+Requires: a functional ATen fx graph (the decomposed graph) with `meta["val"]` on every node
+(a stored graph keeps only static values: symbolic sizes live in the program as `SizeExpr`s).
 Ensures: a rebuilt graph runs the same steps as the one lowering made: the same kernels, the same
-ATen fallbacks (the same nodes), the same buffer slots and frees. Nothing here imports
+ATen fallbacks (the same nodes), the same buffer slots and frees; with symbolic sizes, the same
+size evaluation per call (Note [Size expressions as text] in runtime/symexpr.py). Nothing here imports
 `aotc.passes`: the node runner only reads fx nodes, so a loaded artifact runs without the
 compiler.
 """
