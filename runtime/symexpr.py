@@ -4,8 +4,8 @@ Records: `SizeExpr` (one integer expression over a graph's size symbols, e.g. "(
 Stage: `size_expr(value) -> int | SizeExpr` (compiler side: an int, a SymInt or a sympy size
 expression of a lowered graph to its plain form); `SizeExpr(text)` (load side: checks the text
 against the grammar below, or raises ValueError).
-Requires: expressions built from integers, size symbols, +, -, *, floor division, modulo and
-small constant powers (what `runtime.symsizes.size_code` writes; anything else is refused with
+Requires: expressions built from integers, size symbols, +, -, *, floor division, modulo, max,
+min and small constant powers (what `runtime.symsizes.size_code` writes; anything else is refused with
 ValueError when encoding, so the program is not exported).
 Ensures: a `SizeExpr` holds only text of the grammar (checked on construction, so a decoded
 artifact cannot smuggle other code into the size functions that `runtime.symsizes.compile_sizes`
@@ -21,6 +21,7 @@ kernels index their inputs with, the strides ATen results are brought to. An exp
 stores each as the Python text of the expression in a restricted grammar
 
     expr := int | symbol | expr (+ | - | * | // | %) expr | -expr | expr ** int | ( expr )
+          | max(expr, expr, ...) | min(expr, expr, ...)
     symbol := an identifier naming one of the graph's size symbols (`GraphProgram.symbols`:
               where its value is read from the call's arguments)
 
@@ -40,6 +41,7 @@ MAX_TEXT = 4000  # characters: expressions aotc writes are far shorter
 MAX_POWER = 64
 
 _OPS = (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod, ast.Pow)
+_FNS = ("max", "min")  # the only calls: max(a, b, ...), min(a, b, ...)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,12 +81,21 @@ def names(text: str) -> frozenset[str]:
             stack.append(node.operand)
         elif isinstance(node, ast.Constant) and type(node.value) is int:
             pass
-        elif isinstance(node, ast.Name) and not node.id.startswith("_"):
+        elif isinstance(node, ast.Name) and not node.id.startswith("_") and node.id not in _FNS:
             found.add(node.id)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in _FNS
+            and len(node.args) >= 2
+            and not node.keywords
+            and not any(isinstance(a, ast.Starred) for a in node.args)
+        ):
+            stack += node.args
         else:
             raise ValueError(
                 f"size expression {text[:60]!r} uses {type(node).__name__}, which is outside the "
-                "grammar of sizes (integers, size symbols, + - * // % and constant powers)"
+                "grammar of sizes (integers, size symbols, + - * // %, max, min, constant powers)"
             )
     return frozenset(found)
 

@@ -496,3 +496,55 @@ def test_dynamic_triton_size_text_is_checked_on_load(tmp_path):
     _edit_manifest(path, files={**files, "program.json": hashlib.sha256(bad.encode()).hexdigest()})
     with pytest.raises(ArtifactError, match="program.json cannot be decoded.*size expression"):
         aotc.load(path)
+
+
+@needs_interpreter
+def test_dynamic_triton_gpt_block_sequence_lengths(tmp_path):
+    """A transformer block (attention without SDPA, LayerNorm, MLP): reductions, matmuls as ATen
+    calls between kernels, symbolic strides of ATen results; exported once, run at other
+    batch sizes and sequence lengths, gradients of the bound module's parameters compared."""
+    from examples.gpt_block import Block
+
+    torch.manual_seed(0)
+    block = Block(16, 2, use_sdpa=False)
+    path = aotc.export(
+        block, torch.randn(2, 5, 16), path=tmp_path / "gpt", dynamic=True, backend="triton"
+    )
+    bound, eager = copy.deepcopy(block), copy.deepcopy(block)
+    loaded = aotc.load(path, module=bound)
+    before = _launch_sizes(loaded)
+    for b, n in ((3, 7), (2, 11)):
+        x = torch.randn(b, n, 16)
+        got, want = loaded(x), eager(x)
+        got.pow(2).sum().backward()
+        want.pow(2).sum().backward()
+        _assert_tensor_equal(got, want, f"output at {(b, n)}", 1e-4, 1e-5)
+        for (name, pg), (_, pw) in zip(bound.named_parameters(), eager.named_parameters()):
+            torch.testing.assert_close(pg.grad, pw.grad, rtol=1e-4, atol=1e-5, msg=name)
+        bound.zero_grad()
+        eager.zero_grad()
+    assert len(_launch_sizes(loaded) - before) > 2
+    with pytest.raises(GuardError, match="outside its guard"):
+        loaded(torch.randn(1, 4, 16))  # a batch of 1 was specialized away by the trace
+
+
+def strided_slice(x):
+    return x[1:, ::2].sigmoid().cumsum(0)
+
+
+@needs_interpreter
+def test_dynamic_triton_strided_slice(tmp_path):
+    """Sizes with max/min (`x[:, ::2]` has stride max(1, (s + 1) // 2)): the compiled function
+    (which raised before max/min had a size-code form) and the loaded artifact both run."""
+
+    def args(n):
+        return lambda: (torch.randn(n, 2 * n - 1, requires_grad=True),)
+
+    compiled = aotc.compile(strided_slice, dynamic=True, backend="triton", capture="trace")
+    path = aotc.export(
+        strided_slice, *args(4)(), path=tmp_path / "s", dynamic=True, backend="triton"
+    )
+    loaded = aotc.load(path)
+    for n in (4, 7, 3):
+        assert_matches_eager(strided_slice, args(n), compiled=compiled, runs=1)
+        assert_matches_eager(strided_slice, args(n), compiled=loaded, runs=1)

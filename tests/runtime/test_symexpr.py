@@ -27,6 +27,8 @@ S = [sympy.Symbol(f"s{i}", integer=True, positive=True) for i in range(3)]
         ("((4 * s37) + (8 * s14 * s37))", {"s14", "s37"}),
         ("(-1 * s0) + s1 // 2 - s2 % 3", {"s0", "s1", "s2"}),
         ("(s0 ** 2)", {"s0"}),
+        ("max(1, ((s46 + 1) // 2))", {"s46"}),
+        ("min(s0, s1, 4)", {"s0", "s1"}),
     ],
 )
 def test_grammar_accepts_sizes(text, symbols):
@@ -51,6 +53,11 @@ def test_grammar_accepts_sizes(text, symbols):
         "_secret",
         "s0 if s1 else 2",
         "(s0, s1)",
+        "max",
+        "max(s0)",
+        "max(s0, key=s1)",
+        "max(*s0, 1)",
+        "abs(s0, 1)",
         "s0 < s1",
         "",
         "s0 +",
@@ -95,6 +102,8 @@ def _tree(draw_ops: list[int], leaves: list[int]) -> sympy.Expr:
                 expr = PythonMod(expr, other)
             case 5:
                 expr = ModularIndexing(expr, 1, other)
+            case 6:
+                expr = sympy.Max(expr, other) if rng.random() < 0.5 else sympy.Min(expr, other)
             case _:
                 expr = expr**2
     return expr
@@ -102,7 +111,7 @@ def _tree(draw_ops: list[int], leaves: list[int]) -> sympy.Expr:
 
 @settings(max_examples=120, deadline=None)
 @given(
-    st.lists(st.integers(0, 6), min_size=1, max_size=6),
+    st.lists(st.integers(0, 7), min_size=1, max_size=6),
     st.lists(st.integers(0, 99), min_size=1, max_size=3),
     st.tuples(st.integers(1, 50), st.integers(1, 50), st.integers(1, 50)),
 )
