@@ -9,7 +9,8 @@ runtime/artifact.py) that `aotc.load` runs without the compiler, exactly as the 
 function runs this signature; a readable summary.txt next to it. Refuses (ArtifactError, naming
 what and what to do) programs whose artifact could not run alone: tensors read from closures or
 globals (pass them as arguments, or export an nn.Module), Python state the strict tracer would
-outputs or arguments without a plain encoding, and dynamic=True with Triton kernels.
+outputs or arguments without a plain encoding, and Triton lowerings with a size outside the
+plain size grammar (runtime/symexpr.py).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def export(
     record: CompiledRecord = entry.record  # type: ignore[assignment]
     symbolic_entry = dynamic and shape_guard is not None and "size() ==" not in shape_guard
     artifact_dynamic = dynamic
-    kernels = _kernel_files(record, name, dynamic, cf._options.backend.value)
+    kernels = _kernel_files(record, name, cf._options.backend.value)
     device = _device_kind(leaves)
     state_names = tuple(gen.names)
     flags: tuple[tuple[str, bool], ...] = ()
@@ -155,23 +156,27 @@ def _state_checks(
 # the call's signature. summary.txt lists everything else that was baked in.
 
 
-def _kernel_files(record: CompiledRecord, name: str, dynamic: bool, backend: str) -> dict[str, str]:
+def _kernel_files(record: CompiledRecord, name: str, backend: str) -> dict[str, str]:
     """The kernel files of the entry's `CompiledProgram` (the same record the disk cache
-    stores, Note [One compiled program] in runtime/artifact.py): file -> source."""
+    stores, Note [One compiled program] in runtime/artifact.py): file -> source. Symbolic sizes
+    of a dynamic=True lowering are in the program as size expressions (runtime/symexpr.py)."""
     program = record.program
     lowered = record.lowered
-    incomplete = (lowered[0] and program.forward_kernels is None) or (
-        lowered[1] and program.backward_kernels is None
-    )
-    symbolic = dynamic and any(
-        low and module is not None and _has_symbols(module)
-        for low, module in zip(lowered, (program.forward, program.backward))
-    )
-    if incomplete or symbolic:
+    incomplete = [
+        kind
+        for kind, low, gp in zip(
+            ("forward", "backward"),
+            lowered,
+            (program.forward_kernels, program.backward_kernels),
+        )
+        if low and gp is None
+    ]
+    if incomplete:
         raise ArtifactError(
-            f"cannot export {name} with dynamic=True and backend='{backend}': its Triton kernels "
-            "have symbolic sizes, which artifacts do not store yet. Export with backend='aten', "
-            "or with dynamic=False."
+            f"cannot export {name} with backend='{backend}': the Triton lowering of its "
+            f"{' and '.join(incomplete)} graph has a size that is not a plain integer expression "
+            "of the input sizes (the aotc.kernels log at INFO level names it). Export with "
+            "backend='aten', or with dynamic=False."
         )
     sources = {k.key: k.source for k in record.kernels}  # a file is named by its kernel's key
     files: dict[str, str] = {}
@@ -181,16 +186,6 @@ def _kernel_files(record: CompiledRecord, name: str, dynamic: bool, backend: str
                 key = step.kernel_file.removesuffix(".py").rsplit("_", 1)[-1]
                 files[step.kernel_file] = sources[key]
     return files
-
-
-def _has_symbols(module: Any) -> bool:
-    for node in module.graph.nodes:
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and any(
-            isinstance(s, torch.SymInt) for s in (*val.shape, *val.stride())
-        ):
-            return True
-    return False
 
 
 def _device_kind(leaves: list[object]) -> str:

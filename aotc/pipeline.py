@@ -650,9 +650,11 @@ def _program(
     backward: fx.GraphModule | None,
     lowerings: Lowerings,
 ) -> tuple[CompiledProgram, bool]:
-    """The compiled program as data, and whether it describes the lowerings completely (a
-    lowering with symbolic sizes has no plain form yet: such a program is neither stored nor
-    exported; see Note [One compiled program] in runtime/artifact.py)."""
+    """The compiled program as data, and whether the disk cache may store it: it describes the
+    lowerings completely (a size expression outside the plain grammar of runtime/symexpr.py
+    leaves that lowering out, and the program is then neither stored nor exported) and has no
+    symbolic sizes (Note [Symbolic cache entries]: the cache stores those as ATen graphs only;
+    an exported artifact holds them, see Note [One compiled program] in runtime/artifact.py)."""
     programs: list[GraphProgram | None] = []
     complete = True
     files: dict[str, str] = {}
@@ -664,8 +666,13 @@ def _program(
             files.setdefault(k.key, f"{KERNEL_DIR}/{len(files):02d}_{k.name}_{k.key}.py")
         try:
             programs.append(graph_program(compiled, files))
-        except ValueError:
+        except ValueError as e:
+            logging.getLogger("aotc.kernels").info(
+                "the %s lowering has no plain form: %s", ("forward", "backward")[len(programs)], e
+            )
             programs.append(None)
+            complete = False
+        if compiled.symbols:
             complete = False
     return CompiledProgram(plan, forward, backward, programs[0], programs[1]), complete
 

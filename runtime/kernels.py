@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from aotc.runtime.symexpr import SizeExpr
 from aotc.runtime.symsizes import SymSource, compile_sizes, read_symbols
 
 log = logging.getLogger("aotc.kernels")
@@ -46,7 +47,9 @@ class KernelSource:
     reduction: bool
     inputs: tuple[str, ...]  # buffer names, in parameter order
     outputs: tuple[str, ...]  # buffer names, in parameter order after the inputs
-    xnumel: Any  # int, or a sympy expression over `symbols` (evaluated at launch)
+    # int, or a sympy expression over `symbols` (a `runtime.symexpr.SizeExpr` in a stored
+    # program), evaluated at launch
+    xnumel: Any
     rnumel: Any
     persistent_rblock: int  # RBLOCK of a persistent reduction (-1: at launch); 0 otherwise
     device: str
@@ -76,7 +79,7 @@ class KernelSource:
 @dataclass(frozen=True)
 class BufferSpec:
     name: str
-    size: tuple[Any, ...]  # ints, or sympy expressions over the graph's symbols
+    size: tuple[Any, ...]  # ints, or sympy expressions (stored: SizeExprs) over the symbols
     stride: tuple[Any, ...]
     dtype: torch.dtype
     device: str
@@ -437,10 +440,8 @@ def _make_symbolic_runner(graph: CompiledGraph) -> Callable[..., tuple[Any, ...]
     return run
 
 
-def _symbol(name: str) -> Any:
-    import sympy
-
-    return sympy.Symbol(name, integer=True, positive=True)
+def _symbol(name: str) -> SizeExpr:
+    return SizeExpr(name)
 
 
 def _run_symbolic_step(

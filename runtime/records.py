@@ -9,7 +9,7 @@ graphs, partition reports) for the cache's inspection fields.
 
 from __future__ import annotations
 
-from aotc.runtime import autograd, epilogue, kernels, schema, steps, symsizes, wrappers
+from aotc.runtime import autograd, epilogue, kernels, schema, steps, symexpr, symsizes, wrappers
 from aotc.runtime.codec import register_records
 
 RUNTIME_RECORDS: tuple[type, ...] = (
@@ -36,6 +36,7 @@ RUNTIME_RECORDS: tuple[type, ...] = (
     kernels.BufferSpec,
     symsizes.SymKind,
     symsizes.SymSource,
+    symexpr.SizeExpr,
     steps.StepProgram,
     steps.GraphProgram,
 )

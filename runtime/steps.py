@@ -6,9 +6,11 @@ decomposed graph, the steps, the buffer plan).
 Stage: `node_runner(nodes, keep, aliases, ...) -> run(env)` (used by passes.kernelize when it
 lowers a graph, and here when a program is rebuilt); `build_compiled_graph(program, sources)
 -> CompiledGraph` (an exported artifact's lowered graph, see runtime/artifact.py).
-Requires: a functional ATen fx graph (the decomposed graph) with `meta["val"]` on every node.
+Requires: a functional ATen fx graph (the decomposed graph) with `meta["val"]` on every node
+(a stored graph keeps only static values: symbolic sizes live in the program as `SizeExpr`s).
 Ensures: a rebuilt graph runs the same steps as the one lowering made: the same kernels, the same
-ATen fallbacks (the same nodes), the same buffer slots and frees. Nothing here imports
+ATen fallbacks (the same nodes), the same buffer slots and frees; with symbolic sizes, the same
+size evaluation per call (Note [Size expressions as text] in runtime/symexpr.py). Nothing here imports
 `aotc.passes`: the node runner only reads fx nodes, so a loaded artifact runs without the
 compiler.
 """
@@ -24,7 +26,17 @@ from typing import Any
 import torch
 from torch import fx
 
-from aotc.runtime.kernels import AtenStep, BufferSpec, CompiledGraph, KernelSource, KernelStep, Step
+from aotc.runtime.kernels import (
+    SYMS,
+    AtenStep,
+    BufferSpec,
+    CompiledGraph,
+    KernelSource,
+    KernelStep,
+    Step,
+)
+from aotc.runtime.symexpr import SizeExpr, size_expr, symbols_of
+from aotc.runtime.symsizes import SymSource, compile_sizes
 
 Env = dict[str, Any]
 StrideFix = Callable[[Any, Env], Any]
@@ -175,67 +187,164 @@ class StepProgram:
     kernel: KernelSource | None  # None: an ATen step. Its `source` is "" (see kernel_file)
     kernel_file: str | None
     outputs: tuple[BufferSpec, ...]
+    # Symbolic sizes: the kept nodes whose traced strides are expressions (their node values
+    # are not stored), with those strides; their ATen results are brought to them per call
+    restrides: tuple[tuple[str, tuple[int | SizeExpr, ...]], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class GraphProgram:
-    """A lowered graph (`CompiledGraph`) as data: what `build_compiled_graph` runs."""
+    """A lowered graph (`CompiledGraph`) as data: what `build_compiled_graph` runs. With
+    symbolic sizes, the sizes in it are `SizeExpr`s over `symbols` (Note [Size expressions as
+    text] in runtime/symexpr.py)."""
 
     decomposed: fx.GraphModule
     steps: tuple[StepProgram, ...]
     placeholders: tuple[str, ...]
     outputs: tuple[object, ...]  # per graph output: a buffer name or a constant
     num_slots: int
-    input_strides: tuple[tuple[int, ...] | None, ...]
+    input_strides: tuple[tuple[int | SizeExpr, ...] | None, ...]
     aliases: tuple[tuple[str, str], ...]
+    symbols: tuple[SymSource, ...] = ()  # where each size symbol is read (symbolic sizes)
 
 
 def graph_program(graph: CompiledGraph, kernel_files: dict[str, str]) -> GraphProgram:
     """`graph` as data; `kernel_files`: each kernel's key -> the file its source goes to.
-    Raises ValueError for graphs with symbolic sizes (their sizes are sympy expressions)."""
-    if graph.symbols:
-        raise ValueError("the lowered graph has symbolic sizes")
+    Symbolic sizes become `SizeExpr`s (runtime/symexpr.py); raises ValueError for a size
+    outside their grammar, or one that reads a symbol the graph does not bind."""
     if graph.decomposed is None:
         raise ValueError("the lowered graph keeps no decomposed graph")
+    nodes = {n.name: n for n in graph.decomposed.graph.nodes}
+    symbolic = bool(graph.symbols)
     steps = []
     for step in graph.steps:
+        restrides = _restrides(step.keep, nodes) if symbolic else ()
         if isinstance(step, KernelStep):
-            kernel = dataclasses.replace(step.kernel, source="", cuda=None)
+            k = step.kernel
+            kernel = dataclasses.replace(
+                k,
+                source="",
+                cuda=None,
+                xnumel=size_expr(k.xnumel),
+                rnumel=size_expr(k.rnumel),
+                bytes_read=_optional_size(k.bytes_read),
+                bytes_written=_optional_size(k.bytes_written),
+            )
+            outputs = tuple(
+                dataclasses.replace(
+                    spec,
+                    size=tuple(size_expr(s) for s in spec.size),
+                    stride=tuple(size_expr(s) for s in spec.stride),
+                )
+                for spec in step.outputs
+            )
             steps.append(
                 StepProgram(
-                    step.kernel.name,
+                    k.name,
                     step.nodes,
                     step.keep,
                     step.frees,
                     kernel,
-                    kernel_files[step.kernel.key],
-                    step.outputs,
+                    kernel_files[k.key],
+                    outputs,
+                    restrides,
                 )
             )
         else:
-            steps.append(StepProgram(step.name, step.nodes, step.keep, step.frees, None, None, ()))
+            steps.append(
+                StepProgram(step.name, step.nodes, step.keep, step.frees, None, None, (), restrides)
+            )
     strides = graph.input_strides or (None,) * len(graph.placeholders)
-    return GraphProgram(
+    program = GraphProgram(
         decomposed=graph.decomposed,
         steps=tuple(steps),
         placeholders=graph.placeholders,
         outputs=graph.outputs,
         num_slots=graph.num_slots,
         input_strides=tuple(
-            tuple(int(s) for s in st) if st is not None else None for st in strides
+            tuple(size_expr(s) for s in st) if st is not None else None for st in strides
         ),
         aliases=graph.aliases,
+        symbols=graph.symbols,
     )
+    _check_symbols(program)
+    return program
+
+
+def _optional_size(value: Any) -> int | SizeExpr | None:
+    """Byte counts are only printed: one outside the grammar is dropped."""
+    try:
+        return None if value is None else size_expr(value)
+    except ValueError:
+        return None
+
+
+def _restrides(
+    keep: Sequence[str], nodes: dict[str, fx.Node]
+) -> tuple[tuple[str, tuple[int | SizeExpr, ...]], ...]:
+    out = []
+    for name in keep:
+        val = nodes[name].meta.get("val") if name in nodes else None
+        if not isinstance(val, torch.Tensor):
+            continue
+        if all(isinstance(s, int) for s in (*val.shape, *val.stride())):
+            continue  # a static value: stored with the graph, `static_stride_fix` reads it
+        out.append((name, tuple(size_expr(s) for s in val.stride())))
+    return tuple(out)
+
+
+def _check_symbols(program: GraphProgram) -> None:
+    """Every size expression reads only symbols the program binds (else ValueError)."""
+    used: frozenset[str] = frozenset()
+    for sp in program.steps:
+        if sp.kernel is not None:
+            used |= symbols_of((sp.kernel.xnumel, sp.kernel.rnumel))
+            used |= frozenset(sp.kernel.symbols)
+        for spec in sp.outputs:
+            used |= symbols_of((spec.size, spec.stride))
+        used |= symbols_of(tuple(st for _, st in sp.restrides))
+    used |= symbols_of(program.input_strides)
+    unbound = used - {src.symbol for src in program.symbols}
+    if unbound:
+        raise ValueError(f"size expressions read symbols {sorted(unbound)} the graph does not bind")
+
+
+def symbolic_stride_fix(stride: Sequence[int | SizeExpr], symbols: Sequence[str]) -> StrideFix:
+    """Bring an ATen result to its traced strides, evaluated per call from the symbols' values
+    (`runtime.kernels.SYMS`): a result that already has them, has at most one element, or whose
+    traced layout overlaps itself (an expanded value) is kept as it is."""
+    strides_of = compile_sizes(list(stride), list(symbols))
+
+    def fix(out: Any, env: Env) -> Any:
+        if not isinstance(out, torch.Tensor) or out.numel() <= 1:
+            return out
+        want = strides_of(env[SYMS])
+        if all(st == w for st, w, n in zip(out.stride(), want, out.shape) if n > 1):
+            return out
+        if not non_overlapping(tuple(out.shape), want):
+            return out
+        return torch.empty_strided(out.shape, want, dtype=out.dtype, device=out.device).copy_(out)
+
+    return fix
 
 
 def build_compiled_graph(program: GraphProgram, sources: dict[str, str]) -> CompiledGraph:
-    """The runnable graph of `program`; `sources`: kernel file -> kernel source text."""
+    """The runnable graph of `program`; `sources`: kernel file -> kernel source text. Raises
+    ValueError when a size expression reads a symbol the program does not bind."""
+    _check_symbols(program)
     nodes = {n.name: n for n in program.decomposed.graph.nodes}
     aliases = dict(program.aliases)
+    names = [src.symbol for src in program.symbols]
     steps: list[Step] = []
     kernels = []
     for sp in program.steps:
-        fallback = node_runner([nodes[n] for n in sp.nodes], sp.keep, aliases)
+        fixes = {name: symbolic_stride_fix(st, names) for name, st in sp.restrides}
+
+        def fixer(node: fx.Node, keep: bool, fixes: dict[str, StrideFix] = fixes) -> Any:
+            fix = fixes.get(node.name) if keep else None
+            return fix if fix is not None else static_stride_fix(node, keep)
+
+        fallback = node_runner([nodes[n] for n in sp.nodes], sp.keep, aliases, fixer)
         if sp.kernel is None:
             steps.append(AtenStep(sp.name, fallback, sp.frees, sp.nodes, sp.keep))
             continue
@@ -250,6 +359,7 @@ def build_compiled_graph(program: GraphProgram, sources: dict[str, str]) -> Comp
         outputs=program.outputs,
         num_slots=program.num_slots,
         input_strides=program.input_strides,
+        symbols=program.symbols,
         decomposed=program.decomposed,
         aliases=program.aliases,
     )
@@ -263,4 +373,5 @@ __all__ = [
     "node_runner",
     "non_overlapping",
     "static_stride_fix",
+    "symbolic_stride_fix",
 ]

@@ -20,6 +20,8 @@ from typing import Any
 import sympy
 import torch
 
+from aotc.runtime.symexpr import SizeExpr
+
 
 class SymKind(enum.Enum):
     SIZE = "size"
@@ -76,9 +78,13 @@ def read_symbols(sources: Sequence[SymSource], args: Sequence[Any]) -> tuple[int
 
 
 def size_code(e: Any) -> str:
-    """Python source of an integer size expression (ints, size symbols, +, *, floor division)."""
+    """Python source of an integer size expression (ints, size symbols, +, *, floor division,
+    modulo, max/min;
+    or a `SizeExpr`, runtime.symexpr, whose text was checked when it was made)."""
     if isinstance(e, int):
         return str(e)
+    if isinstance(e, SizeExpr):
+        return f"({e.text})"
     if e.is_Integer:
         return str(int(e))
     if e.is_Symbol:
@@ -92,6 +98,8 @@ def size_code(e: Any) -> str:
     name = type(e).__name__
     if name in ("FloorDiv",) and len(e.args) == 2:
         return f"({size_code(e.args[0])} // {size_code(e.args[1])})"
+    if name in ("Max", "Min") and len(e.args) >= 2:  # e.g. the stride of a strided slice
+        return f"{name.lower()}({', '.join(size_code(a) for a in e.args)})"
     if name in ("ModIdx", "PythonMod") and len(e.args) == 2:
         return f"({size_code(e.args[0])} % {size_code(e.args[1])})"
     raise ValueError(f"cannot evaluate size expression {e} at run time")

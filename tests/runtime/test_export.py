@@ -129,9 +129,9 @@ class Net(torch.nn.Module):
         return self.head(torch.relu(self.norm(self.lin(x))))
 
 
-def _train_and_compare(eager, bound, loaded, steps=3, train=True):
-    for step in range(steps):
-        x = torch.randn(5, 3)
+def _train_and_compare(eager, bound, loaded, steps=3, train=True, batches=()):
+    for step in range(len(batches) or steps):
+        x = torch.randn(batches[step] if batches else 5, 3)
         want, got = eager(x), loaded(x)
         _assert_tensor_equal(got, want, f"step {step} output", 1e-5, 1e-5)
         if train:
@@ -297,16 +297,32 @@ _LOADER = textwrap.dedent(
             continue
         loaded = aotc.load(path)
         torch.manual_seed(3)
-        x = torch.randn(4, 3)
-        ws = [torch.randn(3, 5), torch.randn(5), torch.randn(5, 2)]
-        got_w = [w.clone().requires_grad_() for w in ws]
-        want_w = [w.clone().requires_grad_() for w in ws]
-        got = loaded(x, *got_w)
-        want = mlp_step(x, *want_w)
-        (got[0].sum() * 3 + got[1]).backward()
-        (want[0].sum() * 3 + want[1]).backward()
-        for g, w in zip([*got, *(t.grad for t in got_w)], [*want, *(t.grad for t in want_w)]):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        # a dynamic artifact runs at other sizes too (batch, hidden and output sizes)
+        sizes = [(4, 3, 5, 2), (9, 3, 7, 4), (2, 3, 3, 6)] if kind == "dyn" else [(4, 3, 5, 2)]
+        for n, d, h, o in sizes:
+            x = torch.randn(n, d)
+            ws = [torch.randn(d, h), torch.randn(h), torch.randn(h, o)]
+            got_w = [w.clone().requires_grad_() for w in ws]
+            want_w = [w.clone().requires_grad_() for w in ws]
+            got = loaded(x, *got_w)
+            want = mlp_step(x, *want_w)
+            (got[0].sum() * 3 + got[1]).backward()
+            (want[0].sum() * 3 + want[1]).backward()
+            for g, w in zip([*got, *(t.grad for t in got_w)], [*want, *(t.grad for t in want_w)]):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        if kind == "dyn":
+            from aotc.runtime import kernels
+            from aotc.runtime.errors import GuardError
+
+            assert not kernels._FAILED, kernels._FAILED
+            launched = {(x, r) for _, _, x, r in kernels._BEST}
+            assert len(launched) >= 3, launched  # kernels ran at each size, none fell back
+            try:
+                loaded(torch.randn(1, 3), *got_w)  # outside the guard (sizes >= 2)
+            except GuardError as e:
+                assert "outside its guard" in str(e), e
+            else:
+                raise AssertionError("a call outside the guard ran")
         print("ok", path, type(got[0].grad_fn).__name__)
     compiler = [m for m in sys.modules
                 if m.startswith(("aotc.passes", "aotc.pipeline", "aotc.tracer", "aotc.api"))]
@@ -324,6 +340,10 @@ def test_load_runs_without_the_compiler(tmp_path):
     if importlib.util.find_spec("triton") is not None:
         tri = aotc.export(mlp_step, *mlp_args(), path=tmp_path / "tri", backend="triton")
         paths.append("fn:" + tri)
+        dyn = aotc.export(
+            mlp_step, *mlp_args(), path=tmp_path / "dyn", backend="triton", dynamic=True
+        )
+        paths.append("dyn:" + dyn)
     script = tmp_path / "loader.py"
     script.write_text(_LOADER)
     env = dict(os.environ, PYTHONPATH=ROOT)
@@ -340,10 +360,191 @@ def test_load_runs_without_the_compiler(tmp_path):
     assert "AotcFunction" in result.stdout
 
 
-@needs_interpreter
-def test_dynamic_triton_is_refused_with_a_reason(tmp_path):
-    def f(x):
-        return (x * 2).sin().sum(0)
+# --------------------------------------------------------------------------- dynamic Triton
 
-    with pytest.raises(ArtifactError, match="dynamic=True and backend='triton'.*backend='aten'"):
-        aotc.export(f, torch.randn(6, 4), path=tmp_path / "a", dynamic=True, backend="triton")
+
+def swish_head(x, w):
+    y = x * torch.sigmoid(x) + 1.0
+    return (y @ w).softmax(-1), y.sum(0)
+
+
+def swish_args(n, m, k, grad=True):
+    return lambda: (torch.randn(n, m, requires_grad=grad), torch.randn(m, k, requires_grad=grad))
+
+
+def _launch_sizes(loaded):
+    """(kernel key, xnumel, rnumel) of every launch of the loaded artifact's kernels so far;
+    asserts its lowerings are symbolic (sizes stored as expressions) and no kernel fell back."""
+    from aotc.runtime import kernels
+
+    programs = [loaded.artifact.program.forward_kernels, loaded.artifact.program.backward_kernels]
+    assert programs[0] is not None and programs[0].symbols
+    mine = {
+        sp.kernel_file.removesuffix(".py").rsplit("_", 1)[-1]  # files are named by source key
+        for gp in programs
+        if gp is not None
+        for sp in gp.steps
+        if sp.kernel_file is not None
+    }
+    assert mine and not mine & {key for key, _ in kernels._FAILED}
+    return {(key, x, r) for key, _, x, r in kernels._BEST if key in mine}
+
+
+@needs_interpreter
+def test_dynamic_triton_function_training(tmp_path):
+    path = aotc.export(
+        swish_head, *swish_args(8, 16, 4)(), path=tmp_path / "a", dynamic=True, backend="triton"
+    )
+    assert os.listdir(os.path.join(path, "kernels"))
+    with open(os.path.join(path, "program.json")) as f:
+        assert '"aotc.runtime.symexpr.SizeExpr"' in f.read()  # sizes stored as expressions
+    loaded = aotc.load(path)
+    assert loaded.artifact.program.backward_kernels is not None
+    before = _launch_sizes(loaded)
+    for n, m, k in ((8, 16, 4), (5, 7, 3), (19, 33, 6)):  # every dim is symbolic
+        assert_matches_eager(
+            swish_head, swish_args(n, m, k), compiled=loaded, runs=1, rtol=1e-5, atol=1e-5
+        )
+    new = _launch_sizes(loaded) - before
+    assert len({(x, r) for _, x, r in new}) >= 3  # the same kernels ran at the new sizes
+    with pytest.raises(GuardError, match=r"sizes \[\(1, 16\), \(16, 4\)\] fall outside its guard"):
+        loaded(*swish_args(1, 16, 4)())  # the trace assumed sizes >= 2 (0/1 specialize)
+    with pytest.raises(GuardError, match="outside its guard"):
+        loaded(torch.randn(4, 6, requires_grad=True), torch.randn(5, 3, requires_grad=True))
+
+
+@needs_interpreter
+def test_dynamic_triton_function_inference(tmp_path):
+    with torch.no_grad():
+        path = aotc.export(
+            swish_head, *swish_args(6, 8, 3, False)(), path=tmp_path / "a", dynamic=True,
+            backend="triton",
+        )  # fmt: skip
+        loaded = aotc.load(path)
+        assert loaded.artifact.backward is None and loaded.artifact.forward_kernels is not None
+        for n, m, k in ((6, 8, 3), (3, 21, 2), (12, 5, 7)):
+            assert_matches_eager(
+                swish_head, swish_args(n, m, k, False), compiled=loaded, backward=False,
+                rtol=1e-5, atol=1e-5,
+            )  # fmt: skip
+
+
+class NormNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(torch.nn.functional.gelu(self.norm(self.lin(x))))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("net", [NormNet, Net])
+def test_dynamic_triton_module_training(tmp_path, net):
+    torch.manual_seed(0)
+    eager = net()
+    path = aotc.export(
+        net(), torch.randn(5, 3), path=tmp_path / "net", dynamic=True, backend="triton"
+    )
+    bound = copy.deepcopy(eager)
+    loaded = aotc.load(path, module=bound)
+    assert loaded.artifact.program.backward_kernels is not None
+    _train_and_compare(eager, bound, loaded, batches=(5, 9, 2, 16))
+    with pytest.raises(GuardError, match="outside its guard"):
+        loaded(torch.randn(5, 4))  # the parameters fix the feature size
+
+
+@needs_interpreter
+def test_dynamic_triton_module_inference(tmp_path):
+    torch.manual_seed(0)
+    eager = NormNet().eval()
+    bound = copy.deepcopy(eager)
+    with torch.no_grad():
+        path = aotc.export(
+            NormNet().eval(), torch.randn(5, 3), path=tmp_path / "net", dynamic=True,
+            backend="triton",
+        )  # fmt: skip
+        loaded = aotc.load(path, module=bound)
+        assert loaded.artifact.backward is None
+        _train_and_compare(eager, bound, loaded, train=False, batches=(5, 3, 12))
+
+
+@needs_interpreter
+def test_dynamic_triton_size_text_is_checked_on_load(tmp_path):
+    import hashlib
+
+    path = aotc.export(
+        swish_head, *swish_args(8, 16, 4)(), path=tmp_path / "a", dynamic=True, backend="triton"
+    )
+    program = os.path.join(path, "program.json")
+    with open(program) as f:
+        body = json.load(f)
+    text = json.dumps(body)
+    # a size expression replaced by other Python: refused by the size grammar, never run
+    bad = text.replace('"text": "s14"', '"text": "__import__(\'os\').getpid()"', 1)
+    if bad == text:  # the symbol has another name in this torch: edit the first expression
+        import re
+
+        bad = re.sub(r'"text": "[^"]*"', '"text": "print(1)"', text, count=1)
+    assert bad != text
+    with open(program, "w") as f:
+        f.write(bad)
+    with open(os.path.join(path, "manifest.json")) as f:
+        files = json.load(f)["files"]
+    _edit_manifest(path, files={**files, "program.json": hashlib.sha256(bad.encode()).hexdigest()})
+    with pytest.raises(ArtifactError, match="program.json cannot be decoded.*size expression"):
+        aotc.load(path)
+
+
+@needs_interpreter
+def test_dynamic_triton_gpt_block_sequence_lengths(tmp_path):
+    """A transformer block (attention without SDPA, LayerNorm, MLP): reductions, matmuls as ATen
+    calls between kernels, symbolic strides of ATen results; exported once, run at other
+    batch sizes and sequence lengths, gradients of the bound module's parameters compared."""
+    from examples.gpt_block import Block
+
+    torch.manual_seed(0)
+    block = Block(16, 2, use_sdpa=False)
+    path = aotc.export(
+        block, torch.randn(2, 5, 16), path=tmp_path / "gpt", dynamic=True, backend="triton"
+    )
+    bound, eager = copy.deepcopy(block), copy.deepcopy(block)
+    loaded = aotc.load(path, module=bound)
+    before = _launch_sizes(loaded)
+    for b, n in ((3, 7), (2, 11)):
+        x = torch.randn(b, n, 16)
+        got, want = loaded(x), eager(x)
+        got.pow(2).sum().backward()
+        want.pow(2).sum().backward()
+        _assert_tensor_equal(got, want, f"output at {(b, n)}", 1e-4, 1e-5)
+        for (name, pg), (_, pw) in zip(bound.named_parameters(), eager.named_parameters()):
+            torch.testing.assert_close(pg.grad, pw.grad, rtol=1e-4, atol=1e-5, msg=name)
+        bound.zero_grad()
+        eager.zero_grad()
+    assert len(_launch_sizes(loaded) - before) > 2
+    with pytest.raises(GuardError, match="outside its guard"):
+        loaded(torch.randn(1, 4, 16))  # a batch of 1 was specialized away by the trace
+
+
+def strided_slice(x):
+    return x[1:, ::2].sigmoid().cumsum(0)
+
+
+@needs_interpreter
+def test_dynamic_triton_strided_slice(tmp_path):
+    """Sizes with max/min (`x[:, ::2]` has stride max(1, (s + 1) // 2)): the compiled function
+    (which raised before max/min had a size-code form) and the loaded artifact both run."""
+
+    def args(n):
+        return lambda: (torch.randn(n, 2 * n - 1, requires_grad=True),)
+
+    compiled = aotc.compile(strided_slice, dynamic=True, backend="triton", capture="trace")
+    path = aotc.export(
+        strided_slice, *args(4)(), path=tmp_path / "s", dynamic=True, backend="triton"
+    )
+    loaded = aotc.load(path)
+    for n in (4, 7, 3):
+        assert_matches_eager(strided_slice, args(n), compiled=compiled, runs=1)
+        assert_matches_eager(strided_slice, args(n), compiled=loaded, runs=1)
