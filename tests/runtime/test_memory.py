@@ -64,6 +64,7 @@ def test_compiled_function_and_entries_are_collectable():
     for e in compiled._dispatch.entries:  # the graph callables and autograd.Function classes
         refs += [weakref.ref(e._fwd)] + ([weakref.ref(e._fn)] if e._fn is not None else [])
     del compiled, record, e
+    aotc.cache_flush()  # a queued cache store holds the record until written
     gc.collect()
     alive = [r() for r in refs if r() is not None]
     assert not alive, [type(a).__name__ for a in alive]
@@ -90,6 +91,7 @@ def test_default_mode_graphs_are_freed_with_dynamos_cache():
         refs += [weakref.ref(record.forward), weakref.ref(record.joint)]
     del compiled, record
     torch._dynamo.reset()
+    aotc.cache_flush()  # a queued cache store holds the record until written
     gc.collect()
     alive = [r() for r in refs if r() is not None]
     assert not alive, [type(a).__name__ for a in alive]
