@@ -299,7 +299,8 @@ def store_verified(
 # has decided what to store, and the compiled function returns without it. Everything a queued
 # store reads is immutable once the compile has assembled it (frozen records, fx graphs nothing
 # edits afterwards). When a queued store runs:
-# - `_STORE_DELAY` seconds later, on a timer thread (one per batch of stores). Not at once: a
+# - `_STORE_DELAY` seconds later, on a timer thread (one per batch of stores; a flush that empties
+#   the queue cancels the batch's timer, so the next store starts a fresh one). Not at once: a
 #   thread that starts encoding right away holds the GIL in 5 ms slices against the first call
 #   and backward, and on a loaded machine each hand-over of the GIL waits for the OS scheduler
 #   (measured: 20 ms of encoding cost the first call 170-380 ms at load average 6).
@@ -349,6 +350,10 @@ def _take(key: str | None) -> list[Callable[[], object]]:
         jobs = {id(_QUEUED[k]): _QUEUED[k] for k in keys}
         for k in [k for k, j in _QUEUED.items() if id(j) in jobs]:
             del _QUEUED[k]
+        if not _QUEUED and _TIMER:
+            # Nothing left for the pending timer: cancel it, so the next store starts its own
+            # (a store queued later must not wait on an earlier batch's timer).
+            _TIMER.pop().cancel()
     return list(jobs.values())
 
 

@@ -161,6 +161,23 @@ def test_deferred_store_runs_on_its_own_later(tmp_path, monkeypatch):
     assert len(entries(d)) == 1 and persist.pending() == 0
 
 
+def test_store_after_a_flush_does_not_wait_for_the_flushed_batch_timer(tmp_path, monkeypatch):
+    # A flush empties the queue while the batch's timer is pending; a later store must start its
+    # own timer, not join the earlier one (which, at a long delay, would hold it back).
+    monkeypatch.setattr(persist, "_STORE_DELAY", 60.0)
+    d = str(tmp_path)
+    aotc.compile(lambda x: x.sin() + 1, cache_dir=d, capture="trace")(torch.randn(3))
+    aotc.cache_flush()
+    assert len(entries(d)) == 1 and persist.pending() == 0
+    monkeypatch.setattr(persist, "_STORE_DELAY", 0.05)
+    aotc.compile(lambda x: x.tan() - 1, cache_dir=d, capture="trace")(torch.randn(3))
+    for _ in range(200):
+        if len(entries(d)) == 2:
+            break
+        time.sleep(0.05)
+    assert len(entries(d)) == 2 and persist.pending() == 0
+
+
 def test_second_compile_of_the_same_program_waits_for_its_entry(tmp_path, monkeypatch):
     monkeypatch.setattr(persist, "_STORE_DELAY", 60.0)
     d = str(tmp_path)
