@@ -87,6 +87,9 @@ HigherOrder = Callable[
 # Whether the running backward keeps the graph (retain_graph); false: autograd frees each node's
 # saved values once it ran.
 keep_graph = torch._C._autograd._get_current_graph_task_keep_graph
+# Releases a node's saved values unless the running backward keeps the graph (None: this torch
+# has no such method; the backward then keeps them to its end, as before; Note [Boxed backward]).
+clear_saved = getattr(torch._C._FunctionBase, "maybe_clear_saved_tensors", None)
 
 
 def make_autograd_function(
@@ -181,17 +184,29 @@ def make_autograd_function(
 
     refused = plan.refused
     deps = plan.grad_deps
+    boxed: Callable[[list], tuple] | None = (
+        getattr(bwd, "boxed", None) if clear_saved is not None else None
+    )
     place = _placer(tuple(1 + g for g in plan.grad_args), n_result)
 
     def run_backward(ctx, grads: tuple) -> tuple:  # type: ignore[no-untyped-def]
         if grad_enabled() and _differentiable(ctx.aotc_args, grads):
             return _double_backward(ctx, grads)
-        if not keep_graph():  # See Note [Graph args for double backward]
+        release = not keep_graph()
+        if release:  # See Note [Graph args for double backward]
             ctx.aotc_args = ctx.aotc_versions = ctx.aotc_rng = None
         if not all(map(_is_contiguous, grads)):
             grads = tuple(g if g.is_contiguous() else g.contiguous() for g in grads)
         saved = ctx.saved_tensors + ctx.aotc_sizes if has_sizes else ctx.saved_tensors
         # The backward graph carries its dtypes already (Note [Graphs run without autocast]).
+        if release and boxed is not None:  # Note [Boxed backward]
+            box = [*saved, *grads]
+            del saved
+            clear_saved(ctx)  # type: ignore[misc]  # not None where `boxed` is set
+            if any_autocast():
+                with torch._C._DisableAutocast():
+                    return boxed(box)
+            return boxed(box)
         if any_autocast():
             with torch._C._DisableAutocast():
                 return bwd(*saved, *grads)
@@ -243,6 +258,8 @@ def make_autograd_function(
                 "no_autocast": torch._C._DisableAutocast,
                 "watched": _watched,
                 "check_watched": _check_watched,
+                "boxed": boxed,
+                "clear_saved": clear_saved,
             },
         )
     return type(
@@ -272,20 +289,53 @@ def make_autograd_function(
 #     def backward(ctx, g0):
 #         if grad_enabled() and differentiable(ctx.aotc_args, (g0,)):
 #             return double_backward(ctx, (g0,))   # placed as the generic backward does
-#         if not keep_graph():
-#             ctx.aotc_args = None
 #         if not g0.is_contiguous():
 #             g0 = g0.contiguous()
-#         s0, = ctx.saved_tensors
-#         if any_autocast():
-#             with no_autocast():
-#                 r = bwd(s0, g0)
+#         if not keep_graph():
+#             ctx.aotc_args = None
+#             box = [*ctx.saved_tensors, g0]       # Note [Boxed backward]
+#             clear_saved(ctx)
+#             r = boxed(box)                       # (the autocast check as below)
 #         else:
-#             r = bwd(s0, g0)
+#             s0, = ctx.saved_tensors
+#             if any_autocast():
+#                 with no_autocast():
+#                     r = bwd(s0, g0)
+#             else:
+#                 r = bwd(s0, g0)
 #         return (None, r[0], None)
 #
 # Each does what the generic function does for the same plan, in the same order (tests/runtime/
 # test_generated_node.py compares both over plans with sizes, watches and several outputs).
+
+
+# Note [Boxed backward]
+# ~~~~~~~~~~~~~~~~~~~~~
+# Eager's engine frees a node's saved values as soon as that node has run, so a backward of many
+# nodes never holds all of them at once. One compiled node holds every saved value of the program
+# three times over while its backward graph runs: in the node's SavedVariables, in the unpacked
+# tuple, and in the call's arguments; they would all live until the graph returns (on CPU the
+# higher peak showed as page faults and a slower training step than eager's). So when the running
+# backward does not keep the graph (no retain_graph / create_graph), the backward unpacks the
+# saved values into a list (unpack hooks and version checks run there, as before), releases the
+# node's own references (`ctx.maybe_clear_saved_tensors()`, which does nothing when the graph is
+# kept), and hands the list to the graph's boxed twin (`bwd.boxed`, runtime/launch.py and the
+# Triton runners in runtime/kernels.py), which empties it: each saved value then dies right after
+# the graph's last op reading it, sooner than eager's per-node release. The gradients are held by
+# the engine's call and are not affected. With the graph kept, the saved values stay with the node
+# (a second backward needs them) and the plain call is used. A second backward after a release
+# raises eager's "backward through the graph a second time" error from `ctx.saved_tensors`.
+# tests/runtime/test_memory.py::test_backward_frees_each_saved_value_at_its_last_use.
+
+
+def _autocast_call(call: str, indent: str) -> list[str]:
+    return [
+        f"{indent}if any_autocast():",
+        f"{indent}    with no_autocast():",
+        f"{indent}        r = {call}",
+        f"{indent}else:",
+        f"{indent}    r = {call}",
+    ]
 
 
 def _generate_node(
@@ -326,30 +376,37 @@ def _generate_node(
     bl += [
         f"    if grad_enabled() and differentiable(ctx.aotc_args, {gtuple}):",
         f"        return place(double_backward(ctx, {gtuple}))",
+    ]
+    for g in grads:
+        bl += [f"    if not {g}.is_contiguous():", f"        {g} = {g}.contiguous()"]
+    release = [
         "    if not keep_graph():",
         "        ctx.aotc_args = ctx.aotc_versions = None"
         if plan.watch_args
         else "        ctx.aotc_args = None",
     ]
-    for g in grads:
-        bl += [f"    if not {g}.is_contiguous():", f"        {g} = {g}.contiguous()"]
     num_saved_tensors = n_tensors - n_out
     svars = [f"s{k}" for k in range(num_saved_tensors)]
-    if svars:
-        bl.append(f"    {''.join(v + ', ' for v in svars)}= ctx.saved_tensors")
+    sizes = " *ctx.aotc_sizes," if plan.num_saved_symints else ""
+    if svars and namespace.get("boxed") is not None:
+        # Note [Boxed backward]: the saved values go to the graph in a list it empties, and
+        # the node's own references are released first, unless the graph is kept.
+        box = f"[*ctx.saved_tensors,{sizes} {''.join(g + ', ' for g in grads)}]"
+        bl += [*release, f"        box = {box}", "        clear_saved(ctx)"]
+        bl += _autocast_call("boxed(box)", indent="        ")
+        bl.append("    else:")
+        indent = "        "
     else:
-        bl.append("    ctx.saved_tensors")  # unpacking is what eager's backward does too
+        bl += release
+        indent = "    "
+    if svars:
+        bl.append(f"{indent}{''.join(v + ', ' for v in svars)}= ctx.saved_tensors")
+    else:
+        bl.append(f"{indent}ctx.saved_tensors")  # unpacking is what eager's backward does too
     if plan.num_saved_symints:
-        bl.append("    sizes = ctx.aotc_sizes")
+        bl.append(f"{indent}sizes = ctx.aotc_sizes")
         svars.append("*sizes")
-    call = f"bwd({', '.join(svars + grads)})"
-    bl += [
-        "    if any_autocast():",
-        "        with no_autocast():",
-        f"            r = {call}",
-        "    else:",
-        f"        r = {call}",
-    ]
+    bl += _autocast_call(f"bwd({', '.join(svars + grads)})", indent=indent)
     n_result = 1 + plan.num_graph_args
     slots = {1 + g: k for k, g in enumerate(plan.grad_args)}
     result = "".join(f"r[{slots[i]}], " if i in slots else "None, " for i in range(n_result))

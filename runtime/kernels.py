@@ -374,12 +374,12 @@ def _make_runner(graph: CompiledGraph) -> Callable[..., tuple[Any, ...]]:
     num_slots = graph.num_slots
     strides = graph.input_strides or (None,) * len(placeholders)
 
-    def run(*args: Any) -> tuple[Any, ...]:
+    def run_boxed(box: list[Any]) -> tuple[Any, ...]:
         # Kernels bake the traced strides of their inputs into index expressions; a tensor that
         # arrives with other strides (a cotangent autograd made non-contiguous) is copied into
         # the traced layout first. Guards make this impossible for user inputs.
-        args = tuple(_restride(a, st) for a, st in zip(args, strides, strict=True))
-        env: dict[str, Any] = dict(zip(placeholders, args, strict=True))
+        env: dict[str, Any] = dict(zip(placeholders, map(_restride, box, strides), strict=True))
+        box.clear()  # each input is freed at its last use (Note [Boxed backward])
         slots: list[torch.Tensor | None] = [None] * num_slots
         for step in steps:
             if isinstance(step, KernelStep):
@@ -390,6 +390,10 @@ def _make_runner(graph: CompiledGraph) -> Callable[..., tuple[Any, ...]]:
                 env.pop(name, None)
         return tuple(env[o] if isinstance(o, str) else o for o in outputs)
 
+    def run(*args: Any) -> tuple[Any, ...]:
+        return run_boxed(list(args))
+
+    run.boxed = run_boxed  # type: ignore[attr-defined]
     return run
 
 
@@ -417,15 +421,15 @@ def _make_symbolic_runner(graph: CompiledGraph) -> Callable[..., tuple[Any, ...]
             exprs += [*spec.size, *spec.stride]
         plans.append((compile_sizes(exprs, names), len(k.symbols), len(step.outputs)))
 
-    def run(*args: Any) -> tuple[Any, ...]:
-        values = read_symbols(sources, args)
+    def run_boxed(args_l: list[Any]) -> tuple[Any, ...]:
+        values = read_symbols(sources, args_l)
         flat = stride_fn(values)
-        args_l = list(args)
         pos = 0
         for i, n in strided:
             args_l[i] = _restride(args_l[i], flat[pos : pos + n])
             pos += n
         env: dict[str, Any] = dict(zip(placeholders, args_l, strict=True))
+        args_l.clear()  # each input is freed at its last use (Note [Boxed backward])
         env[SYMS] = values
         slots: list[torch.Tensor | None] = [None] * num_slots
         for step, plan in zip(steps, plans, strict=True):
@@ -437,6 +441,10 @@ def _make_symbolic_runner(graph: CompiledGraph) -> Callable[..., tuple[Any, ...]
                 env.pop(name, None)
         return tuple(env[o] if isinstance(o, str) else o for o in outputs)
 
+    def run(*args: Any) -> tuple[Any, ...]:
+        return run_boxed(list(args))
+
+    run.boxed = run_boxed  # type: ignore[attr-defined]
     return run
 
 

@@ -129,3 +129,50 @@ def test_training_steps_do_not_grow_live_tensors():
     after_10 = live_tensors()
     train(200)
     assert live_tensors() <= after_10
+
+
+class _LiveDuring(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records, at every op, which of `refs` still point at a live tensor."""
+
+    def __init__(self, refs: list[weakref.ref]) -> None:
+        super().__init__()
+        self.refs, self.seen = refs, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.seen.append((str(func), [r() is not None for r in self.refs]))
+        return func(*args, **(kwargs or {}))
+
+
+def _saved_lifetimes(capture: str, retain: bool) -> list[tuple[str, list[bool]]]:
+    compiled = aotc.compile(lambda x: x.sin().exp().tanh().sum(), capture=capture)
+    x = torch.randn(256, requires_grad=True)
+    compiled(x).backward()
+    saved: list[weakref.ref] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t is not x:  # x lives on in the caller either way
+            saved.append(weakref.ref(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = compiled(x)
+    assert saved, "the compiled forward saved no intermediate"
+    mode = _LiveDuring(saved)
+    with mode:
+        loss.backward(retain_graph=retain)
+    assert mode.seen, "the backward ran no op"
+    return mode.seen
+
+
+def test_backward_frees_each_saved_value_at_its_last_use():
+    # Note [Boxed backward]: like eager, which frees a node's saved values once that node ran,
+    # the compiled backward drops each saved value after the last op reading it, not at its end.
+    # The backward's last op, `add_`, accumulates x.grad after the node: look before it.
+    for capture in ("trace", "dynamo"):
+        seen = [(op, alive) for op, alive in _saved_lifetimes(capture, retain=False)]
+        assert seen[-1][0] == "aten.add_.Tensor", seen
+        assert all(seen[0][1]), seen  # alive when the backward starts
+        assert not any(seen[-2][1]), (capture, seen)  # freed before the node's last op
+    # With retain_graph=True the node keeps them (a second backward needs them).
+    kept = _saved_lifetimes("trace", retain=True)
+    assert all(kept[-2][1]), kept
