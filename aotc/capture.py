@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from aotc.dynamohit import MISS, hit_caller
 from aotc.functional import FUNCTORCH_HOOKS_HINT, refused_by_functorch
 from aotc.options import Capture, CompileOptions
 from aotc.pipeline import CompiledRecord
@@ -283,7 +284,12 @@ class DynamoFunction:
         self._name = name
         self._options = options
         self._capture = _Capture(options, name, self)
-        self._call = self._capture.optimize()(fn)
+        context = self._capture.optimize()
+        self._call = context(fn)
+        # See Note [Calls after a Dynamo guard hit]
+        self._hit = hit_caller(
+            fn, self._capture.backend, getattr(context, "_isolate_recompiles_id", None)
+        )
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -291,6 +297,10 @@ class DynamoFunction:
             return self._fn(*args, **kwargs)
         try:
             if torch.is_grad_enabled() in self._capture.warm:
+                if self._hit is not None and not kwargs:
+                    result = self._hit.call(args)
+                    if result is not MISS:
+                        return result
                 return self._call(*args, **kwargs)
             return self._capture.first_call(self._call, args, kwargs)
         except RuntimeError as e:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import aotc
+from aotc.dynamohit import MISS
 from aotc.options import Capture
 from tests.aotc.test_errors_matrix import CASES as STRICT_ERROR_CASES
 from tests.e2e.models import train_against_eager
@@ -561,3 +562,121 @@ def test_enable_grad_inside_no_grad():
         got, want = compiled(x), f(x)
     assert got.requires_grad == want.requires_grad
     torch.testing.assert_close(got, want)
+
+
+# ----------------------------------------------------------------- calls after a guard hit
+# Note [Calls after a Dynamo guard hit]: once a frame is compiled, calls check Dynamo's guards and
+# run the transformed code without torch.compile's wrapper; anything else goes the normal way.
+
+
+class _Hits:
+    """Counts what the guard-hit path of `compiled` answered."""
+
+    def __init__(self, compiled: aotc.DynamoFunction) -> None:
+        self.hits = self.misses = 0
+        hit = compiled._hit
+        assert hit is not None, "a plain function gets a guard-hit caller"
+        call = hit.call
+
+        def counted(args):  # type: ignore[no-untyped-def]
+            result = call(args)
+            if result is MISS:
+                self.misses += 1
+            else:
+                self.hits += 1
+            return result
+
+        compiled._hit = type("Counted", (), {"call": staticmethod(counted)})()
+
+
+def _grads_of(fn, x, w):  # type: ignore[no-untyped-def]
+    x = x.detach().requires_grad_()
+    out = fn(x, w)
+    out.sum().backward()
+    return out.detach(), x.grad
+
+
+def test_guard_hit_runs_the_compiled_frame_like_eager():
+    def f(x, w):
+        return torch.tanh(x @ w).sin() * 2
+
+    compiled = aotc.compile(f)
+    hits = _Hits(compiled)
+    for n in (3, 3, 3, 5, 5, 3):  # a new size recompiles through the normal path, then hits
+        x, w = torch.randn(n, 4), torch.randn(4, 2)
+        for got, want in zip(_grads_of(compiled, x, w), _grads_of(f, x, w), strict=True):
+            torch.testing.assert_close(got, want)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x, w), f(x, w))
+    assert hits.hits >= 4 and hits.misses >= 1, (hits.hits, hits.misses)
+
+
+def test_guard_hit_sees_changed_globals_and_closures():
+    scale = [2.0]
+
+    def make():  # type: ignore[no-untyped-def]
+        factor = 3.0
+
+        def f(x):  # type: ignore[no-untyped-def]
+            return x * factor + _GLOBAL_SHIFT[0] * scale[0]
+
+        def set_factor(v):  # type: ignore[no-untyped-def]
+            nonlocal factor
+            factor = v
+
+        return f, set_factor
+
+    f, set_factor = make()
+    compiled = aotc.compile(f)
+    hits = _Hits(compiled)
+    x = torch.randn(4)
+    for factor, shift, s in ((3.0, 1.0, 2.0), (3.0, 1.0, 2.0), (5.0, 1.0, 2.0), (5.0, -4.0, 2.0)):
+        set_factor(factor)
+        _GLOBAL_SHIFT[0] = shift
+        scale[0] = s
+        torch.testing.assert_close(compiled(x), f(x))
+    assert hits.hits >= 1, hits.hits
+
+
+_GLOBAL_SHIFT = [1.0]
+
+
+def test_guard_hit_leaves_graph_breaks_to_the_normal_path():
+    seen = []
+
+    def helper(t):  # type: ignore[no-untyped-def]
+        seen.append(t.shape)  # a side effect Dynamo replays
+        return t.cos()
+
+    def f(x):  # type: ignore[no-untyped-def]
+        y = x.sin()
+        torch._dynamo.graph_break()
+        return helper(y) + 1
+
+    compiled = aotc.compile(f)
+    hits = _Hits(compiled)
+    x = torch.randn(3)
+    for _ in range(3):
+        torch.testing.assert_close(compiled(x), f(x))
+    assert hits.hits == 0 and hits.misses >= 2  # the resume function is compiled as before
+    assert len(seen) == 6
+
+
+def test_guard_hit_respects_stance_and_reset():
+    calls = []
+
+    def f(x):  # type: ignore[no-untyped-def]
+        return x.exp() + 1
+
+    compiled = aotc.compile(f)
+    x = torch.randn(3)
+    compiled(x)
+    compiled(x)
+    records = len(aotc.inspect(compiled))
+    with torch.compiler.set_stance("force_eager"):
+        assert compiled._hit.call((x,)) is MISS
+        torch.testing.assert_close(compiled(x), f(x))
+    torch._dynamo.reset()
+    assert compiled._hit.call((x,)) is MISS  # nothing cached any more
+    torch.testing.assert_close(compiled(x), f(x))
+    assert len(aotc.inspect(compiled)) == records + 1, calls

@@ -1,0 +1,171 @@
+"""Calls after a Dynamo guard hit: the default capture mode's per-call path without
+`torch.compile`'s wrapper.
+
+Stage: `hit_caller(fn, backend, isolate_id) -> HitCaller | None`, once per DynamoFunction;
+`HitCaller.call(args)` per call, returning `MISS` whenever the normal path must run.
+Requires: `fn` is the plain Python function Dynamo compiles (through `backend`, in the optimize
+context whose recompile bucket is `isolate_id`).
+Ensures: a call returns what Dynamo's own per-call path would: the transformed code of the first
+cache entry (of this backend and bucket) whose guards pass on the call's frame locals, run with
+the function's globals and closure; anything this module does not handle exactly is a `MISS`.
+
+Note [Calls after a Dynamo guard hit]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+`torch.compile`'s wrapper (`compile_wrapper` in torch/_dynamo/eval_frame.py) costs ~20 us of
+Python on every call before the frame is even entered: it checks for fx/jit tracing and export,
+enters the context's hooks, sets the eval-frame callback, the guard-skip stance, the recompile
+bucket and a dispatch-key guard, and undoes all of it afterwards. Then the C frame evaluator
+looks the frame up, runs each cache entry's guard manager on the frame's locals, and runs the
+first passing entry's transformed code. For a tiny training call that wrapper was most of the
+default mode's overhead over eager (2.1x against the strict mode's 1.5x).
+Once a frame is compiled, what decides the result is the cache entries, each a guard manager and
+a transformed code object. This module does that part itself: it builds the frame locals the
+evaluator would (the arguments by name, the closure's cells by name), checks the entries in the
+evaluator's order (most recent first) with their own guard managers, and calls the passing
+entry's code as a function over the original's globals and closure. It returns `MISS`, leaving
+the call to the normal path (which compiles, recompiles, records guard failures and applies the
+recompile limit), when:
+- the call has keyword arguments or a different number of positional ones than the code's
+  parameters (defaults, *args, **kwargs and keyword-only parameters are never handled here);
+- Dynamo is tracing (an outer torch.compile inlines the normal path) or a stance other than
+  "default" is set (`torch.compiler.set_stance("force_eager")` must run eagerly);
+- no entry of this backend and recompile bucket passes its guards;
+- the passing entry's code could run a Python frame Dynamo would compile: only codes whose
+  globals are Dynamo's own (`__compiled_fn_*` graphs, `__import_*` modules) run here; a graph
+  break's `__resume_at_*` function or a call to a user function goes through the normal path, so
+  those frames are compiled as before.
+The entries are read again on every call (`_debug_get_cache_entry_list`, ~1 us), so a
+`torch._dynamo.reset()` or a recompilation is seen at once. Dynamo's guard managers include its
+global-state guards (grad mode, autocast, default dtype, torch function modes, ...), so a hit
+here is a hit there. Without the eval-frame callback set, the graph's own call is unchanged: the
+backend's `run` closure never enters a Python frame Dynamo would compile. What is lost is only
+cosmetic: the profiler's "Torch-Compiled Region" range around the call. A torch without these
+internals (`CacheEntry.backend`, `guard_manager`) gets no hit caller; everything runs the normal
+path. tests/e2e/test_capture_dynamo.py (`test_guard_hit_*`) checks both branches against eager.
+"""
+
+from __future__ import annotations
+
+import dis
+import inspect
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+MISS: Any = object()  # "run the normal path"
+
+_CO_VARARGS = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
+_DYNAMO_GLOBALS = ("__compiled_fn", "__import_")
+
+
+def _entries_reader() -> Callable[[types.CodeType], list[Any]] | None:
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:  # another torch: no hit caller
+        return None
+    return _debug_get_cache_entry_list
+
+
+def _stance() -> Any:
+    return getattr(torch._dynamo.eval_frame, "_stance", None)
+
+
+class HitCaller:
+    """Runs a call of `fn` through the passing cache entry's transformed code, or says MISS."""
+
+    __slots__ = (
+        "_code",
+        "_names",
+        "_cells",
+        "_globals",
+        "_closure",
+        "_backend",
+        "_bucket",
+        "_read",
+        "_frames",
+        "_compiling",
+        "_runnable",
+    )
+
+    def __init__(
+        self,
+        fn: types.FunctionType,
+        backend: object,
+        bucket: int | None,
+        read: Callable[[types.CodeType], list[Any]],
+    ) -> None:
+        code = fn.__code__
+        self._code = code
+        self._names = code.co_varnames[: code.co_argcount]
+        cells = fn.__closure__ or ()
+        self._cells = tuple(zip(code.co_freevars, cells, strict=True))
+        self._globals = fn.__globals__
+        self._closure = fn.__closure__
+        self._backend = backend
+        self._bucket = bucket
+        self._read = read
+        self._frames = torch._dynamo.eval_frame  # its `_stance` is replaced by set_stance
+        self._compiling = torch.compiler.is_compiling
+        # id of a transformed code -> (the code, its function or None where it must not run here)
+        self._runnable: dict[int, tuple[types.CodeType, types.FunctionType | None]] = {}
+
+    def call(self, args: tuple[Any, ...]) -> Any:
+        names = self._names
+        if len(args) != len(names) or self._frames._stance.stance != "default" or self._compiling():
+            return MISS
+        entries = self._read(self._code)
+        if not entries:
+            return MISS
+        frame_locals = dict(zip(names, args))
+        for name, cell in self._cells:
+            try:
+                frame_locals[name] = cell.cell_contents
+            except ValueError:  # an empty cell: not in the frame's locals either
+                pass
+        for entry in entries:
+            if getattr(entry, "backend", None) != self._backend or (
+                self._bucket is not None
+                and getattr(entry, "isolate_recompiles_id", None) != self._bucket
+            ):
+                continue
+            manager = entry.guard_manager
+            if getattr(manager, "root", manager).check(frame_locals):
+                code = entry.code
+                # keyed by identity: hashing a code object hashes its bytecode (~10 us)
+                known = self._runnable.get(id(code))
+                if known is None or known[0] is not code:
+                    known = self._runnable[id(code)] = (code, self._function(code))
+                fn = known[1]
+                if fn is None:
+                    return MISS
+                del frame_locals
+                return fn(*args)
+        return MISS
+
+    def _function(self, code: types.CodeType) -> types.FunctionType | None:
+        """`code` as a function over the original's globals and closure, if it reads no global
+        but Dynamo's own (see the Note); None otherwise."""
+        if code.co_freevars != self._code.co_freevars:
+            return None
+        for ins in dis.get_instructions(code):
+            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME", "IMPORT_NAME", "STORE_GLOBAL"):
+                if not str(ins.argval).startswith(_DYNAMO_GLOBALS) or ins.opname != "LOAD_GLOBAL":
+                    return None
+        return types.FunctionType(code, self._globals, code.co_name, None, self._closure)
+
+
+def hit_caller(fn: Any, backend: object, bucket: int | None) -> HitCaller | None:
+    """A HitCaller for `fn`, or None where this torch or this callable is not handled (see
+    Note [Calls after a Dynamo guard hit])."""
+    read = _entries_reader()
+    stance = _stance()
+    if read is None or stance is None or not hasattr(stance, "stance"):
+        return None
+    if not isinstance(fn, types.FunctionType):
+        return None
+    code = fn.__code__
+    if code.co_flags & _CO_VARARGS or code.co_kwonlyargcount or code.co_posonlyargcount:
+        return None
+    return HitCaller(fn, backend, None if bucket is None or bucket < 0 else bucket, read)
