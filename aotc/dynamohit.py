@@ -68,6 +68,12 @@ def _entries_reader() -> Callable[[types.CodeType], list[Any]] | None:
     return _debug_get_cache_entry_list
 
 
+def _eval_frame_callback() -> Callable[[], object]:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+    return get_eval_frame_callback
+
+
 def _stance() -> Any:
     return getattr(torch._dynamo.eval_frame, "_stance", None)
 
@@ -87,6 +93,7 @@ class HitCaller:
         "_frames",
         "_compiling",
         "_runnable",
+        "_callback",
     )
 
     def __init__(
@@ -108,8 +115,9 @@ class HitCaller:
         self._read = read
         self._frames = torch._dynamo.eval_frame  # its `_stance` is replaced by set_stance
         self._compiling = torch.compiler.is_compiling
-        # id of a transformed code -> (the code, its function or None where it must not run here)
-        self._runnable: dict[int, tuple[types.CodeType, types.FunctionType | None]] = {}
+        self._callback = _eval_frame_callback()
+        # id of a transformed code -> (the code, its functions or None where it must not run here)
+        self._runnable: dict[int, tuple[types.CodeType, tuple[types.FunctionType, ...] | None]] = {}
 
     def call(self, args: tuple[Any, ...]) -> Any:
         names = self._names
@@ -137,23 +145,81 @@ class HitCaller:
                 known = self._runnable.get(id(code))
                 if known is None or known[0] is not code:
                     known = self._runnable[id(code)] = (code, self._function(code))
-                fn = known[1]
-                if fn is None:
+                fns = known[1]
+                if fns is None:
                     return MISS
                 del frame_locals
-                return fn(*args)
+                # Note [Dynamo's disable wrappers]
+                return fns[0](*args) if self._callback() is None else fns[1](*args)
         return MISS
 
-    def _function(self, code: types.CodeType) -> types.FunctionType | None:
-        """`code` as a function over the original's globals and closure, if it reads no global
-        but Dynamo's own (see the Note); None otherwise."""
+    def _function(self, code: types.CodeType) -> tuple[types.FunctionType, ...] | None:
+        """`code` as functions over the original's closure, if it reads no global but Dynamo's
+        own (see the Note); None otherwise. The first reads Dynamo's globals unwrapped, the
+        second as they are (Note [Dynamo's disable wrappers])."""
         if code.co_freevars != self._code.co_freevars:
             return None
+        names = set()
         for ins in dis.get_instructions(code):
             if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME", "IMPORT_NAME", "STORE_GLOBAL"):
                 if not str(ins.argval).startswith(_DYNAMO_GLOBALS) or ins.opname != "LOAD_GLOBAL":
                     return None
-        return types.FunctionType(code, self._globals, code.co_name, None, self._closure)
+                names.add(str(ins.argval))
+        plain: dict[str, Any] = {"__builtins__": self._globals.get("__builtins__")}
+        for name in names:
+            if name not in self._globals:
+                return None
+            value = self._globals[name]
+            if name.startswith("__compiled_fn"):
+                plain[name] = _undisabled(value)
+            else:
+                plain[name] = (
+                    _UndisabledModule(value) if isinstance(value, types.ModuleType) else value
+                )
+        return (
+            types.FunctionType(code, plain, code.co_name, None, self._closure),
+            types.FunctionType(code, self._globals, code.co_name, None, self._closure),
+        )
+
+
+# Note [Dynamo's disable wrappers]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The transformed code calls the graph through `torch._dynamo.disable(...)` and two profiler
+# helpers (`record_pregraph_bytecode_enter/exit`) through `torch._disable_dynamo`: ~3 us each per
+# call on CPU. Each wrapper sets the eval-frame callback to None around its function and restores
+# it after, so that frames the function runs are not compiled by the callback of the region
+# around it. When no callback is set (a call from plain Python, the case of every call that
+# reaches this path outside a torch.compile region) the wrapper changes nothing, so the hit path
+# runs a second copy of the transformed code whose globals are those functions unwrapped (read
+# from the wrapper's own `_torchdynamo_orig_callable` / `__wrapped__`; a value that is not such a
+# wrapper is used as is). With a callback set, the code runs over the original globals.
+
+
+# the code of `torch._disable_dynamo`'s wrapper (functools.wraps gives it its function's names)
+_DISABLE_DYNAMO_CODE = getattr(torch._disable_dynamo(lambda: None), "__code__", None)
+
+
+def _undisabled(value: Any) -> Any:
+    if getattr(value, "_torchdynamo_disable", False) and getattr(
+        value, "_torchdynamo_disable_recursive", True
+    ):
+        return getattr(value, "_torchdynamo_orig_callable", value)
+    return value
+
+
+class _UndisabledModule:
+    """A module's attributes, with `torch._disable_dynamo`'s wrappers taken off (read once)."""
+
+    def __init__(self, module: types.ModuleType) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._module, name)
+        inner = getattr(value, "__wrapped__", None)
+        if inner is not None and getattr(value, "__code__", None) is _DISABLE_DYNAMO_CODE:
+            value = inner
+        setattr(self, name, value)
+        return value
 
 
 def hit_caller(fn: Any, backend: object, bucket: int | None) -> HitCaller | None:
