@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from aotc.dynamohit import MISS, hit_caller
+from aotc.dynamohit import MISS, hit_caller, module_hit_caller
 from aotc.functional import FUNCTORCH_HOOKS_HINT, refused_by_functorch
 from aotc.options import Capture, CompileOptions
 from aotc.pipeline import CompiledRecord
@@ -297,8 +297,8 @@ class DynamoFunction:
             return self._fn(*args, **kwargs)
         try:
             if torch.is_grad_enabled() in self._capture.warm:
-                if self._hit is not None and not kwargs:
-                    result = self._hit.call(args)
+                if self._hit is not None:
+                    result = self._hit.call(args, kwargs)
                     if result is not MISS:
                         return result
                 return self._call(*args, **kwargs)
@@ -337,7 +337,7 @@ class DynamoModule(OriginalState):
     as in eager (the original's `__call__` is what Dynamo compiles)."""
 
     _own_attributes = frozenset(
-        {"_orig_mod", "_capture", "_optimized", "_name", "_options", "training"}
+        {"_orig_mod", "_capture", "_optimized", "_hit", "_name", "_options", "training"}
     )
 
     def __init__(self, module: torch.nn.Module, options: CompileOptions) -> None:
@@ -350,7 +350,19 @@ class DynamoModule(OriginalState):
         # Dynamo's own module wrapper decides how the call is entered (hooks run in the
         # original's `__call__`; built-in modules get a frame Dynamo can capture). Only its
         # `forward` is used: the wrapper is not registered, so it adds no parameters.
-        object.__setattr__(self, "_optimized", self._capture.optimize()(module))
+        context = self._capture.optimize()
+        object.__setattr__(self, "_optimized", context(module))
+        # See Note [Calls after a Dynamo guard hit]
+        object.__setattr__(
+            self,
+            "_hit",
+            module_hit_caller(
+                module,
+                self._optimized.forward,
+                self._capture.backend,
+                getattr(context, "_isolate_recompiles_id", None),
+            ),
+        )
         self.training = module.training
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -358,6 +370,10 @@ class DynamoModule(OriginalState):
             return self._orig_mod(*args, **kwargs)
         try:
             if torch.is_grad_enabled() in self._capture.warm:
+                if self._hit is not None:
+                    result = self._hit.call(args, kwargs)
+                    if result is not MISS:
+                        return result
                 return self._optimized.forward(*args, **kwargs)
             return self._capture.first_call(self._optimized.forward, args, kwargs)
         except RuntimeError as e:

@@ -1,8 +1,9 @@
 """Calls after a Dynamo guard hit: the default capture mode's per-call path without
 `torch.compile`'s wrapper.
 
-Stage: `hit_caller(fn, backend, isolate_id) -> HitCaller | None`, once per DynamoFunction;
-`HitCaller.call(args)` per call, returning `MISS` whenever the normal path must run.
+Stage: `hit_caller(fn, backend, isolate_id) -> HitCaller | None` once per DynamoFunction
+(`module_hit_caller` per DynamoModule); `.call(args, kwargs)` per call, returning `MISS` whenever
+the normal path must run.
 Requires: `fn` is the plain Python function Dynamo compiles (through `backend`, in the optimize
 context whose recompile bucket is `isolate_id`).
 Ensures: a call returns what Dynamo's own per-call path would: the transformed code of the first
@@ -25,8 +26,10 @@ evaluator's order (most recent first) with their own guard managers, and calls t
 entry's code as a function over the original's globals and closure. It returns `MISS`, leaving
 the call to the normal path (which compiles, recompiles, records guard failures and applies the
 recompile limit), when:
-- the call has keyword arguments or a different number of positional ones than the code's
-  parameters (defaults, *args, **kwargs and keyword-only parameters are never handled here);
+- the call does not bind like the frame would without defaults: fewer positional arguments
+  than parameters (defaults), more without `*args`, a keyword argument without `**kwargs` or one
+  naming a parameter; keyword-only and positional-only parameters are never handled here;
+- a module call whose `Module.__call__` would do more than call `forward` (see ModuleHitCaller);
 - Dynamo is tracing (an outer torch.compile inlines the normal path) or a stance other than
   "default" is set (`torch.compiler.set_stance("force_eager")` must run eagerly);
 - no entry of this backend and recompile bucket passes its guards;
@@ -56,7 +59,6 @@ import torch
 
 MISS: Any = object()  # "run the normal path"
 
-_CO_VARARGS = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
 _DYNAMO_GLOBALS = ("__compiled_fn", "__import_")
 
 
@@ -84,6 +86,8 @@ class HitCaller:
     __slots__ = (
         "_code",
         "_names",
+        "_star",
+        "_starstar",
         "_cells",
         "_globals",
         "_closure",
@@ -105,7 +109,12 @@ class HitCaller:
     ) -> None:
         code = fn.__code__
         self._code = code
-        self._names = code.co_varnames[: code.co_argcount]
+        n = code.co_argcount
+        self._names = code.co_varnames[:n]
+        # the names of *args and **kwargs in the frame's locals, where the code has them
+        rest = iter(code.co_varnames[n:])
+        self._star = next(rest) if code.co_flags & inspect.CO_VARARGS else None
+        self._starstar = next(rest) if code.co_flags & inspect.CO_VARKEYWORDS else None
         cells = fn.__closure__ or ()
         self._cells = tuple(zip(code.co_freevars, cells, strict=True))
         self._globals = fn.__globals__
@@ -119,14 +128,23 @@ class HitCaller:
         # id of a transformed code -> (the code, its functions or None where it must not run here)
         self._runnable: dict[int, tuple[types.CodeType, tuple[types.FunctionType, ...] | None]] = {}
 
-    def call(self, args: tuple[Any, ...]) -> Any:
+    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         names = self._names
-        if len(args) != len(names) or self._frames._stance.stance != "default" or self._compiling():
+        n = len(names)
+        if len(args) != n and (self._star is None or len(args) < n):
+            return MISS
+        if kwargs and (self._starstar is None or not kwargs.keys().isdisjoint(names)):
+            return MISS  # a keyword binding a parameter: the normal path binds it
+        if self._frames._stance.stance != "default" or self._compiling():
             return MISS
         entries = self._read(self._code)
         if not entries:
             return MISS
         frame_locals = dict(zip(names, args))
+        if self._star is not None:
+            frame_locals[self._star] = args[n:]
+        if self._starstar is not None:
+            frame_locals[self._starstar] = dict(kwargs)
         for name, cell in self._cells:
             try:
                 frame_locals[name] = cell.cell_contents
@@ -150,7 +168,8 @@ class HitCaller:
                     return MISS
                 del frame_locals
                 # Note [Dynamo's disable wrappers]
-                return fns[0](*args) if self._callback() is None else fns[1](*args)
+                fn = fns[0] if self._callback() is None else fns[1]
+                return fn(*args, **kwargs) if kwargs else fn(*args)
         return MISS
 
     def _function(self, code: types.CodeType) -> tuple[types.FunctionType, ...] | None:
@@ -232,6 +251,74 @@ def hit_caller(fn: Any, backend: object, bucket: int | None) -> HitCaller | None
     if not isinstance(fn, types.FunctionType):
         return None
     code = fn.__code__
-    if code.co_flags & _CO_VARARGS or code.co_kwonlyargcount or code.co_posonlyargcount:
+    if code.co_kwonlyargcount or code.co_posonlyargcount:
         return None
     return HitCaller(fn, backend, None if bucket is None or bucket < 0 else bucket, read)
+
+
+def _wrap_inline_code() -> types.CodeType | None:
+    try:
+        from torch._dynamo.external_utils import wrap_inline
+    except ImportError:
+        return None
+    return getattr(wrap_inline(lambda: None), "__code__", None)
+
+
+_WRAP_INLINE_CODE = _wrap_inline_code()
+_module = torch.nn.modules.module
+
+
+class ModuleHitCaller:
+    """The guard-hit path of a module compiled by Dynamo (Note [Calls after a Dynamo guard hit]).
+    Dynamo compiles one of two frames: for torch.nn's own modules, a `wrap_inline` function that
+    calls the module (its hooks are in the compiled code); for other modules, the module's
+    `forward`, entered from `Module.__call__` with the eval-frame callback set, so hooks run
+    outside the compiled frame. The second is handled only while the module has no hooks (local
+    or global), no `compile()`d call and no instance-level `forward`: then `Module.__call__` is
+    exactly `forward(*args, **kwargs)`."""
+
+    __slots__ = ("_hit", "_module", "_forward")
+
+    def __init__(self, hit: HitCaller, module: torch.nn.Module | None, forward: object) -> None:
+        self._hit, self._module, self._forward = hit, module, forward
+
+    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        m = self._module
+        if m is None:
+            return self._hit.call(args, kwargs)
+        if (
+            m._backward_hooks
+            or m._backward_pre_hooks
+            or m._forward_hooks
+            or m._forward_pre_hooks
+            or _module._global_backward_pre_hooks
+            or _module._global_backward_hooks
+            or _module._global_forward_hooks
+            or _module._global_forward_pre_hooks
+            or m._compiled_call_impl is not None
+            or type(m).forward is not self._forward
+            or "forward" in m.__dict__
+            or torch._C._get_tracing_state()
+        ):
+            return MISS
+        return self._hit.call((m, *args), kwargs)
+
+
+def module_hit_caller(
+    module: torch.nn.Module, compiled_forward: object, backend: object, bucket: int | None
+) -> ModuleHitCaller | None:
+    """The guard-hit path of `module`, whose Dynamo-compiled call is `compiled_forward` (an
+    OptimizedModule's `forward`), or None where it is not handled."""
+    orig = getattr(compiled_forward, "_torchdynamo_orig_callable", None)
+    if isinstance(orig, types.FunctionType) and orig.__code__ is _WRAP_INLINE_CODE:
+        hit = hit_caller(orig, backend, bucket)
+        return None if hit is None else ModuleHitCaller(hit, None, None)
+    if (
+        isinstance(orig, types.MethodType)
+        and orig.__self__ is module
+        and orig.__func__ is torch.nn.Module._wrapped_call_impl
+    ):
+        forward = type(module).forward
+        hit = hit_caller(forward, backend, bucket)
+        return None if hit is None else ModuleHitCaller(hit, module, forward)
+    return None

@@ -572,21 +572,21 @@ def test_enable_grad_inside_no_grad():
 class _Hits:
     """Counts what the guard-hit path of `compiled` answered."""
 
-    def __init__(self, compiled: aotc.DynamoFunction) -> None:
+    def __init__(self, compiled: aotc.DynamoFunction | aotc.DynamoModule) -> None:
         self.hits = self.misses = 0
         hit = compiled._hit
-        assert hit is not None, "a plain function gets a guard-hit caller"
+        assert hit is not None, "a plain function or module gets a guard-hit caller"
         call = hit.call
 
-        def counted(args):  # type: ignore[no-untyped-def]
-            result = call(args)
+        def counted(args, kwargs):  # type: ignore[no-untyped-def]
+            result = call(args, kwargs)
             if result is MISS:
                 self.misses += 1
             else:
                 self.hits += 1
             return result
 
-        compiled._hit = type("Counted", (), {"call": staticmethod(counted)})()
+        object.__setattr__(compiled, "_hit", type("Counted", (), {"call": staticmethod(counted)})())
 
 
 def _grads_of(fn, x, w):  # type: ignore[no-untyped-def]
@@ -608,6 +608,7 @@ def test_guard_hit_runs_the_compiled_frame_like_eager():
             torch.testing.assert_close(got, want)
         with torch.no_grad():
             torch.testing.assert_close(compiled(x, w), f(x, w))
+        torch.testing.assert_close(compiled(x, w=w), f(x, w=w))  # keywords: the normal path
     assert hits.hits >= 4 and hits.misses >= 1, (hits.hits, hits.misses)
 
 
@@ -674,9 +675,47 @@ def test_guard_hit_respects_stance_and_reset():
     compiled(x)
     records = len(aotc.inspect(compiled))
     with torch.compiler.set_stance("force_eager"):
-        assert compiled._hit.call((x,)) is MISS
+        assert compiled._hit.call((x,), {}) is MISS
         torch.testing.assert_close(compiled(x), f(x))
     torch._dynamo.reset()
-    assert compiled._hit.call((x,)) is MISS  # nothing cached any more
+    assert compiled._hit.call((x,), {}) is MISS  # nothing cached any more
     torch.testing.assert_close(compiled(x), f(x))
     assert len(aotc.inspect(compiled)) == records + 1, calls
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.lin(x).relu() * 2
+
+
+@pytest.mark.parametrize("make", [_Block, lambda: nn.Sequential(nn.Linear(4, 3), nn.ReLU())])
+def test_guard_hit_on_modules_keeps_hooks_and_state(make):
+    torch.manual_seed(0)
+    model = make()
+    ref = copy.deepcopy(model)
+    compiled = aotc.compile(model)
+    hits = _Hits(compiled)
+
+    def step(m, x):  # type: ignore[no-untyped-def]
+        out = m(x)
+        out.sum().backward()
+        return out.detach()
+
+    seen: list[str] = []
+    for i in range(6):
+        x = torch.randn(2, 4)
+        if i == 2:  # a hook added after the compile runs (its call takes the normal path)
+            for m in (model, ref):
+                m.register_forward_hook(lambda mod, args, out: seen.append("hook"))
+        if i == 4:  # train/eval is a guard
+            model.eval()
+            ref.eval()
+        torch.testing.assert_close(step(compiled, x), step(ref, x))
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)
+    assert len(seen) == 8  # 4 calls each, compiled and eager
+    assert hits.hits >= 1, hits.hits
