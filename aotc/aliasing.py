@@ -55,6 +55,7 @@ leaf from the one the graph used): that raises UnsupportedError.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -487,6 +488,9 @@ def _view_source(o: torch.Tensor, candidates: list[UserArg], leaves: list[object
             if variable is not None and id(variable) in by_leaf:
                 return by_leaf[id(variable)]
     for a in candidates:
+        if _holds_elements(leaves[a], o):  # type: ignore[arg-type]
+            return a
+    for a in candidates:
         if _holds(leaves[a], o):  # type: ignore[arg-type]
             return a
     return candidates[0]
@@ -516,6 +520,33 @@ def _spans_storage(t: torch.Tensor) -> bool:
 def _holds(t: torch.Tensor, o: torch.Tensor) -> bool:
     (t0, t1), (o0, o1) = _span(t), _span(o)
     return t0 <= o0 and o1 <= t1
+
+
+_MAX_ELEMENTS = 1 << 16  # above this, `_holds_elements` answers False (the span check follows)
+
+
+def _holds_elements(t: torch.Tensor, o: torch.Tensor) -> bool:
+    """Whether every storage element `o` reads is one `t` reads. A span is not enough: `x[:, 1]`
+    spans `x[1]` without holding it, and a view regenerated from it would drop the gradient of
+    the elements it misses (fuzz seed 8241). False for symbolic or large geometries. Plain
+    Python: the tensors may be fake."""
+    held, wanted = _offsets(t), _offsets(o)
+    return held is not None and wanted is not None and wanted <= held
+
+
+def _offsets(t: torch.Tensor) -> set[int] | None:
+    try:
+        sizes = [int(n) for n in t.shape]
+        strides = [int(st) for st in t.stride()]
+        start = int(t.storage_offset())
+    except (TypeError, RuntimeError):  # symbolic sizes
+        return None
+    if math.prod(sizes) > _MAX_ELEMENTS:
+        return None
+    idx = [start]
+    for size, stride in zip(sizes, strides, strict=True):
+        idx = [i + k * stride for i in idx for k in range(size)]
+    return set(idx)
 
 
 def _check_constant(value: object, j: int) -> None:

@@ -240,19 +240,28 @@ def _pre_call_fakes(
         if hints != [*example.shape, *example.stride()]:
             return out, f"input {i}'s shape or strides are changed in place by the graph"
         with mode:
-            fresh = torch.empty_strided(
-                fake.shape, fake.stride(), dtype=fake.dtype, device=fake.device
-            )
+            fresh = _like(fake)
             if example.requires_grad:
                 fresh.requires_grad_(True)
                 if not example.is_leaf:
-                    dest = torch.empty_strided(
-                        fake.shape, fake.stride(), dtype=fake.dtype, device=fake.device
-                    )
+                    dest = _like(fake)
                     with torch.enable_grad():
                         fresh = dest.copy_(fresh)
         out[i] = fresh
     return out, None
+
+
+def _like(fake: FakeTensor) -> torch.Tensor:
+    """A fresh tensor with `fake`'s geometry, storage offset included: a view the graph takes
+    with `as_strided` reads absolute storage offsets (fuzz seed 8252)."""
+    offset = fake.storage_offset()
+    if isinstance(offset, int) and offset == 0:
+        return torch.empty_strided(fake.shape, fake.stride(), dtype=fake.dtype, device=fake.device)
+    numel = fake.untyped_storage().nbytes() // fake.element_size()
+    storage = torch.empty(numel, dtype=fake.dtype, device=fake.device).untyped_storage()
+    return torch.empty(0, dtype=fake.dtype, device=fake.device).set_(
+        storage, offset, fake.shape, fake.stride()
+    )
 
 
 def _hint(value: object) -> object:

@@ -368,7 +368,36 @@ def _detached_clone_of_an_input(a0, a1):  # fuzz campaign 2026-11-23, 5269
     return (v1,)
 
 
+def _view_of_one_of_overlapping_inputs(a0, a1, a2):  # fuzz campaign 2026-11-23, 8241
+    v0 = a1.movedim(0, -1)  # a1's memory, which a0 spans without holding
+    with torch.no_grad():
+        v0.narrow(0, 1, 1).zero_()
+    return (v0,)
+
+
+def _overlapping_views_of_x():
+    x = torch.randn((3, 2, 4), requires_grad=True)
+    return [x[:, 1], x[1], x[2]]
+
+
+def _as_strided_of_a_written_input(a0, a1, a2):  # fuzz campaign 2026-11-23, 8252
+    v0 = a2.detach()
+    v0.masked_fill_(v0 > 0, 1.0)
+    return (a2.as_strided((2,), (1,), 1),)  # an absolute storage offset, below a2's own
+
+
+def _views_at_offsets():
+    x = torch.randn((3, 2, 4), requires_grad=True)
+    return [x[1], x.view(-1), x[:, 1]]
+
+
 PROGRAMS = {
+    "view_of_one_of_overlapping_inputs": (
+        _view_of_one_of_overlapping_inputs,
+        _overlapping_views_of_x,
+        [0],
+    ),
+    "as_strided_of_a_written_input": (_as_strided_of_a_written_input, _views_at_offsets, []),
     "as_strided_of_a_transposed_intermediate": (
         _as_strided_of_a_transposed_intermediate,
         lambda: [torch.randn((2, 3), requires_grad=True) * 1.0],
@@ -432,3 +461,17 @@ def test_program_matches_eager(name, mode):
     f, make, backward = PROGRAMS[name]
     outcome = check(f, make, backward=backward, write_outputs=True, mode=mode)
     assert outcome.verdict is Verdict.MATCH, outcome.detail
+
+
+def test_view_replayed_from_a_base_of_another_rank_is_refused_with_the_line():
+    # fuzz campaign 2026-11-23, 8119: eager runs it; fake tensors replay `v` from `a`'s new rank
+    def f(a):
+        v = a.transpose(0, 1)
+        a.squeeze_(0)
+        v.unsqueeze_(0)
+        return v * 2
+
+    x = torch.randn((1, 3), requires_grad=True) * 1.0
+    assert f(x.clone()).shape == (1, 3, 1)
+    with pytest.raises(aotc.UnsupportedError, match=r"v\.unsqueeze_\(0\).*IndexError"):
+        aotc.compile(f, capture="trace")(x.clone())
