@@ -205,6 +205,7 @@ def collect_metadata(
             _input_info(kind, before, p) for kind, before, p in zip(kinds, args_before, plain)
         )
         changes = _leaf_changes(p_leaves, leaves_before)
+        _check_grad_of_merged_inputs(changes, convention)
         analysis = classify_outputs(p_outs, p_leaves)
         fwd_plan, specs, plain_values, roots = _plan_fwd_outputs(
             analysis.infos, inputs, analysis.bases, analysis.roots, f_outs, p_outs, wrappers, plain
@@ -298,6 +299,25 @@ def _input_info(kind: MutationKind, before: _State, plain: torch.Tensor) -> Inpu
         requires_grad=before.requires_grad,
         is_leaf=before.is_leaf,
     )
+
+
+def _check_grad_of_merged_inputs(
+    changes: tuple[LeafChange, ...], convention: CallingConvention
+) -> None:
+    """An input merged into a synthetic base (it shares storage with an input the program
+    writes) reaches the graph only through the base, so it cannot become a leaf with a gradient
+    of its own: refuse `requires_grad_()` on it (fuzz seed 9181; its output came back without
+    history)."""
+    merged = {m for base in convention.synthetic_bases for m in base.members}
+    for change in changes:
+        if change.requires_grad and change.leaf in merged:
+            raise UnsupportedError(
+                f"input {int(change.leaf)} (in the flattened arguments) is made to require grad "
+                "inside the compiled function (`requires_grad_()`) while it shares storage with "
+                "another input the function writes in place; aotc passes such "
+                "inputs as one base tensor and cannot give this one a gradient of its own. Call "
+                "requires_grad_() on it before the call, or pass a .clone() of one of the inputs."
+            )
 
 
 def _leaf_changes(p_leaves: list[object], before: dict[int, _State]) -> tuple[LeafChange, ...]:

@@ -475,3 +475,19 @@ def test_view_replayed_from_a_base_of_another_rank_is_refused_with_the_line():
     assert f(x.clone()).shape == (1, 3, 1)
     with pytest.raises(aotc.UnsupportedError, match=r"v\.unsqueeze_\(0\).*IndexError"):
         aotc.compile(f, capture="trace")(x.clone())
+
+
+def test_requires_grad_of_an_input_merged_into_a_base_is_refused():
+    # fuzz campaign 2026-11-23, 9181: the output came back without history in strict mode
+    def f(a0, a1):
+        a1.mul_(2.0)
+        a0.requires_grad_()
+        return a0 * 2
+
+    x = torch.randn(3, 2, 4)
+    assert f(x[0], x[2]).requires_grad
+    with pytest.raises(aotc.UnsupportedError, match=r"input 0 .*requires_grad_\(\)"):
+        aotc.compile(f, capture="trace")(x[0], x[2])
+    x = torch.randn(3, 2, 4)  # the default mode runs it like eager
+    out = aotc.compile(f)(x[0], x[2])
+    assert out.requires_grad and out.grad_fn is not None
