@@ -19,16 +19,19 @@ graphs, so a call allocates no plan-sized lists and runs no per-output `match`:
     def call(leaves):
         if any_autocast() or functorch_active():
             return general(leaves)
-        d = apply([], leaves[0], leaves[1])
-        return d[0]
+        d = apply(None, leaves[0], leaves[1])   # None: Note [No holder when every output
+        return d[0]                             # is differentiable] in runtime/autograd.py
 
 Note [Calls after a guard hit]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The same source also defines `hit(leaves)`, the call without its first two lines: the
 dispatchers run it after a generated signature check passed (Note [Guard checks] in
 runtime/guards.py), which has just checked that no autocast is on and no functorch transform is
-active, so the call need not ask again (two C calls, ~0.3 us of a tiny training call). Any
-other caller (the torch.compile backend's closure, a key lookup) runs `call`.
+active, so the call need not ask again (two C calls, ~0.3 us of a tiny training call). The
+dispatchers inline that body after the check, in one generated function (Note [Fused guard and
+call] in runtime/guards.py), from `call.aotc_hit_body`. Any other caller (a key lookup) runs
+`call`; the torch.compile backend's closure for graphs that lift nothing is `call.aotc_run`, the
+same code taking the leaves as arguments (no closure frame, no list per call).
 
 Calls under autocast or inside a functorch transform take `general` (it switches autocast off and
 goes through `Function.apply`, see Note [Direct apply] in runtime/wrappers.py). Anything else
