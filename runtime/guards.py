@@ -235,7 +235,7 @@ def make_probe(
     exec(compile(source, "<aotc guard and call>", "exec"), namespace)  # noqa: S102
     probe = namespace["probe"]
     probe.__aotc_source__ = source  # type: ignore[attr-defined]
-    return probe  # type: ignore[no-any-return]
+    return probe  # type: ignore[return-value]
 
 
 def explain_bad_leaves(leaves: Sequence[object], names: Sequence[str]) -> str | None:
