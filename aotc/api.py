@@ -37,6 +37,7 @@ from aotc.pipeline import CompiledRecord, compile_signature
 from aotc.recording import Recorder, refuse_distributed
 from aotc.runtime.convention import alias_groups
 from aotc.runtime.errors import UnsupportedError
+from aotc.runtime.guards import MISS
 from aotc.runtime.stateguard import (
     Compare,
     GuardedDispatcher,
@@ -117,6 +118,17 @@ class CompiledFunction:
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # The entry that ran last, when its call was of plain tensors only: its probe checks
+        # everything the key would (and that no transform is active), see Note [Fused guard and
+        # call] in runtime/guards.py; MISS sends the call down the general path below.
+        probe = self._gen.dispatch.plain_probe
+        if probe is not None and not kwargs:
+            try:
+                out = probe(args)
+            except (Retry, StateCreated) as e:
+                return self._recover(e, args, kwargs, 0)
+            if out is not MISS:
+                return out
         if _transforms_active():  # See Note [Compiled functions under torch.func]
             return self._under_transform(args, kwargs)
         if not kwargs and {*map(type, args)} <= _PLAIN_TENSOR:  # every arg a plain Tensor

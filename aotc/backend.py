@@ -351,9 +351,10 @@ def _compile_ahead(
         def run(*args: Any) -> Any:
             return run_entry([*args, *(a.get() for a in accesses)])
     else:
-
-        def run(*args: Any) -> Any:
-            return run_entry(list(args))
+        # The entry's generated call itself, no closure frame around it: it takes the graph's
+        # inputs as arguments and checks autocast and functorch as `run_entry` does (a function
+        # object per entry, so the attribute below is this graph's).
+        run = entry.run_args
 
     run.aotc_graph = graph  # type: ignore[attr-defined]
     return run

@@ -198,6 +198,21 @@ def check_correct(fns: dict[str, Callable[..., torch.Tensor]]) -> None:
         torch.testing.assert_close(g, ref[1], msg=f"{name}: grad differs from eager")
 
 
+def quiesce() -> list[str]:
+    """Before the timed rounds: no aotc cache store left queued (its timer thread would encode and
+    write an entry while some system's round runs, see Note [Deferred cache stores] in
+    aotc/persist.py), a full collection so that no system's round inherits the compiles' garbage,
+    and the names of the threads still alive besides this one (reported)."""
+    import gc
+    import threading
+
+    import aotc
+
+    aotc.cache_flush()
+    gc.collect()
+    return sorted(t.name for t in threading.enumerate() if t is not threading.current_thread())
+
+
 def worker(iters: int, rounds: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     x, y = make_inputs()
@@ -207,6 +222,7 @@ def worker(iters: int, rounds: int) -> dict[str, Any]:
         if mode == "fwd_bwd":
             check_correct(fns)
         x.grad = None
+        out.setdefault("threads", {})[mode] = quiesce()
         samples = interleaved_rounds(
             {s: loop_for(mode, fns[s], x, y) for s in SYSTEMS}, iters=iters, rounds=rounds
         )
@@ -265,6 +281,7 @@ def instructions(n: int = 300) -> dict[str, float] | None:
         return None
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "callgrind.out")
+        env = dict(os.environ, AOTC_CACHE="0", AOTC_GPU_CHECK="0")
         cmd = [
             "valgrind",
             "--tool=callgrind",
@@ -276,7 +293,7 @@ def instructions(n: int = 300) -> dict[str, float] | None:
             "--instruction-worker",
             str(n),
         ]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"callgrind run failed:\n{done.stderr[-3000:]}")
         names = dict(re.findall(r"SYSTEM (\S+) (\S+)", done.stdout))
@@ -301,7 +318,9 @@ def run(procs: int, iters: int, rounds: int, verbose: bool = True) -> dict[str, 
     per_proc: list[dict[str, Any]] = []
     for p in range(procs):
         cmd = [sys.executable, __file__, "--worker", "--iters", str(iters), "--rounds", str(rounds)]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        # No disk cache (every system compiles in memory; nothing stored or read behind a round)
+        # and no background CUDA compile check: only the calls are measured.
+        env = dict(os.environ, OMP_NUM_THREADS="1", AOTC_CACHE="0", AOTC_GPU_CHECK="0")
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"worker {p} failed:\n{done.stderr[-4000:]}")
@@ -331,6 +350,8 @@ def run(procs: int, iters: int, rounds: int, verbose: bool = True) -> dict[str, 
             "median_us_per_call": med,
             "ratio": ratios,
             "per_process_us": [pp[mode] for pp in per_proc],
+            # Threads alive (besides the measuring one) when the rounds started, per process.
+            "other_threads": [pp["threads"][mode] for pp in per_proc],
         }
         if mode == "fwd_bwd":
             entry["meets_goal"] = bool(

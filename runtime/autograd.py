@@ -4,8 +4,9 @@ Stage: `make_autograd_function(fwd, bwd, plan) -> type[torch.autograd.Function]`
 Requires: `fwd(*graph_args)` returns the fwd outputs then the saved values; `bwd(*saved,
 *tangents)` returns the gradients of `plan.grad_args`, in order.
 Ensures: `apply(holder, *graph_args)` runs the forward once, saves exactly the partition's saved
-values (so saved-tensor hooks see them), puts every fwd output in `holder` (FwdOut order) and
-returns the differentiable ones; backward runs the compiled backward once.
+values (so saved-tensor hooks see them), puts every fwd output in `holder` (FwdOut order; not
+when the class's `aotc_fills_holder` is False, see Note [No holder when every output is
+differentiable]) and returns the differentiable ones; backward runs the compiled backward once.
 
 Note [Raw outputs through a holder]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -240,9 +241,8 @@ def make_autograd_function(
             )
         return place(computed)
 
-    if GENERATED_NODES and not (
-        anchored or rng is not None or written or track
-    ):  # Note [Generated node]
+    generated = GENERATED_NODES and not (anchored or rng is not None or written or track)
+    if generated:  # Note [Generated node]
         forward, backward = _generate_node(
             plan,
             name,
@@ -265,8 +265,30 @@ def make_autograd_function(
     return type(
         f"AotcFunction_{name}",
         (torch.autograd.Function,),
-        {"forward": staticmethod(forward), "backward": staticmethod(backward)},
+        {
+            "forward": staticmethod(forward),
+            "backward": staticmethod(backward),
+            # Whether apply fills its holder: see Note [No holder when every output is
+            # differentiable]. Callers that get False pass None, or a list of n_out Nones.
+            "aotc_fills_holder": not generated or fills_holder(plan),
+        },
     )
+
+
+def fills_holder(plan: AutogradPlan) -> bool:
+    """Whether the generated forward puts its outputs in `holder` (Note [No holder when every
+    output is differentiable])."""
+    return sorted(plan.diff_outs) != list(range(plan.num_fwd_outs))
+
+
+# Note [No holder when every output is differentiable]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The holder (Note [Raw outputs through a holder]) carries the outputs autograd does not return.
+# When every forward output is differentiable, autograd's returned tuple holds all of them, so the
+# generated forward leaves the holder alone: the fast call (runtime/fastpath.py) passes None and
+# picks the outputs out of the returned tuple, and `CompiledEntry._run` passes `[None] * n_out`,
+# which its placement of the returned outputs fills. A training call then allocates no list for
+# it. The generic forward (anchored, random or tracked plans) always fills the holder.
 
 
 # Note [Generated node]
@@ -282,9 +304,8 @@ def make_autograd_function(
 #     def forward(ctx, holder, *args):
 #         outs = fwd(*args)
 #         ctx.aotc_args = args
-#         ctx.save_for_backward(outs[1])
-#         holder.append(outs[0])
-#         return (outs[0],)
+#         ctx.to_save = (outs[1], )    # what save_for_backward sets, without its frame
+#         return (outs[0], )            # no holder: Note [No holder when every output is ...]
 #
 #     def backward(ctx, g0):
 #         if grad_enabled() and differentiable(ctx.aotc_args, (g0,)):
@@ -354,12 +375,17 @@ def _generate_node(
             f"w{i}[1], " if i in both else f"args[{i}]._version, " for i in plan.watch_args
         )
         fl.append(f"    ctx.aotc_versions = [{versions}]")
-    saved = ", ".join(f"outs[{k}]" for k in range(n_out, n_tensors))
-    fl.append(f"    ctx.save_for_backward({saved})")
+    # `to_save` is what `ctx.save_for_backward(*tensors)` sets (a tuple); set here without the
+    # Python frame of that method. Autograd reads it after forward returns, as it would then.
+    saved = "".join(f"outs[{k}], " for k in range(n_out, n_tensors))
+    fl.append(f"    ctx.to_save = ({saved})")
     if plan.num_saved_symints:
         sizes = "".join(f"outs[{k}], " for k in range(n_tensors, n_all))
         fl.append(f"    ctx.aotc_sizes = ({sizes})")
-    if n_out == 1:
+    # See Note [No holder when every output is differentiable]
+    if not fills_holder(plan):
+        pass
+    elif n_out == 1:
         fl.append("    holder.append(outs[0])")
     elif n_out:
         fl.append(f"    holder.extend(outs[:{n_out}])")

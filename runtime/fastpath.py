@@ -19,16 +19,19 @@ graphs, so a call allocates no plan-sized lists and runs no per-output `match`:
     def call(leaves):
         if any_autocast() or functorch_active():
             return general(leaves)
-        d = apply([], leaves[0], leaves[1])
-        return d[0]
+        d = apply(None, leaves[0], leaves[1])   # None: Note [No holder when every output
+        return d[0]                             # is differentiable] in runtime/autograd.py
 
 Note [Calls after a guard hit]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The same source also defines `hit(leaves)`, the call without its first two lines: the
 dispatchers run it after a generated signature check passed (Note [Guard checks] in
 runtime/guards.py), which has just checked that no autocast is on and no functorch transform is
-active, so the call need not ask again (two C calls, ~0.3 us of a tiny training call). Any
-other caller (the torch.compile backend's closure, a key lookup) runs `call`.
+active, so the call need not ask again (two C calls, ~0.3 us of a tiny training call). The
+dispatchers inline that body after the check, in one generated function (Note [Fused guard and
+call] in runtime/guards.py), from `call.aotc_hit_body`. Any other caller (a key lookup) runs
+`call`; the torch.compile backend's closure for graphs that lift nothing is `call.aotc_run`, the
+same code taking the leaves as arguments (no closure frame, no list per call).
 
 Calls under autocast or inside a functorch transform take `general` (it switches autocast off and
 goes through `Function.apply`, see Note [Direct apply] in runtime/wrappers.py). Anything else
@@ -54,6 +57,7 @@ def make_fast_call(
     fwd: Callable[..., Any],
     apply: Callable[..., Any] | None,
     general: Callable[[list[object]], object],
+    fills_holder: bool = True,
 ) -> Callable[[list[object]], object] | None:
     conv, epi = plan.convention, plan.epilogue
     if conv.synthetic_bases or epi.mutations or epi.versions or epi.new_leaves or plan.detach_args:
@@ -75,13 +79,16 @@ def make_fast_call(
     if apply is not None:
         namespace["apply"] = apply
         diff_pos = {k: pos for pos, k in enumerate(plan.autograd.diff_outs)}
+        # See Note [No holder when every output is differentiable] in runtime/autograd.py.
+        holder = "h := []" if fills_holder else "None"
         lines = [
             "    if any_autocast() or functorch_active():",
             "        return general(leaves)",
-            f"    d = apply(h := [], {args})" if args else "    d = apply(h := [])",
+            f"    d = apply({holder}, {args})" if args else f"    d = apply({holder})",
         ]
 
         def fwd_out(k: int) -> str:
+            assert k in diff_pos or fills_holder, "a non-differentiable output needs the holder"
             return f"d[{diff_pos[k]}]" if k in diff_pos else f"h[{k}]"
 
     else:
@@ -102,8 +109,8 @@ def make_fast_call(
         elif s.kind is OutputKind.IS_INPUT:
             exprs.append(f"leaves[{s.source}]")
         else:
-            namespace[f"c{j}"] = s.constant
-            exprs.append(f"c{j}")
+            namespace[f"k{j}"] = s.constant
+            exprs.append(f"k{j}")
     spec = plan.out_spec
     if spec.is_leaf():
         lines.append(f"    return {exprs[0]}")
@@ -121,9 +128,26 @@ def make_fast_call(
         namespace["spec"] = spec
         lines.append(f"    return unflatten([{', '.join(exprs)}], spec)")
     body = "\n".join(lines[2:]) + "\n"
-    source = "def call(leaves):\n" + "\n".join(lines) + "\n\n\ndef hit(leaves):\n" + body
+    varargs = "\n".join(lines).replace("general(leaves)", "general([*leaves])", 1)
+    source = (
+        "def call(leaves):\n"
+        + "\n".join(lines)
+        + "\n\n\ndef hit(leaves):\n"
+        + body
+        + "\n\ndef run(*leaves):\n"
+        + varargs
+        + "\n"
+    )
     exec(compile(source, f"<aotc fast call {plan.name}>", "exec"), namespace)  # noqa: S102
     call = namespace["call"]
     call.__aotc_source__ = source
     call.aotc_hit = namespace["hit"]  # See Note [Calls after a guard hit]
+    # See Note [Fused guard and call]: the hit's body, to be inlined after a generated guard
+    # (its names: `apply`/`fwd`, `general`, `unflatten`, `spec`, constants `k<j>`; it reads
+    # `leaves`, a list or a tuple).
+    call.aotc_hit_body = (
+        body,
+        {k: v for k, v in namespace.items() if k not in ("__builtins__", "call", "hit", "run")},
+    )
+    call.aotc_run = namespace["run"]  # `call` taking the leaves as arguments (Dynamo's closure)
     return call  # type: ignore[no-any-return]

@@ -73,6 +73,28 @@ def signature_key(leaves: Sequence[object]) -> tuple[object, ...]:
 def signature_check(signature: tuple[Any, ...]) -> Callable[[Sequence[object]], bool] | None:
     """`leaves -> signature_key(leaves) == signature`, generated (see Note [Guard checks]);
     None when the signature has shared storage or autocast state."""
+    found = _signature_conditions(signature, 0)
+    if found is None:
+        return None
+    n, conds, namespace = found
+    lines = ["def check(leaves):", f"    if len(leaves) != {n}:", "        return False"]
+    if n:
+        lines.append(f"    {', '.join(f'l{i}' for i in range(n))}, = leaves")
+    lines.append("    return (\n        " + "\n        and ".join(conds) + "\n    )")
+    source = "\n".join(lines) + "\n"
+    exec(compile(source, "<aotc guard check>", "exec"), namespace)  # noqa: S102
+    check = namespace["check"]
+    check.__aotc_source__ = source  # type: ignore[attr-defined]
+    return check  # type: ignore[return-value]
+
+
+def _signature_conditions(
+    signature: tuple[Any, ...], exact: int
+) -> tuple[int, list[str], dict[str, object]] | None:
+    """(number of leaves, the conditions on l0, l1, ... that hold iff the key of the leaves
+    equals `signature`, their names), or None (shared storage, autocast). The first `exact`
+    leaves are checked to be exactly `torch.Tensor` rather than an instance of it (callers that
+    know the call's key requires so, see Note [Fused guard and call])."""
     parts, pattern, grad_enabled, autocast = signature
     if pattern is not None or autocast is not None:
         return None
@@ -92,7 +114,7 @@ def signature_check(signature: tuple[Any, ...]) -> Callable[[Sequence[object]], 
             namespace[f"c{i}_dtype"], namespace[f"c{i}_device"] = dtype, device
             namespace[f"c{i}_shape"], namespace[f"c{i}_stride"] = shape, stride
             conds += [
-                f"isinstance({leaf}, Tensor)",
+                f"type({leaf}) is Tensor" if i < exact else f"isinstance({leaf}, Tensor)",
                 f"{leaf}.dtype is c{i}_dtype",
                 f"{leaf}.device == c{i}_device",
                 f"{leaf}.shape == c{i}_shape",
@@ -101,6 +123,8 @@ def signature_check(signature: tuple[Any, ...]) -> Callable[[Sequence[object]], 
                 f"{leaf}.is_leaf is {bool(is_leaf)}",
             ]
             tensors.append(leaf)
+        elif i < exact:  # a plain-tensor call cannot have this leaf
+            conds.append("False")
         elif part[0] is slice:
             namespace[f"c{i}"] = part
             conds.append(
@@ -118,15 +142,100 @@ def signature_check(signature: tuple[Any, ...]) -> Callable[[Sequence[object]], 
     conds.append(f"grad_enabled() is {bool(grad_enabled)}")
     conds.append("not any_autocast()")
     conds.append("not functorch_active()")  # Note [Calls after a guard hit] in fastpath.py
-    lines = ["def check(leaves):", f"    if len(leaves) != {n}:", "        return False"]
+    return n, conds, namespace
+
+
+class _Miss:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "MISS"
+
+
+# What a fused probe returns when the call is not its entry's (no call result is this object).
+MISS: Any = _Miss()
+
+
+# Note [Fused guard and call]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# After a hit, the dispatchers used to run three generated functions in a row: the signature
+# check (Note [Guard checks]), the entry's state guard (Note [Generated guard checks] in
+# runtime/stateguard.py) and the entry's call after a hit (Note [Calls after a guard hit] in
+# runtime/fastpath.py). Each is a Python frame, and on a tiny training step frames are most of
+# what aotc adds to a hand-written autograd.Function. So the record the dispatcher keeps for the
+# entry it ran last is one generated *probe*, the three bodies in one function:
+#
+#     def probe(leaves):
+#         if len(leaves) != 2: return MISS
+#         l0, l1, = leaves
+#         try:
+#             if not (<the signature check's conditions>): return MISS
+#         except (RuntimeError, TypeError):   # e.g. a sparse leaf: the key path explains it
+#             return MISS
+#         try:
+#             if r0() is not x0: return MISS  # the state guard's items
+#             ...
+#         except Exception:                   # a location that cannot be read any more
+#             return MISS
+#         d = apply(None, *leaves)            # the call after a hit
+#         return d
+#
+# It returns MISS exactly when the check or the state guard would have failed (then the key path
+# runs, as before) and otherwise what the entry returns; every condition of both guards is still
+# evaluated, in the same order. An entry without a generated call (mutations, synthetic bases)
+# ends the probe with `return hit(leaves)` instead.
+# When the call's key part besides the signature is an int (the arity of a call whose arguments
+# are all plain tensors, nothing lifted: aotc/api.py), the probe checks that each of those leaves
+# is exactly a `torch.Tensor` (`type(l) is Tensor`, not isinstance): then a passing probe also
+# proves the key's extra part, so `CompiledFunction.__call__` runs it on the argument tuple
+# itself, before flattening anything (`plain_probe`).
+
+
+def make_probe(
+    signature: tuple[Any, ...],
+    entry: Any,
+    state: tuple[list[str], dict[str, object]] | None = None,
+    exact: int = 0,
+) -> Callable[[Sequence[object]], object] | None:
+    """The fused guard and call of Note [Fused guard and call] for `entry` (a CompiledEntry)
+    under `signature`, with the state guard's inline lines (`StateGuard.inline()`); None when
+    the signature has no generated check."""
+    found = _signature_conditions(signature, exact)
+    if found is None:
+        return None
+    n, conds, namespace = found
+    namespace["MISS"] = MISS
+    lines = ["def probe(leaves):", f"    if len(leaves) != {n}:", "        return MISS"]
     if n:
         lines.append(f"    {', '.join(f'l{i}' for i in range(n))}, = leaves")
-    lines.append("    return (\n        " + "\n        and ".join(conds) + "\n    )")
+    lines += [
+        "    try:",
+        "        if not (\n            " + "\n            and ".join(conds) + "\n        ):",
+        "            return MISS",
+        "    except (RuntimeError, TypeError):  # e.g. a sparse leaf: the key path explains it",
+        "        return MISS",
+    ]
+    if state is not None and state[0]:
+        state_lines, state_names = state
+        clash = set(state_names) & set(namespace)
+        assert not clash, f"state guard names clash with the signature check's: {clash}"
+        namespace.update(state_names)
+        lines += ["    try:", *state_lines, "    except Exception:", "        return MISS"]
+    hit_body = getattr(entry.call, "aotc_hit_body", None)
+    if hit_body is not None:
+        body, names = hit_body
+        clash = set(names) & set(namespace) - {"any_autocast", "functorch_active"}
+        assert not clash, f"the call's names clash with the guards': {clash}"
+        namespace.update(names)
+        lines.append(body.rstrip("\n"))
+    else:  # the general call takes a list
+        namespace["hit"] = entry.hit
+        lines.append("    return hit(leaves if type(leaves) is list else [*leaves])")
     source = "\n".join(lines) + "\n"
-    exec(compile(source, "<aotc guard check>", "exec"), namespace)  # noqa: S102
-    check = namespace["check"]
-    check.__aotc_source__ = source  # type: ignore[attr-defined]
-    return check  # type: ignore[return-value]
+    exec(compile(source, "<aotc guard and call>", "exec"), namespace)  # noqa: S102
+    probe = namespace["probe"]
+    probe.__aotc_source__ = source  # type: ignore[attr-defined]
+    return probe  # type: ignore[return-value]
 
 
 def explain_bad_leaves(leaves: Sequence[object], names: Sequence[str]) -> str | None:
@@ -188,15 +297,23 @@ def _alias_pattern(leaves: Sequence[object], ptrs: list[int]) -> tuple[object, .
     return tuple(pattern)
 
 
-def remember_check(
-    checks: dict[tuple[object, ...], Callable[[Sequence[object]], bool] | None],
+def remember_probe(
+    probes: dict[tuple[object, ...], Callable[[Sequence[object]], object] | None],
     key: tuple[object, ...],
-    target: object,
-) -> tuple[object, Callable[[Sequence[object]], bool], Any] | None:
-    """The dispatchers' "last entry" record for `key` = (extra, signature) and what it runs:
-    (extra, generated signature check, target), or None when the signature has no check (see
-    Note [Guard checks]). Checks are generated once per key into `checks`."""
-    if key not in checks:
-        checks[key] = signature_check(key[1])  # type: ignore[arg-type]
-    check = checks[key]
-    return (key[0], check, target) if check is not None else None
+    entry: Any,
+    state: Any = None,
+    arity_extra: bool = False,
+) -> tuple[object, Callable[[Sequence[object]], object]] | None:
+    """The dispatchers' "last entry" record for `key` = (extra, signature): (extra, its fused
+    probe), or None when the signature has no check (see Note [Fused guard and call]). `state`:
+    the entry's StateGuard or None. `arity_extra`: an int extra is the number of leading leaves
+    that are plain tensors (aotc/api.py's calls). Probes are generated once per (key, entry)
+    into `probes` (the dispatcher keeps its entries alive, so their ids stay theirs)."""
+    pkey = (key, id(entry))
+    if pkey not in probes:
+        extra = key[0]
+        exact = extra if arity_extra and type(extra) is int else 0
+        inline = state.inline() if state is not None else None
+        probes[pkey] = make_probe(key[1], entry, inline, exact)  # type: ignore[arg-type]
+    probe = probes[pkey]
+    return (key[0], probe) if probe is not None else None

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from aotc.runtime.errors import GuardError, UnsupportedError
-from aotc.runtime.guards import explain_bad_leaves, remember_check, signature_key
+from aotc.runtime.guards import MISS, explain_bad_leaves, remember_probe, signature_key
 from aotc.runtime.symbolic import coarse_key, make_guard
 from aotc.runtime.wrappers import COMPILE_LOCK, describe_change
 
@@ -65,6 +65,12 @@ class StateGuard:
 
     def __call__(self) -> bool:
         return self.check()
+
+    def inline(self) -> tuple[list[str], dict[str, object]]:
+        """The check's lines for a `try:` body that returns MISS on a failing item, and their
+        names (prefixed `s_`): Note [Fused guard and call] in runtime/guards.py. A reader that
+        raises must make the caller return MISS too (its `except Exception`)."""
+        return _check_lines(self.items, self._expected, self._refresh, "MISS", "s_")
 
     def _refresh(self, k: int) -> bool:
         """Item k (VALUE) read a different object: equal constants pass, and the new object is
@@ -120,21 +126,37 @@ class StateGuard:
 # `map` over the readers (building two lists per call).
 
 
+def _check_lines(
+    items: Sequence[GuardItem],
+    expected: list[object],
+    refresh: Callable[[int], bool],
+    fail: str,
+    prefix: str = "",
+) -> tuple[list[str], dict[str, object]]:
+    """One line per item (indented for a `try:` body) that returns `fail` when the item fails,
+    and the names they use, each starting with `prefix`."""
+    e, fresh = f"{prefix}e", f"{prefix}refresh"
+    namespace: dict[str, object] = {e: expected, fresh: refresh}
+    lines = []
+    for k, item in enumerate(items):
+        r, x = f"{prefix}r{k}", f"{prefix}x{k}"
+        namespace[r] = item.reader
+        if item.compare is Compare.VALUE:
+            lines.append(f"        if {r}() is not {e}[{k}] and not {fresh}({k}): return {fail}")
+        elif item.compare is Compare.IDENTITY:
+            namespace[x] = item.expected
+            lines.append(f"        if {r}() is not {x}: return {fail}")
+        else:
+            namespace[x] = item.expected
+            lines.append(f"        if {r}() != {x}: return {fail}")
+    return lines, namespace
+
+
 def _generate_check(
     items: Sequence[GuardItem], expected: list[object], refresh: Callable[[int], bool]
 ) -> Callable[[], bool]:
-    namespace: dict[str, object] = {"e": expected, "refresh": refresh}
-    lines = ["def check():", "    try:"]
-    for k, item in enumerate(items):
-        namespace[f"r{k}"] = item.reader
-        if item.compare is Compare.VALUE:
-            lines.append(f"        if r{k}() is not e[{k}] and not refresh({k}): return False")
-        elif item.compare is Compare.IDENTITY:
-            namespace[f"x{k}"] = item.expected
-            lines.append(f"        if r{k}() is not x{k}: return False")
-        else:
-            namespace[f"x{k}"] = item.expected
-            lines.append(f"        if r{k}() != x{k}: return False")
+    body, namespace = _check_lines(items, expected, refresh, "False")
+    lines = ["def check():", "    try:", *body]
     lines += [
         "        return True",
         "    except Exception:  # a location that cannot be read any more: the state changed",
@@ -241,11 +263,14 @@ class GuardedDispatcher:
             self._key = coarse_key
         else:
             self._key = signature_key
-        # The link that ran last, its key's extra part and its generated signature check (static
-        # keys only): see Note [Guard checks] in runtime/guards.py. A hit still runs the link's
-        # state guard.
-        self._last: tuple[object, Callable[[Sequence[object]], bool], _Link] | None = None
-        self._checks: dict[tuple[object, ...], Callable[[Sequence[object]], bool] | None] = {}
+        # The link that ran last: its key's extra part and its probe, the signature check,
+        # state guard and call in one generated function (static keys only): see Note [Fused
+        # guard and call] in runtime/guards.py.
+        self._last: tuple[object, Callable[[Sequence[object]], object]] | None = None
+        self._probes: dict[tuple[object, ...], Callable[[Sequence[object]], object] | None] = {}
+        # The last link's probe when the key's extra part is the arity of a call of plain tensors
+        # and nothing else is a leaf: aotc/api.py runs it on the call's arguments directly.
+        self.plain_probe: Callable[[Sequence[object]], object] | None = None
 
     @property
     def entries(self) -> list[object]:
@@ -263,14 +288,13 @@ class GuardedDispatcher:
         the instance goes through its `__call__` slot, ~0.3 us more)."""
         last = self._last
         if last is not None and extra == last[0]:
-            try:
-                hit = last[1](leaves)
-            except (RuntimeError, TypeError):  # e.g. a sparse leaf: the key path explains it
-                hit = False
-            if hit:
-                cached = last[2]
-                if cached.state is None or cached.state():
-                    return cached.entry.hit(leaves)  # type: ignore[attr-defined]
+            out = last[1](leaves)
+            if out is not MISS:
+                return out
+        return self.run_missed(leaves, extra)
+
+    def run_missed(self, leaves: list[object], extra: object) -> object:
+        """`run` after the last link's probe missed (or without one)."""
         try:
             key = (extra, self._key(leaves))
             link = self._heads.get(key)
@@ -289,7 +313,12 @@ class GuardedDispatcher:
 
     def _remember(self, key: tuple[object, ...], link: _Link) -> None:
         """Make `link` the one checked first (its check is generated once per key)."""
-        self._last = remember_check(self._checks, key, link)
+        self._last = last = remember_probe(
+            self._probes, key, link.entry, link.guard, arity_extra=True
+        )
+        extra = key[0]
+        plain = last is not None and type(extra) is int and extra == len(key[1][0])  # type: ignore[index]
+        self.plain_probe = last[1] if plain else None  # type: ignore[index]
 
     def _miss(self, key: tuple[object, ...], leaves: list[object]) -> _Link:
         with COMPILE_LOCK, self._lock:

@@ -38,7 +38,7 @@ from aotc.runtime.epilogue import (
 )
 from aotc.runtime.errors import GuardError, UnsupportedError
 from aotc.runtime.fastpath import make_fast_call
-from aotc.runtime.guards import explain_bad_leaves, remember_check, signature_key
+from aotc.runtime.guards import MISS, explain_bad_leaves, remember_probe, signature_key
 from aotc.runtime.schema import CallingConvention, GraphArg
 
 log = logging.getLogger("aotc.recompiles")
@@ -81,12 +81,14 @@ class CompiledEntry:
         "call",
         "run",
         "hit",
+        "run_args",
         "_fwd",
         "_fn",
         "_watch",
         "_apply",
         "_detach",
         "_diff",
+        "_holder_size",
         "_unflatten",
         "_mutates",
         "_anchor",
@@ -109,6 +111,7 @@ class CompiledEntry:
         self._fn: type[torch.autograd.Function] | None = None
         self._apply: Callable[..., Any] | None = None
         self._diff: tuple[int, ...] = ()
+        self._holder_size = 0
         if plan.autograd is not None:
             assert bwd is not None
             written = frozenset(
@@ -120,6 +123,10 @@ class CompiledEntry:
             self._apply = super(torch.autograd.Function, self._fn).apply  # type: ignore[misc]
             _direct_backward(self._fn)
             self._diff = plan.autograd.diff_outs
+        # [] for a node that fills its holder, else one slot per fwd output for the placement
+        # below (Note [No holder when every output is differentiable] in runtime/autograd.py).
+        fills = self._fn is None or self._fn.aotc_fills_holder  # type: ignore[attr-defined]
+        self._holder_size = 0 if fills else plan.autograd.num_fwd_outs  # type: ignore[union-attr]
         self._detach = frozenset(plan.detach_args)
         epilogue = plan.epilogue
         self._mutates = bool(epilogue.mutations or epilogue.versions or epilogue.make_require_grad)
@@ -131,13 +138,20 @@ class CompiledEntry:
         if self._mutates:
             self.call = self._call_locked
         else:
-            fast = make_fast_call(plan, fwd, self._apply, self._call_general)
+            fast = make_fast_call(
+                plan, fwd, self._apply, self._call_general, fills_holder=self._holder_size == 0
+            )
             self.call = fast or self._call_general
         # `run` is `call` itself, not a method calling it: one frame less for callers that hold
         # `entry.run` (the torch.compile backend's per-call closure).
         self.run: Callable[[list[object]], object] = self.call
         # After a passing signature check (Note [Calls after a guard hit] in runtime/fastpath.py).
         self.hit: Callable[[list[object]], object] = getattr(self.call, "aotc_hit", self.call)
+        # `call` taking the leaves as arguments: the torch.compile backend's closure for graphs
+        # that lift nothing is this function itself (runtime/fastpath.py generates it).
+        self.run_args: Callable[..., object] = getattr(self.call, "aotc_run", None) or (
+            lambda *leaves: self.call([*leaves])
+        )
 
     def _call_locked(self, leaves: list[object]) -> object:
         with MUTATION_LOCK:
@@ -161,7 +175,7 @@ class CompiledEntry:
                 args = [a.detach() if i in self._detach else a for i, a in enumerate(args)]
             if self._anchor:
                 args = [*args, GRAD_ANCHOR]
-            holder: list[torch.Tensor] = []
+            holder: list[torch.Tensor] = [None] * self._holder_size  # type: ignore[list-item]
             with torch.enable_grad() if self._enable_grad else _NO_CHANGE:
                 if torch._C._are_functorch_transforms_active():
                     diff = self._fn.apply(holder, *args)
@@ -339,9 +353,10 @@ class Dispatcher:
         self._warn_limit = warn_limit
         self._max = max_signatures
         self.recompile_reasons: list[str] = []
-        # The entry that ran last, its key's extra part, and its signature check (or None).
-        self._last: tuple[object, Callable[[Sequence[object]], bool], CompiledEntry] | None = None
-        self._checks: dict[tuple[object, ...], Callable[[Sequence[object]], bool] | None] = {}
+        # The entry that ran last: its key's extra part and its probe (Note [Fused guard and
+        # call] in runtime/guards.py), or None.
+        self._last: tuple[object, Callable[[Sequence[object]], object]] | None = None
+        self._probes: dict[tuple[object, ...], Callable[[Sequence[object]], object] | None] = {}
 
     @property
     def entries(self) -> list[CompiledEntry]:
@@ -350,12 +365,9 @@ class Dispatcher:
     def __call__(self, leaves: list[object], extra: object) -> object:
         last = self._last
         if last is not None and extra == last[0]:
-            try:
-                hit = last[1](leaves)
-            except (RuntimeError, TypeError):  # e.g. a sparse leaf: the key path explains it
-                hit = False
-            if hit:
-                return last[2].hit(leaves)
+            out = last[1](leaves)
+            if out is not MISS:
+                return out
         try:
             key = (extra, signature_key(leaves))
             entry = self._entries.get(key)
@@ -371,7 +383,7 @@ class Dispatcher:
 
     def _remember(self, key: tuple[object, ...], entry: CompiledEntry) -> None:
         """Make `entry` the one checked first (its check is generated once per key)."""
-        self._last = remember_check(self._checks, key, entry)
+        self._last = remember_probe(self._probes, key, entry)
 
     def _miss(self, key: tuple[object, ...], leaves: list[object]) -> CompiledEntry:
         with COMPILE_LOCK, self._lock:

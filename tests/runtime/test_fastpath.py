@@ -87,5 +87,18 @@ def test_generated_call_inlines_indices():
     x, w = make()
     compiled(x, w).backward()
     (entry,) = compiled._dispatch.entries
-    assert "apply(h := [], *leaves)" in entry.call.__aotc_source__
+    # Every output is differentiable: no holder list (Note [No holder when every output is
+    # differentiable] in runtime/autograd.py).
+    assert "apply(None, *leaves)" in entry.call.__aotc_source__
     assert "return d[0]" in entry.call.__aotc_source__
+
+
+def test_generated_call_keeps_holder_for_raw_outputs():
+    """An output autograd must not return (an integer argmax) comes back through the holder."""
+    compiled = aotc.compile(tuple_out, capture="trace")
+    x, w = make()
+    got = compiled(x, w)
+    assert "apply(h := [], *leaves)" in compiled._dispatch.entries[0].call.__aotc_source__
+    assert got[1].dtype == torch.int64 and not got[1].requires_grad
+    assert got[3] is x
+    assert_matches_eager(tuple_out, make)

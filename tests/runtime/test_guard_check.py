@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import aotc
-from aotc.runtime.guards import signature_check, signature_key
+from aotc.runtime.guards import MISS, make_probe, signature_check, signature_key
+from aotc.runtime.stateguard import Compare, GuardItem, StateGuard
 from tests.conftest import assert_matches_eager
 
 
@@ -164,3 +165,112 @@ def test_compiled_entry_under_transform_after_hit():
     compiled(x, w).backward()
     got = torch.func.grad(compiled)(x, w)
     torch.testing.assert_close(got, torch.func.grad(f)(x, w))
+
+
+# Note [Fused guard and call]: the probe the dispatchers keep for the entry they ran last.
+
+
+class _Entry:
+    """A stand-in entry without a generated call: the probe ends with `return hit(leaves)`."""
+
+    def __init__(self) -> None:
+        self.seen: list[object] = []
+        self.call = self.hit = self._hit
+
+    def _hit(self, leaves: list[object]) -> object:
+        assert type(leaves) is list
+        self.seen.append(leaves)
+        return ("ran", len(leaves))
+
+
+def test_probe_runs_the_entry_exactly_when_the_check_passes():
+    sets = _leaf_sets()
+    checked = 0
+    for (_, sig_state), (_, call_state) in itertools.product(STATES, STATES):
+        for sig_leaves, leaves in itertools.product(sets.values(), sets.values()):
+            with sig_state():
+                sig = signature_key(sig_leaves)
+            plain = all(type(t) is torch.Tensor for t in sig_leaves)
+            for exact in (0, len(sig_leaves)) if plain else (0,):
+                entry = _Entry()
+                probe = make_probe(sig, entry, None, exact)
+                if probe is None:
+                    assert signature_check(sig) is None
+                    continue
+                with call_state():
+                    want = signature_key(leaves) == sig
+                    if exact:  # an arity key: the call's leaves were plain tensors
+                        want = want and all(type(t) is torch.Tensor for t in leaves)
+                    got = probe(leaves)
+                assert (got is not MISS) == want, (sig_leaves, leaves, exact)
+                assert entry.seen == ([leaves] if want else [])
+                if want:
+                    assert got == ("ran", len(leaves))
+                checked += 1
+    assert checked > 1000
+
+
+def test_probe_checks_the_state_guard_after_the_signature():
+    x, w = torch.randn(3), torch.randn(3, requires_grad=True)
+    box = {"k": 2.0, "mod": "a"}
+    items = [
+        GuardItem(lambda: box["mod"], "a", Compare.IDENTITY, "mod"),
+        GuardItem(lambda: box["k"], 2.0, Compare.VALUE, "k"),
+        GuardItem(lambda: box["missing"], None, Compare.EQUAL, "missing"),
+    ]
+    entry = _Entry()
+    probe = make_probe(signature_key([x, w]), entry, StateGuard(items[:2]).inline())
+    assert probe([x, w]) == ("ran", 2)
+    box["k"] = float("2.0")  # an equal constant, another object: passes, and is remembered
+    assert probe([x, w]) == ("ran", 2)
+    box["k"] = 3.0
+    assert probe([x, w]) is MISS
+    box["k"], box["mod"] = 2.0, "b"
+    assert probe([x, w]) is MISS
+    # A reader that raises fails the probe (the key path then explains it), never the call.
+    raising = make_probe(signature_key([x, w]), entry, StateGuard(items).inline())
+    box["mod"] = "a"
+    assert raising([x, w]) is MISS
+    assert len(entry.seen) == 2
+
+
+def test_plain_probe_sends_a_subclass_argument_down_the_key_path():
+    """A call of plain tensors keys on its arity; a Parameter in the same place keys on a tree
+    spec (another key). The probe __call__ runs on the argument tuple must not take it."""
+
+    def f(x, w):
+        return (x * w).sum()
+
+    compiled = aotc.compile(f, capture="trace", cache=False)
+    x, w = torch.randn(4), torch.randn(4, requires_grad=True)
+    compiled(x, w).backward()
+    assert compiled._dispatch.plain_probe is not None
+    p = torch.nn.Parameter(torch.randn(4))
+    got = compiled(x, p)
+    got.backward()
+    want_p = p.detach().clone().requires_grad_()
+    f(x, want_p).backward()
+    torch.testing.assert_close(p.grad, want_p.grad)
+    assert len(compiled.records) == 2  # compiled for the other key, as before the probe
+    assert compiled._dispatch.plain_probe is None  # the last key was a tree spec
+    compiled(x, w)
+    assert compiled._dispatch.plain_probe is not None
+
+
+def test_plain_probe_rechecks_state_and_grad_mode():
+    scale = [2.0]
+
+    def f(x, w):
+        return (x * w * scale[0]).sum()
+
+    compiled = aotc.compile(f, capture="trace", cache=False)
+    x, w = torch.randn(4), torch.randn(4, requires_grad=True)
+    for k in (2.0, 2.0, 3.0, 3.0, 2.0):
+        scale[0] = k
+        w.grad = None
+        compiled(x, w).backward()
+        torch.testing.assert_close(w.grad, x * k)
+    with torch.no_grad():
+        out = compiled(x, w)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, (x * w * 2.0).sum())
