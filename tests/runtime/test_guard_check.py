@@ -68,22 +68,29 @@ STATES = [
 ]
 
 
-def test_check_equals_key_equality_on_every_pair():
+def _signature_pairs():  # type: ignore[no-untyped-def]
+    """(signature, its leaves, a call's leaves, the call's grad/autocast state) for every pair of
+    leaf sets and states."""
     sets = _leaf_sets()
-    checked = 0
     for (_, sig_state), (_, call_state) in itertools.product(STATES, STATES):
         for sig_leaves, leaves in itertools.product(sets.values(), sets.values()):
             with sig_state():
                 sig = signature_key(sig_leaves)
-            check = signature_check(sig)
-            if check is None:
-                assert sig[1] is not None or sig[3] is not None  # shared storage or autocast
-                continue
-            with call_state():
-                want = signature_key(leaves) == sig
-                got = check(leaves)
-            assert got == want, (sig_leaves, leaves)
-            checked += 1
+            yield sig, sig_leaves, leaves, call_state
+
+
+def test_check_equals_key_equality_on_every_pair():
+    checked = 0
+    for sig, sig_leaves, leaves, call_state in _signature_pairs():
+        check = signature_check(sig)
+        if check is None:
+            assert sig[1] is not None or sig[3] is not None  # shared storage or autocast
+            continue
+        with call_state():
+            want = signature_key(leaves) == sig
+            got = check(leaves)
+        assert got == want, (sig_leaves, leaves)
+        checked += 1
     assert checked > 1000
 
 
@@ -184,29 +191,25 @@ class _Entry:
 
 
 def test_probe_runs_the_entry_exactly_when_the_check_passes():
-    sets = _leaf_sets()
     checked = 0
-    for (_, sig_state), (_, call_state) in itertools.product(STATES, STATES):
-        for sig_leaves, leaves in itertools.product(sets.values(), sets.values()):
-            with sig_state():
-                sig = signature_key(sig_leaves)
-            plain = all(type(t) is torch.Tensor for t in sig_leaves)
-            for exact in (0, len(sig_leaves)) if plain else (0,):
-                entry = _Entry()
-                probe = make_probe(sig, entry, None, exact)
-                if probe is None:
-                    assert signature_check(sig) is None
-                    continue
-                with call_state():
-                    want = signature_key(leaves) == sig
-                    if exact:  # an arity key: the call's leaves were plain tensors
-                        want = want and all(type(t) is torch.Tensor for t in leaves)
-                    got = probe(leaves)
-                assert (got is not MISS) == want, (sig_leaves, leaves, exact)
-                assert entry.seen == ([leaves] if want else [])
-                if want:
-                    assert got == ("ran", len(leaves))
-                checked += 1
+    for sig, sig_leaves, leaves, call_state in _signature_pairs():
+        plain = all(type(t) is torch.Tensor for t in sig_leaves)
+        for exact in (0, len(sig_leaves)) if plain else (0,):
+            entry = _Entry()
+            probe = make_probe(sig, entry, None, exact)
+            if probe is None:
+                assert signature_check(sig) is None
+                continue
+            with call_state():
+                want = signature_key(leaves) == sig
+                if exact:  # an arity key: the call's leaves were plain tensors
+                    want = want and all(type(t) is torch.Tensor for t in leaves)
+                got = probe(leaves)
+            assert (got is not MISS) == want, (sig_leaves, leaves, exact)
+            assert entry.seen == ([leaves] if want else [])
+            if want:
+                assert got == ("ran", len(leaves))
+            checked += 1
     assert checked > 1000
 
 
