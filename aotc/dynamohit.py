@@ -98,6 +98,7 @@ class HitCaller:
         "_compiling",
         "_runnable",
         "_callback",
+        "_profiler",
     )
 
     def __init__(
@@ -123,8 +124,11 @@ class HitCaller:
         self._bucket = bucket
         self._read = read
         self._frames = torch._dynamo.eval_frame  # its `_stance` is replaced by set_stance
-        self._compiling = torch.compiler.is_compiling
+        # `torch.compiler.is_compiling()` is this flag (Dynamo holds it True while it compiles,
+        # export while it traces) behind two Python frames; read here directly.
+        self._compiling = torch.compiler
         self._callback = _eval_frame_callback()
+        self._profiler = torch.autograd.profiler  # its `_is_profiler_enabled` flag changes
         # id of a transformed code -> (the code, its functions or None where it must not run here)
         self._runnable: dict[int, tuple[types.CodeType, tuple[types.FunctionType, ...] | None]] = {}
 
@@ -135,7 +139,7 @@ class HitCaller:
             return MISS
         if kwargs and (self._starstar is None or not kwargs.keys().isdisjoint(names)):
             return MISS  # a keyword binding a parameter: the normal path binds it
-        if self._frames._stance.stance != "default" or self._compiling():
+        if self._frames._stance.stance != "default" or self._compiling._is_compiling_flag:
             return MISS
         entries = self._read(self._code)
         if not entries:
@@ -168,7 +172,11 @@ class HitCaller:
                     return MISS
                 del frame_locals
                 # Note [Dynamo's disable wrappers]
-                fn = fns[0] if self._callback() is None else fns[1]
+                fn = (
+                    fns[0]
+                    if self._callback() is None and not self._profiler._is_profiler_enabled
+                    else fns[1]
+                )
                 return fn(*args, **kwargs) if kwargs else fn(*args)
         return MISS
 
@@ -212,6 +220,13 @@ class HitCaller:
 # runs a second copy of the transformed code whose globals are those functions unwrapped (read
 # from the wrapper's own `_torchdynamo_orig_callable` / `__wrapped__`; a value that is not such a
 # wrapper is used as is). With a callback set, the code runs over the original globals.
+#
+# The two profiler helpers do nothing but open and close a "Pregraph bytecode" profiler range
+# (with the profiler off: a `nullcontext` entered and exited, five Python frames per call). In
+# the unwrapped copy they are C builtins that return at once (`_PROFILER_ONLY`): the enter's
+# result is only ever handed to the exit, whose result is dropped. That copy runs only while the
+# profiler is off; with it on, the call takes the original globals, so a profile shows the range
+# as Dynamo's own path does.
 
 
 # the code of `torch._disable_dynamo`'s wrapper (functools.wraps gives it its function's names)
@@ -226,14 +241,41 @@ def _undisabled(value: Any) -> Any:
     return value
 
 
+def _profiler_only() -> dict[object, Any]:
+    """Dynamo's profiler-range helpers -> C builtins doing nothing with the same call shape (see
+    Note [Dynamo's disable wrappers]): enter() -> None, exit(cm) -> ignored."""
+    utils = getattr(torch._dynamo, "utils", None)
+    found: dict[object, Any] = {}
+    for name, stand_in in (
+        ("record_pregraph_bytecode_enter", type(None)),
+        ("record_pregraph_bytecode_exit", id),
+    ):
+        helper = getattr(utils, name, None)
+        if helper is not None:
+            found[helper] = stand_in
+    return found
+
+
+# keyed by the (disable-wrapped) helper objects themselves: only these exact functions are replaced
+_PROFILER_ONLY = _profiler_only()
+
+
 class _UndisabledModule:
-    """A module's attributes, with `torch._disable_dynamo`'s wrappers taken off (read once)."""
+    """A module's attributes, with `torch._disable_dynamo`'s wrappers taken off and Dynamo's
+    profiler-range helpers replaced by no-ops (read once; Note [Dynamo's disable wrappers])."""
 
     def __init__(self, module: types.ModuleType) -> None:
         self._module = module
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._module, name)
+        try:
+            stand_in = _PROFILER_ONLY.get(value)
+        except TypeError:  # an unhashable attribute
+            stand_in = None
+        if stand_in is not None:
+            setattr(self, name, stand_in)
+            return stand_in
         inner = getattr(value, "__wrapped__", None)
         if inner is not None and getattr(value, "__code__", None) is _DISABLE_DYNAMO_CODE:
             value = inner
@@ -247,6 +289,8 @@ def hit_caller(fn: Any, backend: object, bucket: int | None) -> HitCaller | None
     read = _entries_reader()
     stance = _stance()
     if read is None or stance is None or not hasattr(stance, "stance"):
+        return None
+    if not isinstance(getattr(torch.compiler, "_is_compiling_flag", None), bool):
         return None
     if not isinstance(fn, types.FunctionType):
         return None

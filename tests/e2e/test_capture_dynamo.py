@@ -683,6 +683,41 @@ def test_guard_hit_respects_stance_and_reset():
     assert len(aotc.inspect(compiled)) == records + 1, calls
 
 
+def test_guard_hit_keeps_dynamo_profiler_ranges_while_profiling():
+    # Off the profiler the hit path drops Dynamo's "Pregraph bytecode" range (Note [Dynamo's
+    # disable wrappers]); with the profiler on, the call shows it as Dynamo's own path does.
+    def f(x):  # type: ignore[no-untyped-def]
+        return (x * 2).sin()
+
+    compiled = aotc.compile(f)
+    hits = _Hits(compiled)
+    x = torch.randn(5)
+    compiled(x)
+    torch.testing.assert_close(compiled(x), f(x))
+    with torch.profiler.profile() as prof:
+        got = compiled(x)
+    torch.testing.assert_close(got, f(x))
+    names = {e.name for e in prof.events()}
+    assert "Pregraph bytecode" in names, sorted(names)[:20]
+    assert hits.hits >= 2
+
+
+def test_guard_hit_misses_while_dynamo_compiles():
+    def f(x):  # type: ignore[no-untyped-def]
+        return x.cos() + 1
+
+    compiled = aotc.compile(f)
+    x = torch.randn(3)
+    compiled(x)
+    assert compiled._hit.call((x,), {}) is not MISS
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True  # as Dynamo and export hold it while they trace
+    try:
+        assert compiled._hit.call((x,), {}) is MISS
+    finally:
+        torch.compiler._is_compiling_flag = old
+
+
 class _Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
