@@ -227,12 +227,21 @@ def _pre_call_fakes(
 ) -> tuple[list[object], str | None]:
     """Inputs as they are when the graph is called. Dynamo's example value of an input the graph
     mutates holds its state after Dynamo traced the mutation (`a.mul_(w)` leaves it requiring
-    grad, with a stale grad_fn); aotc must see the state before. A mutated input (version > 0)
+    grad, with a stale grad_fn; `a.requires_grad_()` leaves it requiring grad); aotc must see the
+    state before. A mutated input (version > 0, or requires_grad other than the real input's)
     gets a fresh fake with its geometry and the real input's requires_grad and leafness; if its
     geometry changed too (`t_()`), the graph falls back (see Note [Backend fallback])."""
     out = list(fakes)
     for i, (fake, example) in enumerate(zip(fakes, examples)):
-        if not isinstance(fake, FakeTensor) or fake._version == 0:
+        if not isinstance(fake, FakeTensor):
+            continue
+        if fake._version == 0 and not (
+            # `x.float().requires_grad_()` on a float input (fuzz seed 12414): the example value
+            # requires grad after Dynamo's trace although the input did not before the call.
+            isinstance(example, torch.Tensor)
+            and not isinstance(example, FakeTensor)
+            and example.requires_grad != fake.requires_grad
+        ):
             continue
         if not isinstance(example, torch.Tensor) or isinstance(example, FakeTensor):
             return out, f"input {i} is mutated by the graph and its value before is unknown"

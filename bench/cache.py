@@ -37,6 +37,8 @@ CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
 import torch, torch._dynamo
+if {backend!r} == "triton":
+    import triton, triton.language, triton.runtime.interpreter
 sys.path.insert(0, {root!r})
 import aotc
 import_s = time.perf_counter() - t0

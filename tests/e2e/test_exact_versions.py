@@ -386,6 +386,16 @@ def _as_strided_of_a_written_input(a0, a1, a2):  # fuzz campaign 2026-11-23, 825
     return (a2.as_strided((2,), (1,), 1),)  # an absolute storage offset, below a2's own
 
 
+def _requires_grad_of_an_input_through_float(a0, a1, a2):  # fuzz campaign 2026-11-27, 12414
+    v0 = a2.detach().requires_grad_()  # a graph break in default mode
+    v1 = a2.unsqueeze(0)
+    v2 = a1.float()  # a1 is float32: v2 is a1 itself
+    v2.requires_grad_()
+    v3 = (v2 > 0).float()
+    v3.zero_()
+    return (a0, v0, v1)
+
+
 def _views_at_offsets():
     x = torch.randn((3, 2, 4), requires_grad=True)
     return [x[1], x.view(-1), x[:, 1]]
@@ -443,6 +453,11 @@ PROGRAMS = {
         _masked_fill_expanded_under_no_grad,
         lambda: [torch.randn(4, requires_grad=True), torch.rand(3, 4) > 0.5],
         [0],
+    ),
+    "requires_grad_of_an_input_through_float": (
+        _requires_grad_of_an_input_through_float,
+        lambda: [torch.randn((4, 1), requires_grad=True), torch.randn((2, 3)), torch.randn((3,))],
+        [0, 1],
     ),
     "fill_expanded_with_grad": (
         _fill_expanded_with_grad,
