@@ -366,15 +366,35 @@ class EagerChecks(TorchDispatchMode):
     must have rewritten each of them (see `OverlappingWrites`).
 
     `squeeze_(dim)` of a symbolic dim crashes fake tensors (the process dies): it is done as
-    `as_strided_` to the out-of-place squeeze's geometry instead."""
+    `as_strided_` to the out-of-place squeeze's geometry instead.
 
-    def __init__(self) -> None:
+    `as_strided` past the end of its tensor's storage: eager refuses it, the meta kernel fake
+    tensors run does not check (fuzz seed 12499, a view nothing reads, so no later op fails
+    either). Checked here when every size is concrete, except on the storages of
+    `unsized_inputs`: a fresh fake (symbolic compilations, Dynamo's graphs) has no more storage
+    than its own extent, where the real input may have more."""
+
+    def __init__(self, unsized_inputs: Sequence[object] = ()) -> None:
         super().__init__()
         self.problem: str | None = None
         self.accepted_overlaps = 0
+        self._unsized = {
+            StorageWeakRef(t.untyped_storage())
+            for t in unsized_inputs
+            if isinstance(t, torch.Tensor) and t.layout is torch.strided
+        }
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if self.problem is None and func in _AS_STRIDED:
+            eager = _storage_bounds_error(func, args, kwargs, self._unsized)
+            if eager is not None:
+                where = _user_frame(traceback.extract_stack())
+                self.problem = (
+                    f"metadata pass: the program failed at {where}: {func} raises '{eager}' in "
+                    "eager PyTorch too (a view reaching past the end of its tensor's storage). "
+                    "Fix the view's size, stride or storage offset."
+                )
         if func in _SQUEEZE_IN_PLACE and _is_symbolic(args[0]):
             out = _SQUEEZE_IN_PLACE[func](*args, **kwargs)
             return torch.ops.aten.as_strided_.default(
@@ -443,6 +463,59 @@ class EagerChecks(TorchDispatchMode):
                 "(e.g. indexing assignment or an out= argument). Write into a .clone(), or "
                 "call the method (`t.fill_`, `t.masked_fill_`, `t.index_put_`) on it directly."
             )
+
+
+# the ops eager checks against their tensor's storage size: each has the arguments `self`,
+# `size`, `stride` and `storage_offset=None` (as_strided_scatter also a `src`)
+_AS_STRIDED = frozenset(
+    {
+        torch.ops.aten.as_strided.default,
+        torch.ops.aten.as_strided_.default,
+        torch.ops.aten.as_strided_copy.default,
+        torch.ops.aten.as_strided_scatter.default,
+    }
+)
+
+
+def _storage_bounds_error(
+    func: torch._ops.OpOverload,
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
+    unsized: set[StorageWeakRef],
+) -> str | None:
+    """eager's error for an `as_strided` family call whose geometry reaches past the end of the
+    tensor's storage (replayed on a real CPU storage of the same size), or None. Storages in
+    `unsized` are not checked (their fake size is not the real one)."""
+    try:
+        bound = func._schema.arguments
+        values = dict(zip((a.name for a in bound), args))
+        values.update(kwargs)
+        t = values["self"]
+        size, stride = values["size"], values["stride"]
+        offset = values.get("storage_offset")
+        if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
+            return None
+        if StorageWeakRef(t.untyped_storage()) in unsized:
+            return None
+        if offset is None:
+            offset = t.storage_offset()
+        nbytes = t.untyped_storage().nbytes()
+        numbers = (*size, *stride, offset, nbytes)
+        if not all(type(v) is int for v in numbers):
+            return None
+        if any(n == 0 for n in size):
+            return None
+        extent = offset + 1 + sum((n - 1) * st for n, st in zip(size, stride))
+        if extent * t.element_size() <= nbytes:
+            return None
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            real = torch.empty(nbytes // max(t.element_size(), 1), dtype=t.dtype)
+            real.as_strided(size, stride, offset)
+    except RuntimeError as e:
+        return str(e).strip().splitlines()[0]
+    except Exception:  # noqa: BLE001 best effort: a failing check must not fail a compile
+        return None
+    return None
 
 
 _SQUEEZE_IN_PLACE = {

@@ -396,6 +396,19 @@ def _requires_grad_of_an_input_through_float(a0, a1, a2):  # fuzz campaign 2026-
     return (a0, v0, v1)
 
 
+def _dead_as_strided_past_its_storage(a0):  # fuzz campaign 2026-11-27, 12499
+    a0.add_(a0)
+    v0 = a0.chunk(2, 0)[1]
+    v1 = v0.to(torch.float16).float()  # one element of storage
+    v1.as_strided((2,), (1,), 1)  # eager raises; nothing reads the view
+    return (a0, a0)
+
+
+def _as_strided_past_a_view_within_its_storage(a0):
+    v0 = a0[1:3]
+    return (v0.as_strided((4,), (1,), 0) * 2,)  # beyond v0, within a0's storage: eager runs
+
+
 def _views_at_offsets():
     x = torch.randn((3, 2, 4), requires_grad=True)
     return [x[1], x.view(-1), x[:, 1]]
@@ -459,6 +472,16 @@ PROGRAMS = {
         lambda: [torch.randn((4, 1), requires_grad=True), torch.randn((2, 3)), torch.randn((3,))],
         [0, 1],
     ),
+    "dead_as_strided_past_its_storage": (
+        _dead_as_strided_past_its_storage,
+        lambda: [torch.randn((3,))],
+        [],
+    ),
+    "as_strided_past_a_view_within_its_storage": (
+        _as_strided_past_a_view_within_its_storage,
+        lambda: [torch.randn((4,), requires_grad=True) * 1.0],
+        [0],
+    ),
     "fill_expanded_with_grad": (
         _fill_expanded_with_grad,
         lambda: [torch.randn(4, requires_grad=True)],
@@ -506,3 +529,16 @@ def test_requires_grad_of_an_input_merged_into_a_base_is_refused():
     x = torch.randn(3, 2, 4)  # the default mode runs it like eager
     out = aotc.compile(f)(x[0], x[2])
     assert out.requires_grad and out.grad_fn is not None
+
+
+@pytest.mark.parametrize("capture,dynamic", [("trace", False), ("dynamo", False), ("dynamo", True)])
+def test_as_strided_past_an_input_view_within_its_storage_runs(capture, dynamic):
+    # The bounds check of `as_strided` (fuzz 12499) must not refuse a view that reaches past the
+    # input's own extent but stays inside its storage: eager runs it.
+    def f(x):
+        return x.as_strided((5,), (1,), 0) * 2 + x.sum()
+
+    compiled = aotc.compile(f, capture=capture, dynamic=dynamic)
+    for n in (6, 7):
+        base = torch.randn(n)
+        torch.testing.assert_close(compiled(base[1:3]), f(base[1:3]))
