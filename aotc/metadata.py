@@ -207,6 +207,7 @@ def collect_metadata(
         )
         changes = _leaf_changes(p_leaves, leaves_before)
         _check_grad_of_merged_inputs(changes, convention)
+        _check_grad_of_reshaped_leaves(changes, p_leaves)
         analysis = classify_outputs(p_outs, p_leaves)
         fwd_plan, specs, plain_values, roots = _plan_fwd_outputs(
             analysis.infos, inputs, analysis.bases, analysis.roots, f_outs, p_outs, wrappers, plain
@@ -319,6 +320,25 @@ def _check_grad_of_merged_inputs(
                 "inputs as one base tensor and cannot give this one a gradient of its own. Call "
                 "requires_grad_() on it before the call, or pass a .clone() of one of the inputs."
             )
+
+
+def _check_grad_of_reshaped_leaves(changes: tuple[LeafChange, ...], p_leaves: list[object]) -> None:
+    """A leaf that requires grad after the call and whose sizes or strides the call changes in
+    place (`squeeze_`, `t_`, `as_strided_` under no_grad, or before `requires_grad_()`): autograd
+    records the input's geometry when the compiled node is applied, before the epilogue replays
+    the change, so the gradient would not fit the leaf (fuzz seeds 14258, 14403: a crash in the
+    backward where eager runs; 14009: eager's own backward refuses). Refused by name."""
+    for change in changes:
+        t = p_leaves[int(change.leaf)]
+        if change.geometry is not None and isinstance(t, torch.Tensor):
+            if t.requires_grad and t.is_leaf:
+                raise UnsupportedError(
+                    f"input {int(change.leaf)} (in the flattened arguments) is a leaf that "
+                    "requires grad, and the compiled function changes its sizes or strides in "
+                    "place (e.g. squeeze_, t_, as_strided_ under no_grad); aotc cannot give its "
+                    "gradient the new geometry. Change the tensor's geometry outside the "
+                    "compiled function, or use the out-of-place op (squeeze, t, as_strided)."
+                )
 
 
 def _leaf_changes(p_leaves: list[object], before: dict[int, _State]) -> tuple[LeafChange, ...]:

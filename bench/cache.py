@@ -9,7 +9,11 @@ empty cache directory, `warm` is a new process compiling the same model with the
 the wall time of the first compiled call (compile + one forward) and aotc's own per-stage compile
 time. Every child imports torch._dynamo before timing: FakeTensorMode imports it (~2 s), and so
 does any script that takes an eager torch.optim step, so it is process start-up, not compile
-work; `import_s` reports it separately. Reported: medians over --reps runs, and warm/cold.
+work; `import_s` reports it separately. So are, for `[triton]` rows, the imports of triton and
+its interpreter (every process using that backend pays them once), and one `gc.collect()` after
+the imports: the first full collection of a process that just imported torch and Dynamo walks
+every object they made (100-250 ms on this machine) and otherwise lands in whichever compile
+stage happens to trigger it, cold or warm. Reported: medians over --reps runs, and warm/cold.
 
 Run from the repo root: .venv/bin/python bench/cache.py [--reps N]
 """
@@ -40,7 +44,8 @@ import torch, torch._dynamo
 if {backend!r} == "triton":
     import triton, triton.language, triton.runtime.interpreter
 sys.path.insert(0, {root!r})
-import aotc
+import aotc, gc
+gc.collect()
 import_s = time.perf_counter() - t0
 name = {name!r}
 torch.manual_seed(0)

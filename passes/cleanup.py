@@ -108,8 +108,12 @@ def eliminate_common_subexpressions(graph: StageGraph) -> StageGraph:
 
 def _cse(g: fx.Graph) -> None:
     # Two graph outputs that eager returns as distinct tensors must stay distinct objects
-    # (a caller may mutate one): an output is never merged into another output.
+    # (a caller may mutate one): an output is never merged into another output. Nor is a value
+    # whose memory an output returns (through views) merged into another such value that is not
+    # a view: `v.reshape(-1)` twice of a non-contiguous v is two copies in eager, each returned
+    # as a view; merged, the two outputs would share memory (fuzz seed 14974).
     outputs = set(next(n for n in reversed(g.nodes) if n.op == "output").all_input_nodes)
+    returned = _returned_storage(outputs)
     seen: dict[object, fx.Node] = {}
     for node in list(g.nodes):
         if node.op != "call_function" or is_random(node):
@@ -123,11 +127,20 @@ def _cse(g: fx.Graph) -> None:
             seen[key] = node
         elif node in outputs and first in outputs:
             continue
+        elif node in returned and first in returned and not _is_view(node):
+            continue
         else:
             if node in outputs:
                 outputs.add(first)
+            if node in returned:
+                returned.add(first)
             node.replace_all_uses_with(first)
             g.erase_node(node)
+
+
+def _is_view(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and bool(target.is_view)
 
 
 def _is_noop(node: fx.Node) -> bool:
@@ -156,6 +169,11 @@ def _known_equal(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
     return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
 
 
+# Ops whose result shares its input's memory although their schema does not say so:
+# `reshape` of a non-contiguous tensor traces as `clone` + `_unsafe_view`.
+_UNMARKED_VIEWS = frozenset({aten._unsafe_view.default})
+
+
 def _returned_storage(outputs: set[fx.Node]) -> set[fx.Node]:
     """The outputs and every value an output is a view of (through view ops): their memory is
     returned. `v = x.clone(); return v.detach()` returns the clone's memory, not x's."""
@@ -167,7 +185,7 @@ def _returned_storage(outputs: set[fx.Node]) -> set[fx.Node]:
         if (
             node.op == "call_function"
             and isinstance(target, torch._ops.OpOverload)
-            and target.is_view
+            and (target.is_view or target in _UNMARKED_VIEWS)
             and node.args
             and isinstance(node.args[0], fx.Node)
             and node.args[0] not in found

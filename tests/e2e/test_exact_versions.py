@@ -409,6 +409,11 @@ def _as_strided_past_a_view_within_its_storage(a0):
     return (v0.as_strided((4,), (1,), 0) * 2,)  # beyond v0, within a0's storage: eager runs
 
 
+def _reshapes_of_a_noncontiguous_value(a0, a1):  # fuzz campaign 2026-11-27, 14974
+    v0 = a1 * 2.5  # a1 is transposed: v0 too, so each reshape copies
+    return (v0.reshape(-1), v0.reshape(-1))
+
+
 def _views_at_offsets():
     x = torch.randn((3, 2, 4), requires_grad=True)
     return [x[1], x.view(-1), x[:, 1]]
@@ -482,6 +487,11 @@ PROGRAMS = {
         lambda: [torch.randn((4,), requires_grad=True) * 1.0],
         [0],
     ),
+    "reshapes_of_a_noncontiguous_value": (
+        _reshapes_of_a_noncontiguous_value,
+        lambda: [torch.randn((4,)), torch.randn((4, 3), requires_grad=True).t()],
+        [0, 1],
+    ),
     "fill_expanded_with_grad": (
         _fill_expanded_with_grad,
         lambda: [torch.randn(4, requires_grad=True)],
@@ -542,3 +552,79 @@ def test_as_strided_past_an_input_view_within_its_storage_runs(capture, dynamic)
     for n in (6, 7):
         base = torch.randn(n)
         torch.testing.assert_close(compiled(base[1:3]), f(base[1:3]))
+
+
+def _add_of_a_broadcast_column_of_itself(a0):  # fuzz campaign 2026-11-27, 14905
+    a0.add_(a0.split(1, 1)[1])  # eager's later columns add the column it already doubled
+    return (a0,)
+
+
+def _add_of_another_row_of_itself(a0):
+    a0[0].add_(a0[1])  # one storage, no common element: compiles
+    return (a0 * 2,)
+
+
+def _squeeze_of_a_leaf_under_no_grad(a0, a1):  # fuzz campaign 2026-11-27, 14258
+    with torch.set_grad_enabled(False):
+        v0 = a1.unsqueeze(1)
+        a0.squeeze_()
+    return (v0.exp().expand(2, 3, 1, 4), a0)
+
+
+def _squeeze_then_requires_grad(a0):  # fuzz campaign 2026-11-27, 14403
+    a0.squeeze_(0)
+    a0.requires_grad_()
+    return (a0.abs(),)
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize(
+    "f,make,backward,refusal",
+    [
+        (
+            _squeeze_of_a_leaf_under_no_grad,
+            lambda: [
+                torch.randn((1, 3), requires_grad=True),
+                torch.randn((3, 4), requires_grad=True),
+            ],
+            [1],
+            "sizes or strides in place",
+        ),
+        (_squeeze_then_requires_grad, lambda: [torch.randn(1, 3)], [0], "sizes or strides"),
+    ],
+)
+def test_what_strict_mode_cannot_replay_is_refused_and_the_default_mode_runs(
+    f, make, backward, refusal
+):
+    from tests.fuzz.compare import Verdict, check
+
+    strict = check(f, make, backward=backward, write_outputs=True, mode="trace")
+    assert strict.verdict is Verdict.REFUSED and refusal in strict.detail, strict.detail
+    default = check(f, make, backward=backward, write_outputs=True, mode="default")
+    assert default.verdict is Verdict.MATCH, default.detail
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("mode", ["trace", "default", "triton"])
+def test_in_place_op_reading_an_overlapping_view_of_its_output_is_refused(mode):
+    # eager's result depends on the order it visits elements; aotc reads before it writes
+    from tests.fuzz.compare import Verdict, check
+
+    outcome = check(
+        _add_of_a_broadcast_column_of_itself, lambda: [torch.randn(2, 4)], [], mode=mode
+    )
+    assert outcome.verdict is Verdict.REFUSED and "overlaps" in outcome.detail, outcome.detail
+
+
+@pytest.mark.parametrize("mode", ["trace", "default"])
+def test_in_place_add_between_distinct_rows_of_one_storage_compiles(mode):
+    from tests.fuzz.compare import Verdict, check
+
+    outcome = check(
+        _add_of_another_row_of_itself,
+        lambda: [torch.randn(3, 4)],
+        [],
+        write_outputs=True,
+        mode=mode,
+    )
+    assert outcome.verdict is Verdict.MATCH, outcome.detail
