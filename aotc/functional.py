@@ -13,6 +13,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from typing import cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -493,15 +494,14 @@ def _storage_bounds_error(
         values = dict(zip((a.name for a in bound), args))
         values.update(kwargs)
         t = values["self"]
-        size, stride = values["size"], values["stride"]
-        offset = values.get("storage_offset")
         if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
             return None
         if StorageWeakRef(t.untyped_storage()) in unsized:
             return None
-        if offset is None:
-            offset = t.storage_offset()
+        raw_offset = values.get("storage_offset")
+        offset = cast(int, t.storage_offset() if raw_offset is None else raw_offset)
         nbytes = t.untyped_storage().nbytes()
+        size, stride = list(values["size"]), list(values["stride"])  # type: ignore[call-overload]
         numbers = (*size, *stride, offset, nbytes)
         if not all(type(v) is int for v in numbers):
             return None
@@ -704,13 +704,13 @@ def _elements_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.numel() == 0 or b.numel() == 0:
         return False
 
-    def span(t: torch.Tensor) -> tuple[int, int]:
+    def span(t: torch.Tensor) -> tuple[object, object]:
         extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
         start = t.storage_offset() * t.element_size()
         return start, start + extent * t.element_size()
 
     (a0, a1), (b0, b1) = span(a), span(b)
-    if not (a0 < b1 and b0 < a1):
+    if not (a0 < b1 and b0 < a1):  # type: ignore[operator]
         return False
     size = a.element_size()
     if b.element_size() != size or nbytes // size > _OVERLAP_ELEMENTS:
