@@ -113,12 +113,37 @@ def compile_graph(
     compiled = _strict_fallback(gm, opts, name)
     if on_graph is not None:
         on_graph(compiled)
+    eager_after_refusal = owner is not None  # aotc.compile's default mode, not torch.compile
+    refused: list[str] = []
 
     def run_lazily(*args: Any) -> Any:
-        return compiled(*args)
+        # See Note [Refused graphs run eagerly]
+        if refused:
+            return gm(*args)
+        try:
+            return compiled(*args)
+        except UnsupportedError as e:
+            if not eager_after_refusal:
+                raise
+            refused.append(str(e))
+            stats["eager"] += 1
+            log.warning("aotc: %s runs this graph eagerly: %s", name, str(e).splitlines()[0])
+            return gm(*args)
 
     run_lazily.aotc_compiled = compiled  # type: ignore[attr-defined]
     return run_lazily
+
+
+# Note [Refused graphs run eagerly]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Under `aotc.compile`'s default mode, a Dynamo graph that the strict fallback refuses to compile
+# (an `UnsupportedError`: e.g. an in-place op reading an overlapping view of its own output,
+# whose eager result depends on the order elements are visited) runs as Dynamo's graph module,
+# eagerly, from then on: what `torch.compile(backend="eager")` would run, so the result is
+# eager's. Every `UnsupportedError` a compiled call raises is raised before the graph runs
+# (argument checks, compilation), so nothing has happened twice. `torch.compile(backend="aotc")`
+# raises the refusal instead, as it does for the other graphs aotc refuses. The warning names
+# the reason once per graph; `aotc.backend.stats["eager"]` counts such graphs.
 
 
 # In-place ops that change a tensor's sizes or strides (not its data).
