@@ -605,7 +605,7 @@ def test_what_strict_mode_cannot_replay_is_refused_and_the_default_mode_runs(
 
 
 @pytest.mark.filterwarnings("ignore")
-@pytest.mark.parametrize("mode", ["trace", "default", "triton"])
+@pytest.mark.parametrize("mode", ["trace", "default", "triton", "dynamo"])
 def test_in_place_op_reading_an_overlapping_view_of_its_output_is_refused(mode):
     # eager's result depends on the order it visits elements; aotc reads before it writes. The
     # default mode runs the refused graph eagerly (Note [Refused graphs run eagerly]).
