@@ -62,6 +62,20 @@ def functionalization() -> Iterator[None]:
             torch._disable_functionalization()
 
 
+def symbolic_dispatch(symbolic: bool) -> contextlib.AbstractContextManager[object]:
+    """The Python dispatcher for a run on fake tensors with symbolic sizes, else nothing.
+
+    Note [Symbolic sizes need the Python dispatcher]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    Some C++ kernels that fake tensors reach take concrete sizes only: `baddbmm`'s meta expands
+    its `self` through `expand`'s CompositeExplicitAutograd kernel, which raises "SymIntArrayRef
+    expected to contain only concrete integers" for symbolic sizes (BLOOM's ALiBi attention on a
+    dynamic recompile). The Python dispatcher routes such ops to their SymInt-aware Python
+    kernels; make_fx turns it on for symbolic tracing and `functionalization()` always does, so
+    every run on symbolic fakes does. A run on static shapes stays as eager dispatches."""
+    return enable_python_dispatcher() if symbolic else contextlib.nullcontext()
+
+
 _OWN_DIRS = tuple(
     os.path.dirname(os.path.abspath(str(m.__file__))) + os.sep
     for m in (

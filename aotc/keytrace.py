@@ -66,7 +66,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from aotc.functional import FlatProgram, fakeify, transform_state
+from aotc.functional import FlatProgram, fakeify, symbolic_dispatch, transform_state
 from aotc.runtime import autograd
 from aotc.runtime.convention import apply_convention, expand_graph_args, plan_convention
 
@@ -163,7 +163,14 @@ def trace_text(
         with mode:
             tensors = fakeify(mode, graph_args, as_leaves=False)
         recorder = _FakeRecorder(tensors, facts)
-        with transform_state(), mode, recorder, torch.set_grad_enabled(grad_enabled):
+        with (
+            # Note [Symbolic sizes need the Python dispatcher]
+            symbolic_dispatch(shape_env is not None),
+            transform_state(),
+            mode,
+            recorder,
+            torch.set_grad_enabled(grad_enabled),
+        ):
             user_leaves = expand_graph_args(convention, tensors, constants)
             outs, out_spec = program(user_leaves)
     return _finish(recorder, outs, out_spec, tensors)

@@ -51,6 +51,7 @@ from aotc.functional import (
     fakeify,
     functionalization,
     refused_by_functorch,
+    symbolic_dispatch,
     to_functional,
     transform_state,
     user_errors,
@@ -168,6 +169,8 @@ def collect_metadata(
             overlaps = OverlappingWrites(rewrite=False)
             try:
                 with (
+                    # Note [Symbolic sizes need the Python dispatcher]
+                    symbolic_dispatch(symbolic),
                     transform_state(),
                     user_errors("metadata pass"),
                     torch.set_grad_enabled(grad_enabled),

@@ -471,7 +471,12 @@ def _path_source_side(flow: nx.DiGraph, component: list[object]) -> list[object]
 def _drop_views_of_saved(saved: set[fx.Node]) -> set[fx.Node]:
     """Save views as their base: a view of another saved value is recomputed from it, and a view
     of a primal is replaced by the primal (a saved view keeps its base's whole storage alive, so
-    saving the base costs no more and the backward re-creates the view)."""
+    saving the base costs no more and the backward re-creates the view).
+
+    Re-creating the view also reads the view ops' other arguments: with symbolic sizes these are
+    sizes of other values (`slice(position_ids, 1, 0, sym_size(attention_mask, 1))`), and the
+    backward may have no other way to them (the mask is not saved). They are saved too: a size
+    costs one byte (Note [Saved SymInts]), and `_settle` drops any the backward does not read."""
     result = set(saved)
     for node in saved:
         base = _view_root(node)
@@ -480,7 +485,19 @@ def _drop_views_of_saved(saved: set[fx.Node]) -> set[fx.Node]:
         if base in saved or base.op == "placeholder":
             result.discard(node)
             result.add(base)
+            result |= _view_chain_operands(node, base)
     return result
+
+
+def _view_chain_operands(node: fx.Node, base: fx.Node) -> set[fx.Node]:
+    """The nodes the view ops from `base` to `node` read besides the value each one views."""
+    operands: set[fx.Node] = set()
+    while node is not base:
+        viewed = node.args[0]
+        operands |= {i for i in node.all_input_nodes if i is not viewed}
+        assert isinstance(viewed, fx.Node), node.format_node()
+        node = viewed
+    return operands
 
 
 def _view_root(node: fx.Node) -> fx.Node:

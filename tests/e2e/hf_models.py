@@ -106,10 +106,50 @@ def vit(layers: int = 1, hidden: int = 16, batch: int = 2, seq: int = 6):
     return transformers.ViTForImageClassification(cfg), make
 
 
+def mixtral(layers: int = 1, hidden: int = 16, batch: int = 2, seq: int = 6):
+    """Mixtral: sparse mixture of experts (top-2 of 4 routed per token, data-dependent expert
+    dispatch) plus the router's load-balancing loss."""
+    cfg = transformers.MixtralConfig(
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        vocab_size=VOCAB,
+        max_position_embeddings=max(16, seq),
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+    )
+    return transformers.MixtralForCausalLM(cfg), _lm_batch(batch, seq)
+
+
+def resnet(layers: int = 1, hidden: int = 16, batch: int = 2, seq: int = 6):
+    """ResNet image classifier: convolutions and batch norm, whose running statistics are
+    buffers the compiled step updates (`seq` is unused: 16x16 pixels)."""
+    cfg = transformers.ResNetConfig(
+        embedding_size=hidden // 2,
+        hidden_sizes=[hidden // 2, hidden],
+        depths=[layers, layers],
+        layer_type="basic",
+        num_labels=3,
+    )
+
+    def make() -> dict[str, Any]:
+        return {
+            "pixel_values": torch.randn(batch, 3, 16, 16),
+            "labels": torch.randint(0, 3, (batch,)),
+        }
+
+    return transformers.ResNetForImageClassification(cfg), make
+
+
 MODELS: dict[str, Callable[..., tuple[torch.nn.Module, Batch]]] = {
     "gpt2": gpt2,
     "bert": bert,
     "llama": llama,
     "t5": t5,
     "vit": vit,
+    "mixtral": mixtral,
+    "resnet": resnet,
 }

@@ -141,3 +141,71 @@ def test_dynamic_with_triton_backend_runs_kernels():
     _check_sizes(compiled, SIZES[:4])
     assert len(compiled.records) == 1
     assert len(aotc.inspect(compiled)[0].kernels) > 0
+
+
+def alibi_scores(alibi, q, k):
+    # BLOOM's ALiBi attention: `self` broadcasts over the batch1 @ batch2 product; the meta of
+    # `baddbmm` expands it, which needs the Python dispatcher for symbolic sizes (see Note
+    # [Symbolic sizes need the Python dispatcher]).
+    return alibi.baddbmm(batch1=q, batch2=k, beta=1.0, alpha=0.5).softmax(-1)
+
+
+@pytest.mark.parametrize("via", ["torch.compile", "aotc.compile"])
+def test_dynamic_broadcast_baddbmm_compiles_ahead(via):
+    """dynamic=True under torch.compile; Dynamo's automatic dynamic (the second size recompiles
+    with symbolic sizes) under aotc.compile. Both once fell back to eager."""
+    torch._dynamo.reset()
+    before = aotc.backend.stats.copy()
+    if via == "torch.compile":
+        compiled = torch.compile(alibi_scores, backend="aotc", dynamic=True)
+    else:
+        compiled = aotc.compile(alibi_scores)
+    # The head size is the first head count: with distinct sizes fake tensors get past `expand`.
+    for heads, seq in [(4, 6), (6, 8), (4, 5)]:
+        args = [
+            torch.randn(heads, 1, seq, requires_grad=True),
+            torch.randn(heads, seq, 4, requires_grad=True),
+            torch.randn(heads, 4, seq, requires_grad=True),
+        ]
+        got = compiled(*args)
+        weight = torch.randn_like(got)
+        got_grads = torch.autograd.grad((got * weight).sum(), args)
+        want = alibi_scores(*args)
+        torch.testing.assert_close(got, want)
+        for g, w in zip(got_grads, torch.autograd.grad((want * weight).sum(), args)):
+            torch.testing.assert_close(g, w)
+    assert aotc.backend.stats["fallback"] == before["fallback"]
+    assert aotc.backend.stats["ahead"] - before["ahead"] >= 2
+
+
+def positions_of_mask(mask, position_ids, table, x):
+    # BERT's embeddings: a slice of the position-id buffer as long as the (dynamic) attention
+    # mask. The backward of `embedding` reads the slice: saved as its base (the buffer), it is
+    # re-created from the mask's size, which the backward has no other way to.
+    ids = position_ids[:, : mask.shape[1]]
+    return torch.nn.functional.embedding(ids, table) * x + mask.unsqueeze(-1)
+
+
+@pytest.mark.parametrize("via", ["torch.compile", "aotc.compile"])
+def test_dynamic_view_saved_as_base_keeps_its_sizes(via):
+    torch._dynamo.reset()
+    before = aotc.backend.stats.copy()
+    if via == "torch.compile":
+        compiled = torch.compile(positions_of_mask, backend="aotc", dynamic=True)
+    else:
+        compiled = aotc.compile(positions_of_mask, dynamic=True)
+    position_ids = torch.arange(16).unsqueeze(0)
+    for batch, seq in [(2, 6), (3, 8), (2, 5)]:
+        table = torch.randn(16, 4, requires_grad=True)
+        x = torch.randn(batch, seq, 4, requires_grad=True)
+        mask = torch.ones(batch, seq)
+        got = compiled(mask, position_ids, table, x)
+        weight = torch.randn_like(got)
+        got_grads = torch.autograd.grad((got * weight).sum(), (table, x))
+        want = positions_of_mask(mask, position_ids, table, x)
+        torch.testing.assert_close(got, want)
+        want_grads = torch.autograd.grad((want * weight).sum(), (table, x))
+        for g, w in zip(got_grads, want_grads):
+            torch.testing.assert_close(g, w)
+    assert aotc.backend.stats["fallback"] == before["fallback"]
+    assert aotc.backend.stats["ahead"] - before["ahead"] >= 1

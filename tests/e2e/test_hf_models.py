@@ -2,7 +2,8 @@
 with a learning-rate scheduler through `aotc.compile(model)` and a compiled optimizer step, against
 eager: loss, every gradient and every parameter after each step. GPT-2, BERT and T5 tie their
 embeddings; Llama returns its default `DynamicCache`; ViT sets `config.problem_type` on its first
-call (a side effect Dynamo replays, then guards on)."""
+call (a side effect Dynamo replays, then guards on); Mixtral routes tokens to experts and adds the
+router's auxiliary loss; ResNet's batch norm updates running statistics (buffers, compared too)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,11 @@ def train_hf_against_eager(
         for (n, pe), (_, pc) in zip(eager.named_parameters(), twin.named_parameters()):
             torch.testing.assert_close(
                 pc, pe, rtol=1e-4, atol=1e-5, msg=lambda m, n=n, s=step: f"step {s} {n}: {m}"
+            )
+        for (n, be), (_, bc) in zip(eager.named_buffers(), twin.named_buffers()):
+            # batch norm's running statistics (ResNet), position-id buffers, ...
+            torch.testing.assert_close(
+                bc, be, rtol=1e-4, atol=1e-5, msg=lambda m, n=n, s=step: f"step {s} {n}: {m}"
             )
     return compiled, step_c
 
