@@ -85,6 +85,18 @@ def t5(layers: int = 1, hidden: int = 16, batch: int = 2, seq: int = 6):
     return transformers.T5ForConditionalGeneration(cfg), make
 
 
+def _image_batch(batch: int, pixels: int) -> Batch:
+    """Random RGB images of `pixels` x `pixels` with labels among 3 classes."""
+
+    def make() -> dict[str, Any]:
+        return {
+            "pixel_values": torch.randn(batch, 3, pixels, pixels),
+            "labels": torch.randint(0, 3, (batch,)),
+        }
+
+    return make
+
+
 def vit(layers: int = 1, hidden: int = 16, batch: int = 2, seq: int = 6):
     """ViT image classifier (`seq` is unused: 4 patches of 4x4 pixels)."""
     cfg = transformers.ViTConfig(
@@ -97,13 +109,7 @@ def vit(layers: int = 1, hidden: int = 16, batch: int = 2, seq: int = 6):
         num_labels=3,
     )
 
-    def make() -> dict[str, Any]:
-        return {
-            "pixel_values": torch.randn(batch, 3, 8, 8),
-            "labels": torch.randint(0, 3, (batch,)),
-        }
-
-    return transformers.ViTForImageClassification(cfg), make
+    return transformers.ViTForImageClassification(cfg), _image_batch(batch, 8)
 
 
 def mixtral(layers: int = 1, hidden: int = 16, batch: int = 2, seq: int = 6):
@@ -135,13 +141,7 @@ def resnet(layers: int = 1, hidden: int = 16, batch: int = 2, seq: int = 6):
         num_labels=3,
     )
 
-    def make() -> dict[str, Any]:
-        return {
-            "pixel_values": torch.randn(batch, 3, 16, 16),
-            "labels": torch.randint(0, 3, (batch,)),
-        }
-
-    return transformers.ResNetForImageClassification(cfg), make
+    return transformers.ResNetForImageClassification(cfg), _image_batch(batch, 16)
 
 
 MODELS: dict[str, Callable[..., tuple[torch.nn.Module, Batch]]] = {
