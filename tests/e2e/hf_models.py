@@ -47,17 +47,22 @@ def bert(layers: int = 1, hidden: int = 16, batch: int = 2, seq: int = 6):
     return transformers.BertForMaskedLM(cfg), _lm_batch(batch, seq)
 
 
+def _decoder_sizes(layers: int, hidden: int, seq: int) -> dict[str, int]:
+    """Config sizes of a tiny Llama-style decoder (grouped-query attention: 2 heads, 1 KV head)."""
+    return {
+        "num_hidden_layers": layers,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": max(16, seq),
+    }
+
+
 def llama(layers: int = 1, hidden: int = 16, batch: int = 2, seq: int = 6):
     """Llama with its default `use_cache=True`: the output carries a DynamicCache."""
-    cfg = transformers.LlamaConfig(
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        vocab_size=VOCAB,
-        max_position_embeddings=max(16, seq),
-    )
+    cfg = transformers.LlamaConfig(**_decoder_sizes(layers, hidden, seq))
     assert cfg.use_cache
     return transformers.LlamaForCausalLM(cfg), _lm_batch(batch, seq)
 
@@ -116,13 +121,7 @@ def mixtral(layers: int = 1, hidden: int = 16, batch: int = 2, seq: int = 6):
     """Mixtral: sparse mixture of experts (top-2 of 4 routed per token, data-dependent expert
     dispatch) plus the router's load-balancing loss."""
     cfg = transformers.MixtralConfig(
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        vocab_size=VOCAB,
-        max_position_embeddings=max(16, seq),
+        **_decoder_sizes(layers, hidden, seq),
         num_local_experts=4,
         num_experts_per_tok=2,
         output_router_logits=True,
