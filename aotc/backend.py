@@ -114,10 +114,11 @@ def compile_graph(
     if on_graph is not None:
         on_graph(compiled)
     eager_after_refusal = owner is not None  # aotc.compile's default mode, not torch.compile
-    refused: list[str] = []
+    refused = False
 
     def run_lazily(*args: Any) -> Any:
         # See Note [Refused graphs run eagerly]
+        nonlocal refused
         if refused:
             return gm(*args)
         try:
@@ -125,7 +126,7 @@ def compile_graph(
         except UnsupportedError as e:
             if not eager_after_refusal:
                 raise
-            refused.append(str(e))
+            refused = True
             stats["eager"] += 1
             log.warning("aotc: %s runs this graph eagerly: %s", name, str(e).splitlines()[0])
             return gm(*args)

@@ -13,7 +13,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -335,6 +335,13 @@ def fresh_fake(t: torch.Tensor, *, as_leaves: bool) -> torch.Tensor:
     return fake
 
 
+def _extent(sizes: Sequence[Any], strides: Sequence[Any]) -> Any:
+    """Elements from a strided view's first to one past its last (0 when it has none)."""
+    if any(n == 0 for n in sizes):
+        return 0
+    return 1 + sum((n - 1) * st for n, st in zip(sizes, strides))
+
+
 def _empty_with_geometry(t: torch.Tensor) -> torch.Tensor:
     """An empty tensor with `t`'s sizes, strides and storage offset. The offset matters to ops
     that take an absolute one (`x.as_strided(size, stride, 0)` of an input that is a view at
@@ -342,8 +349,7 @@ def _empty_with_geometry(t: torch.Tensor) -> torch.Tensor:
     offset = t.storage_offset()
     if isinstance(offset, int) and offset == 0:
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-    empty_dims = any(n == 0 for n in t.shape)
-    extent = 0 if empty_dims else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    extent = _extent(t.shape, t.stride())
     storage = torch.empty(offset + extent, dtype=t.dtype, device=t.device).untyped_storage()
     empty = torch.empty(0, dtype=t.dtype, device=t.device)
     return empty.set_(storage, offset, t.shape, t.stride())
@@ -522,7 +528,7 @@ def _storage_bounds_error(
         if any(n == 0 for n in size):
             return None
         itemsize = t.element_size()
-        extent = offset + 1 + sum((n - 1) * st for n, st in zip(size, stride))
+        extent = offset + _extent(size, stride)
         if extent * itemsize <= nbytes:
             return None
     except Exception:  # noqa: BLE001 best effort: a failing check must not fail a compile
@@ -719,9 +725,8 @@ def _elements_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
 
     def span(t: torch.Tensor) -> tuple[object, object]:
-        extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
         start = t.storage_offset() * t.element_size()
-        return start, start + extent * t.element_size()
+        return start, start + _extent(t.shape, t.stride()) * t.element_size()
 
     (a0, a1), (b0, b1) = span(a), span(b)
     if not (a0 < b1 and b0 < a1):  # type: ignore[operator]
