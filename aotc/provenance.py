@@ -27,17 +27,34 @@ of the first forward node with its `seq_nr`:
 
 Nodes the autograd engine adds between grad_fns (summing two gradients of a value used twice)
 run outside any hook; they take the provenance of their first backward input.
+
+Note [Stack traces from the frames fx keeps]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+For every node it creates, make_fx(record_stack_traces=True) takes the whole Python stack
+(`CapturedTraceback.extract().summary()`, which reads the source line of each of its 50-100
+frames), then keeps only the frames of `forward` methods and of registered anchors (the
+`_record_forward_stack_traces_only` filter make_fx sets), less torch's own files. On a GPT block
+that was a fifth of a cold compile. While `recording()` is on, torch.fx's name
+`CapturedTraceback` means `_UserFrames` instead: its summary walks the same frames and keeps
+only those that filter would keep, reading their lines alone. fx's own filter and format then run
+on the short list, so `stack_trace` is the same text (tests/aotc/test_provenance.py compares the
+two). A call from another thread, from a tracer that keeps every frame, or asking for more than
+Python frames gets torch's own class.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
+import traceback
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.fx.proxy as fx_proxy
 import torch.fx.traceback as fx_traceback
 
 from aotc.passes.provenance import SOURCE_KEY, readable_path, user_line
@@ -46,9 +63,79 @@ from aotc.runtime.schema import NodeSource
 
 @contextlib.contextmanager
 def recording() -> Iterator[None]:
-    """Node-meta preservation on for one trace (see Note [Node provenance])."""
-    with fx_traceback.preserve_node_meta():
+    """Node-meta preservation on for one trace (see Note [Node provenance]), stack traces taken
+    from the frames fx keeps (Note [Stack traces from the frames fx keeps])."""
+    with fx_traceback.preserve_node_meta(), _user_frames():
         yield
+
+
+_REAL_TRACEBACK: Any = getattr(fx_proxy, "CapturedTraceback", None)
+_ON = threading.local()  # `.on`: this thread is inside `recording()`
+_INSTALL = threading.Lock()
+_installed = 0  # how many `recording()` contexts, in all threads, are open
+
+
+@contextlib.contextmanager
+def _user_frames() -> Iterator[None]:
+    global _installed
+    if _REAL_TRACEBACK is None or not hasattr(_REAL_TRACEBACK, "extract"):
+        yield  # another torch: fx takes stacks its own way
+        return
+    outer = getattr(_ON, "on", False)
+    with _INSTALL:
+        if _installed == 0:
+            fx_proxy.CapturedTraceback = _UserFrames  # type: ignore[attr-defined]
+        _installed += 1
+    _ON.on = True
+    try:
+        yield
+    finally:
+        _ON.on = outer
+        with _INSTALL:
+            _installed -= 1
+            if _installed == 0:
+                fx_proxy.CapturedTraceback = _REAL_TRACEBACK  # type: ignore[attr-defined]
+
+
+class _UserFrames:
+    """torch.fx.proxy's `CapturedTraceback` while aotc traces: Note [Stack traces from the
+    frames fx keeps]."""
+
+    __slots__ = ("frame",)
+
+    def __init__(self, frame: Any) -> None:
+        self.frame = frame
+
+    @staticmethod
+    def extract(*, script: bool = False, cpp: bool = False, skip: int = 0) -> Any:
+        caller = sys._getframe(1)
+        tracer = caller.f_locals.get("self")
+        if (
+            script
+            or cpp
+            or skip
+            or not getattr(_ON, "on", False)
+            or getattr(tracer, "_record_forward_stack_traces_only", False) is not True
+        ):
+            return _REAL_TRACEBACK.extract(script=script, cpp=cpp, skip=skip + 1)
+        return _UserFrames(caller)
+
+    def summary(self) -> traceback.StackSummary:
+        anchors = getattr(fx_proxy, "_STACK_TRACE_ANCHORS", ())
+        kept = []
+        frame = self.frame
+        while frame is not None:
+            code = frame.f_code
+            name, filename = code.co_name, code.co_filename
+            if (
+                name == "forward"
+                or filename.endswith("torch/__init__.py")
+                or (filename, name) in anchors
+            ):
+                kept.append(traceback.FrameSummary(filename, frame.f_lineno, name))
+            frame = frame.f_back
+        kept.reverse()  # outermost first, as traceback.extract_stack gives them
+        return traceback.StackSummary.from_list(kept)
 
 
 class Recorder:

@@ -338,3 +338,45 @@ def test_gpt2_small_page_renders_and_search_works(gpt2_dump, chromium, tmp_path)
         check=True,
     )
     assert shot.read_bytes().startswith(b"\x89PNG") and shot.stat().st_size > 50_000
+
+
+def test_stack_traces_match_torch_fx_own(monkeypatch):
+    """Note [Stack traces from the frames fx keeps]: each node traced under `recording()` gets
+    the very `stack_trace` text torch.fx's own stack walk gives it (forward frames of nested
+    modules, a registered anchor, the torch function in between dropped)."""
+    import torch.fx.proxy as fx_proxy
+    import torch.fx.traceback as fx_traceback
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import aotc.provenance as provenance
+
+    block = GPTBlock(16, 2, 0.0)
+
+    def anchored(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x).sum() + block(x).sum()
+
+    fx_proxy._register_stack_trace_anchor(anchored)
+
+    def program(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        loss = block.mlp(x * w).sum() + anchored(x * w)
+        (g,) = torch.autograd.grad(loss, w)
+        return g
+
+    def traces(module: torch.fx.GraphModule) -> list[tuple[str, str]]:
+        return [(n.name, str(n.meta.get("stack_trace"))) for n in module.graph.nodes]
+
+    walked = []
+    summary = provenance._UserFrames.summary
+    monkeypatch.setattr(provenance._UserFrames, "summary", lambda s: walked.append(1) or summary(s))
+    w = torch.randn(16, requires_grad=True)
+    x = torch.randn(2, 4, 16)
+    with provenance.recording():
+        assert fx_proxy.CapturedTraceback is provenance._UserFrames
+        ours = make_fx(program, record_stack_traces=True)(w, x)
+    assert fx_proxy.CapturedTraceback is provenance._REAL_TRACEBACK
+    with fx_traceback.preserve_node_meta():
+        theirs = make_fx(program, record_stack_traces=True)(w, x)
+    assert len(walked) > 10  # the nodes' stacks were walked by aotc's stand-in
+    assert traces(ours) == traces(theirs)
+    assert sum("in forward" in t for _, t in traces(ours)) > 5
+    assert any("in anchored" in t for _, t in traces(ours))
