@@ -32,9 +32,9 @@ codec:
 Both are written by `codec.encode` and read by `codec.decode` against the same registered
 records, graphs by runtime/fxcodec.py with the same op allowlist, and both become a callable
 through `runtime.artifact.assemble`. The one deliberate difference is where Triton kernels come
-from: an artifact ships kernel modules that `load` imports (trust it as a pickle), a cache
-directory never supplies code (Note [Cache entry format]), so a hit regenerates kernels from the
-stored decomposed graphs.
+from: an artifact ships kernel modules that `load` imports (trust it as a pickle); a cache hit
+runs the stored kernels only if this user's aotc signed the entry, and otherwise regenerates them
+from the stored decomposed graphs (Note [Trusted entries] in runtime/cache.py).
 """
 
 from __future__ import annotations
@@ -42,12 +42,14 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from aotc import keytrace
@@ -59,9 +61,10 @@ from aotc.passes.ir import JointGraph, StageGraph
 from aotc.passes.partition import PartitionResult, Recomputation, RecomputeReason, SavedValue
 from aotc.passes.recompute import CostKind, Executor, RecomputeCost
 from aotc.runtime import cache as store
-from aotc.runtime import codec, fxcodec, records
+from aotc.runtime import codec, fxcodec, launch, records
 from aotc.runtime.artifact import CompiledProgram
 from aotc.runtime.errors import CacheError
+from aotc.runtime.kernels import KernelFigures, KernelSource
 from aotc.runtime.lazy import Deferred, GraphTable
 from aotc.runtime.schema import MutationAliasInfo
 from aotc.symkey import ShapeFacts
@@ -91,7 +94,19 @@ class CacheEntry:
     stage_seconds: tuple[tuple[str, float], ...]  # the cold compile's stage times
 
 
+@dataclass(frozen=True, slots=True)
+class StoredLowering:
+    """One graph's Triton lowering as the cold compile generated it: its kernels (with their
+    GPU twins), the fusion plan's text and the kernel figures. A trusted hit runs these instead
+    of generating them again (Note [Trusted entries] in runtime/cache.py)."""
+
+    kernels: tuple[KernelSource, ...]
+    fusion_text: str
+    figures: KernelFigures | None
+
+
 codec.register_records(  # the runtime registers its own records (runtime/records.py)
+    StoredLowering,
     descriptors.PrimalInput,
     descriptors.TangentInput,
     descriptors.SavedInput,
@@ -123,10 +138,12 @@ class KernelText:
 
 @dataclass(frozen=True, slots=True)
 class StoredEntry:
-    """A verified entry body, not yet decoded."""
+    """A verified entry body, not yet decoded; `trusted`: this user's aotc wrote it (Note
+    [Trusted entries] in runtime/cache.py)."""
 
     key: str
     body: dict[str, Any]
+    trusted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +155,8 @@ class CacheHit:
     kernels: tuple[KernelText, ...]
     shape_guards: dict[str, Any] | None  # checked by ShapeFacts.replay
     stage_seconds: tuple[tuple[str, float], ...]  # the cold compile's stage times
+    # forward, backward: the stored lowerings of a trusted entry; None: generate them again
+    lowerings: tuple[StoredLowering | None, StoredLowering | None] | None = None
 
 
 def is_enabled(options: CompileOptions) -> bool:
@@ -169,8 +188,8 @@ def find(
 def _read(options: CompileOptions, key: str) -> StoredEntry | None:
     assert options.cache_dir is not None
     flush(key)  # Note [Deferred cache stores]
-    body = store.read_entry(options.cache_dir, key)
-    return StoredEntry(key, body) if body is not None else None
+    read = store.read_trusted(options.cache_dir, key)
+    return StoredEntry(key, read[0], read[1]) if read is not None else None
 
 
 def decode_hit(stored: StoredEntry, options: CompileOptions) -> CacheHit | None:
@@ -205,8 +224,14 @@ def decode_hit(stored: StoredEntry, options: CompileOptions) -> CacheHit | None:
             f"the inspection record of entry {stored.key[:16]}",
         )
         seconds = tuple((str(k), float(v)) for k, v in codec.decode(fields["stage_seconds"]))
+        lowerings = _stored_lowerings(body.get("lowerings")) if stored.trusted else None
         return CacheHit(
-            program, inspection, kernels, guards if isinstance(guards, dict) else None, seconds
+            program,
+            inspection,
+            kernels,
+            guards if isinstance(guards, dict) else None,
+            seconds,
+            lowerings,
         )
     except (CacheError, RecursionError, ValueError, TypeError, KeyError, AttributeError) as e:
         warnings.warn(
@@ -218,6 +243,22 @@ def decode_hit(stored: StoredEntry, options: CompileOptions) -> CacheHit | None:
 
 
 _ENTRY_NAME = f"{CacheEntry.__module__}.{CacheEntry.__qualname__}"
+
+
+def _stored_lowerings(
+    value: object,
+) -> tuple[StoredLowering | None, StoredLowering | None] | None:
+    """A trusted entry's stored lowerings, or None (none stored, or not as written)."""
+    if value is None:
+        return None
+    decoded = codec.decode(value)
+    if (
+        not isinstance(decoded, tuple)
+        or len(decoded) != 2
+        or not all(x is None or isinstance(x, StoredLowering) for x in decoded)
+    ):
+        raise CacheError("bad lowerings record")
+    return decoded[0], decoded[1]
 
 
 def _inspection(value: object) -> Inspection:
@@ -254,6 +295,7 @@ def store_verified(
     kernels: Sequence[KernelText],
     observed: keytrace.FakeRunObserver | None = None,
     shape_guards: dict[str, Any] | None = None,
+    lowered: tuple[StoredLowering | None, StoredLowering | None] | None = None,
 ) -> None:
     """Store a cold compile's entry under `key` once `verify_key` accepts it. A meta key it
     refuses gets a redirect instead, and the entry goes under the program's fake key, so the next
@@ -265,7 +307,8 @@ def store_verified(
     stored_key: str = key.key
     if shape_guards is not None:  # a fake-traced key: nothing to verify
         _store_later(
-            stored_key, lambda: store_entry(options, stored_key, entry, kernels, shape_guards)
+            stored_key,
+            lambda: store_entry(options, stored_key, entry, kernels, shape_guards, lowered),
         )
         return
     # Deciding where the entry goes may run the user's program (a fake key trace): that stays
@@ -273,7 +316,9 @@ def store_verified(
     fake_text = observed.text if observed is not None else None
     refused = verify_key(key, program, leaves, grad_enabled, fake_text)
     if refused is None:
-        _store_later(stored_key, lambda: store_entry(options, stored_key, entry, kernels))
+        _store_later(
+            stored_key, lambda: store_entry(options, stored_key, entry, kernels, lowered=lowered)
+        )
         return
     log.info("%s: not stored under its meta key: %s", entry.program.plan.name, refused)
     if fake_text is not None:
@@ -286,7 +331,7 @@ def store_verified(
     fake_key, meta_key = fake.key, key.key
 
     def store_and_redirect() -> None:
-        if store_entry(options, fake_key, entry, kernels):
+        if store_entry(options, fake_key, entry, kernels, lowered=lowered):
             _write_redirect(options, meta_key)
 
     _store_later(meta_key, store_and_redirect, also=fake_key)
@@ -386,6 +431,45 @@ atexit.register(flush)
 _REDIRECT: dict[str, Any] = {"redirect": "fake"}
 
 
+# See Note [Binding verdicts across processes] in runtime/launch.py
+_VERDICTS = "aotc-binding-verdicts"
+_VERDICTS_READ: set[str] = set()  # cache directories whose verdicts this process loaded
+
+
+def _verdicts_path(cache_dir: str) -> str:
+    git = (getattr(torch.version, "git_version", None) or "")[:12]
+    build = f"{torch.__version__}-{git}-py{sys.version_info[0]}{sys.version_info[1]}"
+    return os.path.join(cache_dir, f"binding-verdicts-{build}.signed")
+
+
+def load_verdicts(options: CompileOptions) -> None:
+    """Give the launcher the op-binding verdicts earlier processes stored (once per process)."""
+    if not is_enabled(options) or options.cache_dir in _VERDICTS_READ:
+        return
+    assert options.cache_dir is not None
+    _VERDICTS_READ.add(options.cache_dir)
+    body = store.read_signed(_verdicts_path(options.cache_dir), _VERDICTS)
+    if body is not None:
+        launch.known_verdicts(body)
+
+
+def store_verdicts_later(options: CompileOptions) -> None:
+    """Queue the verdicts this process found for the cache directory (merged with what is
+    there), like an entry (Note [Deferred cache stores])."""
+    if not is_enabled(options) or not launch.has_new_verdicts():
+        return
+    assert options.cache_dir is not None
+    path = _verdicts_path(options.cache_dir)
+
+    def job() -> None:
+        new = launch.new_verdicts()
+        if new:
+            old = store.read_signed(path, _VERDICTS) or {}
+            store.write_signed(path, _VERDICTS, {**old, **new})
+
+    _store_later(path, job)
+
+
 def _write_redirect(options: CompileOptions, key: str) -> None:
     assert options.cache_dir is not None
     try:
@@ -400,9 +484,11 @@ def store_entry(
     entry: CacheEntry,
     kernels: Sequence[KernelText] = (),
     shape_guards: dict[str, Any] | None = None,
+    lowered: tuple[StoredLowering | None, StoredLowering | None] | None = None,
 ) -> bool:
     """Write the entry; False (logged) when some value has no plain encoding or the directory
-    cannot be written. `kernels`: the generated kernels' texts (a check on a hit, never run);
+    cannot be written. `kernels`: the generated kernels' texts (checked on a hit); `lowered`:
+    the lowerings a trusted hit runs (Note [Trusted entries] in runtime/cache.py);
     `shape_guards`: a symbolic compilation's guards (already plain JSON, see aotc/symkey.py)."""
     assert options.cache_dir is not None
     graphs: list[dict[str, Any]] = []
@@ -427,6 +513,11 @@ def store_entry(
         return False
     if shape_guards is not None:
         body["shape_guards"] = shape_guards
+    if lowered is not None and any(lowered):
+        try:
+            body["lowerings"] = codec.encode(lowered)
+        except codec.Uncachable as e:  # a hit then generates the kernels again
+            log.info("not storing the lowerings: %s", e)
     try:
         store.write_entry(options.cache_dir, key, body, options.cache_max_bytes)
     except OSError as e:
@@ -438,6 +529,7 @@ def store_entry(
 __all__ = [
     "CacheEntry",
     "CacheHit",
+    "StoredLowering",
     "Inspection",
     "KernelText",
     "StoredEntry",

@@ -5,7 +5,8 @@ recorded; the names are `aotc.stages.Stage` values, as in `stage_seconds`):
 
 program, leaves, CompileOptions
   │ cache_key   aotc.persist.find              → CacheKey, a verified entry or None
-  │ cache_load  aotc.persist.decode_hit        → CacheHit (hit: its lowerings, then assemble)
+  │ cache_load  aotc.persist.decode_hit        → CacheHit (hit: its lowerings, stored if the
+  │                                               entry is trusted, else generated; assemble)
   │ metadata    plan_convention, collect_metadata → CallingConvention, MetadataResult
   │ trace       aotc.tracer.trace_joint        → JointGraph (functional ATen)
   │ cleanup     passes.cleanup.cleanup         → JointGraph (DCE, CSE, no-op views; training)
@@ -52,7 +53,7 @@ from aotc.passes.decompose import decompose
 from aotc.passes.descriptors import GradOutput, TangentInput
 from aotc.passes.fusion import plan_fusion
 from aotc.passes.ir import JointGraph, StageGraph, primal_names
-from aotc.passes.kernelize import generate_graph
+from aotc.passes.kernelize import KERNEL_LISTENERS, generate_graph
 from aotc.passes.lowering import lower, view_output_positions
 from aotc.passes.partition import PartitionResult, partition
 from aotc.passes.recompute import executor_for
@@ -63,11 +64,11 @@ from aotc.runtime.autograd import AutogradPlan
 from aotc.runtime.convention import alias_groups, apply_convention, plan_convention
 from aotc.runtime.epilogue import EpiloguePlan, plan_epilogue
 from aotc.runtime.errors import UnsupportedError
-from aotc.runtime.kernels import CompiledGraph, KernelSource
+from aotc.runtime.kernels import CompiledGraph, KernelSource, KernelStep
 from aotc.runtime.launch import make_callable
 from aotc.runtime.lazy import Deferred
 from aotc.runtime.schema import CallingConvention, FwdOut, GraphArg, MutationAliasInfo, UserArg
-from aotc.runtime.steps import GraphProgram, graph_program
+from aotc.runtime.steps import GraphProgram, build_compiled_graph, graph_program
 from aotc.runtime.wrappers import CompiledEntry, RuntimePlan
 from aotc.stages import Stage, StageRunner
 from aotc.structured import trace_failure, trace_record
@@ -354,20 +355,25 @@ def _compile_signature(
     facts, cacheable = _cache_facts(given_mode, leaves, options)
     snapshot = facts.snapshot() if facts is not None else None
     if cacheable:
+        persist.load_verdicts(options)  # Note [Binding verdicts across processes]
         key, stored = stages.run(
             Stage.CACHE_KEY, persist.find, program, leaves, names, options, grad_enabled, facts,
             graph,
         )  # fmt: skip
         hit = stages.run(Stage.CACHE_LOAD, persist.decode_hit, stored, options) if stored else None
         if hit is not None and (facts is None or facts.replay(hit.shape_guards)):
-            lowerings = _lower_both(stages, hit.program, options)
-            _check_kernels(hit, lowerings, name)
+            lowerings = _stored_lowerings(hit, options)
+            if lowerings is None:
+                lowerings = _lower_both(stages, hit.program, options)
+                _check_kernels(hit, lowerings, name)
             times = stages.seconds
             cold = {k: v for k, v in hit.stage_seconds}
             info = _Described(name, source, leaves, names, options)
-            return stages.run(
+            hit_entry = stages.run(
                 Stage.ASSEMBLE, _assemble, hit.program, lowerings, hit.inspection, info, times, cold
             )
+            persist.store_verdicts_later(options)
+            return hit_entry
         stages.merge(Stage.CACHE_LOAD, into=Stage.CACHE_KEY)  # a miss: reading was keying
     fake_mode = given_mode or FakeTensorMode(allow_non_fake_inputs=False)
     # A meta key is verified on the metadata pass's own fake run (Note [Verifying on the
@@ -418,10 +424,16 @@ def _compile_signature(
             storable = False
     if key is not None and key.key is not None and storable:
         stored_entry = persist.CacheEntry(compiled, inspection, tuple(stages.seconds.items()))
+        fwd_low, bwd_low = (
+            persist.StoredLowering(c.kernels, c.fusion_text, c.figures) if c else None
+            for c in lowerings
+        )
         stages.run(
             Stage.CACHE_STORE, persist.store_verified, key, program, leaves, names, options,
             grad_enabled, stored_entry, _kernel_texts(lowerings), observed, shape_guards,
+            (fwd_low, bwd_low),
         )  # fmt: skip
+    persist.store_verdicts_later(options)
     return entry
 
 
@@ -614,8 +626,8 @@ def _lower(
 def _lower_both(
     stages: StageRunner, program: CompiledProgram, options: CompileOptions
 ) -> Lowerings:
-    """A cache hit's lowerings, generated again from the stored decomposed graphs (the stored
-    kernel sources are never compiled: a cache directory cannot run code)."""
+    """An untrusted cache hit's lowerings, generated again from the stored decomposed graphs (its
+    stored kernel sources are never compiled: Note [Trusted entries] in runtime/cache.py)."""
     fwd = program.forward_kernels
     bwd = program.backward_kernels
     return (
@@ -623,6 +635,62 @@ def _lower_both(
         _lower(stages, "backward", program.backward, options, bwd.decomposed)
         if bwd is not None and program.backward is not None
         else None,
+    )
+
+
+def _stored_lowerings(hit: persist.CacheHit, options: CompileOptions) -> Lowerings | None:
+    """A trusted hit's lowerings, built from the kernels the cold compile generated (Note
+    [Trusted entries] in runtime/cache.py); None: generate them again (an untrusted entry, or
+    stored lowerings that do not fit the stored programs)."""
+    if hit.lowerings is None:
+        return None
+    built: list[CompiledGraph | None] = []
+    graphs = (hit.program.forward, hit.program.backward)
+    programs = (hit.program.forward_kernels, hit.program.backward_kernels)
+    for module, program, stored in zip(graphs, programs, hit.lowerings, strict=True):
+        if program is None or module is None or triton_target(module, options.backend) is None:
+            if stored is not None and module is not None and program is not None:
+                return None  # this process would not lower it: generate as a cold compile would
+            built.append(None)
+            continue
+        if stored is None:
+            return None
+        try:
+            built.append(_built_lowering(program, stored))
+        except ValueError as e:
+            logging.getLogger("aotc.cache").warning(
+                "cache hit: the stored lowering does not fit its program (%s); generating the "
+                "kernels again",
+                e,
+            )
+            return None
+    for compiled in built:
+        if compiled is not None:
+            for listener in KERNEL_LISTENERS:
+                listener(compiled)
+    return built[0], built[1]
+
+
+def _built_lowering(program: GraphProgram, stored: persist.StoredLowering) -> CompiledGraph:
+    """`program` made runnable with `stored`'s kernels (one per kernel step, in order)."""
+    files = [sp.kernel_file or "" for sp in program.steps if sp.kernel is not None]
+    named = [sp.kernel.name for sp in program.steps if sp.kernel is not None]
+    if named != [k.name for k in stored.kernels]:
+        raise ValueError(f"kernels {named} stored as {[k.name for k in stored.kernels]}")
+    graph = build_compiled_graph(
+        program, {f: k.source for f, k in zip(files, stored.kernels, strict=True)}
+    )
+    kernels = iter(stored.kernels)
+    steps = tuple(
+        dataclasses.replace(s, kernel=next(kernels)) if isinstance(s, KernelStep) else s
+        for s in graph.steps
+    )
+    return dataclasses.replace(
+        graph,
+        kernels=stored.kernels,
+        steps=steps,
+        fusion_text=stored.fusion_text,
+        figures=stored.figures,
     )
 
 

@@ -84,7 +84,7 @@ def _user_frames() -> Iterator[None]:
     outer = getattr(_ON, "on", False)
     with _INSTALL:
         if _installed == 0:
-            fx_proxy.CapturedTraceback = _UserFrames  # type: ignore[attr-defined]
+            setattr(fx_proxy, "CapturedTraceback", _UserFrames)  # noqa: B010 a module global
         _installed += 1
     _ON.on = True
     try:
@@ -94,7 +94,7 @@ def _user_frames() -> Iterator[None]:
         with _INSTALL:
             _installed -= 1
             if _installed == 0:
-                fx_proxy.CapturedTraceback = _REAL_TRACEBACK  # type: ignore[attr-defined]
+                setattr(fx_proxy, "CapturedTraceback", _REAL_TRACEBACK)  # noqa: B010
 
 
 class _UserFrames:

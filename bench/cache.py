@@ -1,8 +1,8 @@
 """Cold vs warm compile time of the examples, each run in a fresh subprocess.
 
 Per example (examples/mlp.py's MLP, examples/gpt_block.py's Block) and backend (--backends;
-rows named `example[triton]` for the Triton backend, whose warm start regenerates the kernels
-from the cached graphs; on a machine without CUDA the kernels run in Triton's interpreter, and
+rows named `example[triton]` for the Triton backend, whose warm start runs the stored kernels of
+this user's signed entry; on a machine without CUDA the kernels run in Triton's interpreter, and
 compile times are CPU times of aotc's Python stages, not GPU compile times): `cold` compiles into an
 empty cache directory, `warm` is a new process compiling the same model with the entry present,
 `no_cache` runs with AOTC_CACHE=0 (the pipeline without the key trace). Measured in the child:
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
                 runs["warm"].append(child(name, d, True, backend))
                 runs["no_cache"].append(child(name, d, False, backend))
         assert not any(r["hit"] for r in runs["cold"]) and all(r["hit"] for r in runs["warm"])
-        # A hit regenerates exactly the cold compile's kernels (none for the ATen backend).
+        # A hit runs exactly the cold compile's kernels (none for the ATen backend).
         assert all(w["kernels"] == c["kernels"] for c, w in zip(runs["cold"], runs["warm"]))
         assert (backend == "aten") == (not runs["cold"][0]["kernels"])
         row = {}

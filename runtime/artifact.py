@@ -116,8 +116,9 @@ class CompiledProgram:
 # entry, and an exported artifact. All three hold the same `CompiledProgram` record, written and
 # read with the one codec (runtime/codec.py), and all three become a callable through `assemble`.
 # They differ only in where the Triton lowerings (`CompiledGraph`s) come from: a cold compile
-# lowers its graphs; a cache hit lowers them again from the stored decomposed graphs (a cache
-# directory never supplies code, see Note [Cache entry format] in runtime/cache.py); `load`
+# lowers its graphs; a cache hit builds them from the stored kernels when this user's aotc signed
+# the entry, else lowers them again from the stored decomposed graphs (a cache directory written
+# by someone else never supplies code, see Note [Trusted entries] in runtime/cache.py); `load`
 # builds them from the artifact's kernel files (`build_compiled_graph`). An artifact adds to the
 # program how a caller binds to it (argument structure, module state, guard).
 

@@ -43,6 +43,18 @@ most of a cache hit's assembly); later calls (a composite binding, refused anywa
 (factories, which `torch.set_default_device`'s mode rewrites) and of mutating ops are not tried.
 The verdict is cached per process; a failed or impossible dry run (no meta kernel, symbolic
 sizes) keeps `_op`.
+
+Note [Binding verdicts across processes]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A verdict depends only on the op overload, the Python kinds of its arguments (what overload
+resolution sees: `_kind`) and the torch build, never on sizes or values; so the dry runs of one
+process hold for the next. They were ~9 ms of a GPT block's cache hit (a third of its assembly)
+and as much of its cold compile. Each verdict gets a text key (`aten.mul.Tensor|<kinds>`) and a
+candidate index (-1: no binding matched). aotc/persist.py keeps them in the cache directory, one
+file per torch build, signed like a trusted entry (Note [Trusted entries] in runtime/cache.py):
+`known_verdicts` loads that file's verdicts, `new_verdicts` hands over what this process's dry
+runs found. Only decided verdicts are kept: a dry run that cannot run (symbolic sizes, no meta
+kernel) decides nothing and is tried again next time.
 """
 
 from __future__ import annotations
@@ -147,6 +159,10 @@ def make_callable(module: fx.GraphModule) -> Callable[..., Any]:
 
 
 _BINDINGS: dict[tuple[object, ...], Callable[..., Any] | None] = {}
+# See Note [Binding verdicts across processes]
+_CANDIDATE_MODULES = ("_VariableFunctions", "_nn", "_special", "TensorBase")  # of torch._C
+_PROVEN: dict[str, int] = {}  # verdict key -> candidate index (-1: none), from any process
+_NEW: dict[str, int] = {}  # verdicts this process's dry runs found, not yet stored
 
 
 def fast_binding(node: fx.Node) -> Callable[..., Any] | None:
@@ -169,8 +185,39 @@ def fast_binding(node: fx.Node) -> Callable[..., Any] | None:
     except _NoExample:
         return None
     if kinds not in _BINDINGS:
-        _BINDINGS[kinds] = _verified_binding(target, node)
+        key = f"{target}|{kinds[1]!r}|{kinds[2]!r}"
+        index = _PROVEN.get(key)
+        if index is None:
+            index = _verified_binding(target, node)
+            if index is not None:
+                _PROVEN[key] = _NEW[key] = index
+        candidates = _candidates(target)
+        _BINDINGS[kinds] = candidates[index] if index is not None and index >= 0 else None
     return _BINDINGS[kinds]
+
+
+def _candidates(target: torch._ops.OpOverload) -> list[Callable[..., Any] | None]:
+    name = target._schema.name.split("::", 1)[-1]
+    return [getattr(getattr(torch._C, m, None), name, None) for m in _CANDIDATE_MODULES]
+
+
+def known_verdicts(verdicts: dict[str, int]) -> None:
+    """Verdicts of earlier processes (Note [Binding verdicts across processes])."""
+    for key, index in verdicts.items():
+        if isinstance(key, str) and type(index) is int and -1 <= index < len(_CANDIDATE_MODULES):
+            _PROVEN.setdefault(key, index)
+
+
+def new_verdicts() -> dict[str, int]:
+    """The verdicts this process found since the last call (and forgets them as new)."""
+    out = dict(_NEW)
+    for key in out:
+        _NEW.pop(key, None)
+    return out
+
+
+def has_new_verdicts() -> bool:
+    return bool(_NEW)
 
 
 class _NoExample(Exception):
@@ -211,14 +258,10 @@ def _example(arg: Any) -> Any:
     return arg
 
 
-def _verified_binding(target: torch._ops.OpOverload, node: fx.Node) -> Callable[..., Any] | None:
-    name = target._schema.name.split("::", 1)[-1]
-    candidates = [
-        getattr(module, name, None)
-        # torch._C._special exists at run time; torch's stubs do not declare it.
-        for module in (torch._C._VariableFunctions, torch._C._nn, torch._C._special)  # type: ignore[attr-defined]
-    ]
-    candidates.append(getattr(torch._C.TensorBase, name, None))
+def _verified_binding(target: torch._ops.OpOverload, node: fx.Node) -> int | None:
+    """The index in `_candidates(target)` of the first binding the dry run proves (-1: none
+    is), or None when the dry run cannot decide for these argument kinds alone (no example of
+    the node's geometry, no meta kernel)."""
     try:
         args, kwargs = _example(node.args), _example(node.kwargs)
     except _NoExample:
@@ -227,10 +270,10 @@ def _verified_binding(target: torch._ops.OpOverload, node: fx.Node) -> Callable[
     want = _dispatched(target._op, args, kwargs, result)
     if want is None:
         return None
-    for candidate in candidates:
+    for index, candidate in enumerate(_candidates(target)):
         if candidate is not None and _dispatched(candidate, args, kwargs, result) == want:
-            return candidate  # type: ignore[no-any-return]
-    return None
+            return index
+    return -1
 
 
 class _Dispatched(list[tuple[object, object, object]]):

@@ -33,6 +33,7 @@ RUNTIME_RECORDS: tuple[type, ...] = (
     autograd.AutogradPlan,
     wrappers.RuntimePlan,
     kernels.KernelSource,
+    kernels.KernelFigures,
     kernels.BufferSpec,
     symsizes.SymKind,
     symsizes.SymSource,

@@ -380,3 +380,38 @@ def test_stack_traces_match_torch_fx_own(monkeypatch):
     assert traces(ours) == traces(theirs)
     assert sum("in forward" in t for _, t in traces(ours)) > 5
     assert any("in anchored" in t for _, t in traces(ours))
+
+
+def test_stack_trace_stand_in_is_restored_after_concurrent_traces():
+    """Two threads tracing at once: each gets its user's lines, and torch.fx's own class is
+    back once both are done (Note [Stack traces from the frames fx keeps])."""
+    import tempfile
+    import threading
+
+    import torch.fx.proxy as fx_proxy
+
+    import aotc.provenance as provenance
+
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            block = GPTBlock(16, 2, 0.0)
+            with tempfile.TemporaryDirectory() as d:
+                compiled = aotc.compile(block, dump=d, capture="trace")
+                compiled(torch.randn(2, 4, 16)).sum().backward()
+                (folder,) = [p for p in pathlib.Path(d).iterdir() if p.is_dir()]
+                results[k] = _code(folder / "05_backward.py")
+        except BaseException as e:  # noqa: BLE001 reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert fx_proxy.CapturedTraceback is provenance._REAL_TRACEBACK
+    for text in results.values():
+        assert "# backward of tests/e2e/models.py:" in text

@@ -1,6 +1,8 @@
-"""The persistent compile cache for the Triton backends: a hit regenerates the kernels from the
-cached graphs (never compiles stored source), gives eager's results and the cold compile's
-kernels; "auto" entries are stored; entries of different backends never serve each other."""
+"""The persistent compile cache for the Triton backends: a hit of this user's own entry runs the
+stored kernels (Note [Trusted entries] in runtime/cache.py), any other hit regenerates them from
+the cached graphs (never compiles stored source); both give eager's results and the cold
+compile's kernels; "auto" entries are stored; entries of different backends never serve each
+other."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 import aotc
@@ -39,12 +42,29 @@ def _kernel_texts(compiled: object) -> list[tuple[str, str]]:
     return [(k.name, k.source) for k in aotc.inspect(compiled)[0].kernels]
 
 
+def _untrust(path: str) -> None:
+    """The entry as another user (or machine) wrote it: its checksum holds, no MAC of ours."""
+    with open(path, "rb") as f:
+        head, _, body = f.read().partition(b"\n")
+    header = json.loads(head)
+    assert "mac" in header  # this user's aotc signed its own entry
+    del header["mac"]
+    with open(path, "wb") as f:
+        f.write(json.dumps(header).encode() + b"\n" + body)
+
+
+LOWERING_STAGES = {"decompose", "lower", "fuse", "generate"}
+
+
 @needs_interpreter
-def test_triton_hit_regenerates_the_cold_kernels(tmp_path):
+@pytest.mark.parametrize("trusted", [True, False], ids=["own_entry", "foreign_entry"])
+def test_triton_hit_runs_the_cold_kernels(tmp_path, trusted):
     d = str(tmp_path)
     cold = assert_matches_eager(block, block_args, backend="triton", cache_dir=d)
     assert "cache_load" not in stages(cold)
     assert len(entries(d)) == 1
+    if not trusted:
+        _untrust(os.path.join(d, entries(d)[0]))
     warm = assert_matches_eager(block, block_args, backend="triton", cache_dir=d)
     assert "cache_load" in stages(warm) and "trace" not in stages(warm)
     assert _kernel_texts(cold) and _kernel_texts(warm) == _kernel_texts(cold)
@@ -64,7 +84,12 @@ def test_triton_hit_regenerates_the_cold_kernels(tmp_path):
     assert program["R"] == "aotc.runtime.artifact.CompiledProgram"
     for lowering in ("forward_kernels", "backward_kernels"):
         assert program["f"][lowering]["f"]["decomposed"]["G"] >= 0
-    assert "decompose" not in stages(warm) and "generate" in stages(warm)
+    # Own entry: the stored kernels run, nothing is generated. Another's: generated again from
+    # the stored decomposed graphs (a hit never decomposes).
+    if trusted:
+        assert not LOWERING_STAGES & stages(warm)
+    else:
+        assert "decompose" not in stages(warm) and "generate" in stages(warm)
 
 
 @needs_interpreter
@@ -158,3 +183,62 @@ def test_new_process_hits_a_triton_entry(tmp_path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["hit"]
     assert [tuple(k) for k in result["kernels"]] == _kernel_texts(cold)
+
+
+def _resign(path: str, edit) -> None:  # type: ignore[no-untyped-def]
+    """Edit the body and sign it with this user's secret, as this user's own aotc would."""
+    from aotc.runtime import cache as store
+
+    with open(path, "rb") as f:
+        head, _, body = f.read().partition(b"\n")
+    new = json.dumps(edit(json.loads(body))).encode()
+    header = json.loads(head)
+    header["sha256"] = store.checksum(header["key"], new)
+    secret = store.user_secret()
+    assert secret is not None
+    header["mac"] = store._mac(secret, header["key"], new)
+    with open(path, "wb") as f:
+        f.write(json.dumps(header).encode() + b"\n" + new)
+
+
+@needs_interpreter
+def test_own_entry_whose_lowerings_do_not_fit_is_generated_again(tmp_path, caplog):
+    d = str(tmp_path)
+    cold = assert_matches_eager(block, block_args, backend="triton", cache_dir=d)
+
+    def rename_stored(body: dict) -> dict:  # only the stored lowerings' kernel names
+        text = json.dumps(body["lowerings"])
+        body["lowerings"] = json.loads(text.replace('"name": "', '"name": "x'))
+        return body
+
+    _resign(os.path.join(d, entries(d)[0]), rename_stored)
+    with caplog.at_level(logging.WARNING, logger="aotc.cache"):
+        warm = assert_matches_eager(block, block_args, backend="triton", cache_dir=d)
+    assert "generate" in stages(warm)
+    assert _kernel_texts(warm) == _kernel_texts(cold)
+    assert any("does not fit" in r.getMessage() for r in caplog.records)
+
+
+def test_cache_secret_is_private_and_shared(tmp_path, monkeypatch):
+    """Note [Trusted entries]: the secret is made once, 0600, and reused; a secret others can
+    read is not used, so entries are written unsigned and never trusted."""
+    from aotc.runtime import cache as store
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setattr(store, "_SECRET", [])
+    secret = store.user_secret()
+    path = store.secret_path()
+    assert secret is not None and len(secret) == 32
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    monkeypatch.setattr(store, "_SECRET", [])  # a new process reads the same one
+    assert store.user_secret() == secret
+    d = str(tmp_path / "cache")
+    store.write_entry(d, "ab" * 32, {"x": 1}, 1 << 20)
+    assert store.read_trusted(d, "ab" * 32) == ({"x": 1}, True)
+    os.chmod(path, 0o644)
+    monkeypatch.setattr(store, "_SECRET", [])
+    assert store.user_secret() is None
+    assert store.read_trusted(d, "ab" * 32) == ({"x": 1}, False)
+    store.write_entry(d, "cd" * 32, {"y": 2}, 1 << 20)
+    with open(store.entry_path(d, "cd" * 32), "rb") as f:
+        assert "mac" not in json.loads(f.readline())

@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from aotc.options import CompileOptions
 from aotc.runtime import launch
 from aotc.runtime.launch import fast_binding, make_callable
 
@@ -21,6 +22,13 @@ def _graph(fn, *args) -> fx.GraphModule:
 
 def _node(module: fx.GraphModule, target) -> fx.Node:
     return next(n for n in module.graph.nodes if n.target is target)
+
+
+def _forget(monkeypatch) -> None:
+    """A process that has made no verdicts yet (Note [Binding verdicts across processes])."""
+    monkeypatch.setattr(launch, "_BINDINGS", {})
+    monkeypatch.setattr(launch, "_PROVEN", {})
+    monkeypatch.setattr(launch, "_NEW", {})
 
 
 def test_bindings_are_kept_only_for_the_same_overload():
@@ -57,13 +65,14 @@ def test_factories_and_mutating_ops_keep_op():
     assert fast_binding(add_) is None
 
 
-def test_symbolic_sizes_need_a_static_verdict():
+def test_symbolic_sizes_need_a_static_verdict(monkeypatch):
     # Overload resolution sees Python types, never sizes: a verdict from a static dry run holds
     # for symbolic graphs too, but a symbolic graph cannot be the dry run itself.
     module = make_fx(lambda t: (aten.sin.default(t),), tracing_mode="symbolic")(torch.randn(5, 3))
     node = _node(module, aten.sin.default)
-    launch._BINDINGS.clear()
+    _forget(monkeypatch)
     assert fast_binding(node) is None
+    assert not launch._NEW  # undecided: nothing to keep for the next process
     launch._BINDINGS.clear()
     static = _graph(lambda t: (aten.sin.default(t),), torch.randn(2, 2))
     assert fast_binding(_node(static, aten.sin.default)) is torch._C._VariableFunctions.sin
@@ -72,8 +81,8 @@ def test_symbolic_sizes_need_a_static_verdict():
     torch.testing.assert_close(make_callable(module)(x)[0], x.sin())
 
 
-def test_verdicts_are_cached_per_overload_and_argument_kinds():
-    launch._BINDINGS.clear()
+def test_verdicts_are_cached_per_overload_and_argument_kinds(monkeypatch):
+    _forget(monkeypatch)
     module = _graph(lambda x: aten.cos.default(aten.cos.default(x)), torch.randn(3))
     nodes = [n for n in module.graph.nodes if n.target is aten.cos.default]
     assert fast_binding(nodes[0]) is fast_binding(nodes[1]) is torch._C._VariableFunctions.cos
@@ -90,3 +99,49 @@ def test_multi_output_ops_run_through_bindings():
     assert fast_binding(_node(module, aten.native_layer_norm.default)) is not None
     for got, want in zip(make_callable(module)(*args), f(*args)):
         torch.testing.assert_close(got, want)
+
+
+def test_verdicts_reach_the_next_process_through_the_cache_dir(tmp_path, monkeypatch):
+    """Note [Binding verdicts across processes]: a compile stores its verdicts, signed, in the
+    cache directory; a new process loads them and runs no dry run for them. A file that is not
+    signed with this user's secret is ignored."""
+    import os
+
+    import aotc
+    from aotc import persist
+
+    def f(x, y):
+        return (x * y).sin().sum(-1)
+
+    def make():
+        return torch.randn(4, 3, requires_grad=True), torch.randn(4, 3)
+
+    d = str(tmp_path)
+    _forget(monkeypatch)
+    monkeypatch.setattr(persist, "_VERDICTS_READ", set())
+    x, y = make()
+    torch.testing.assert_close(aotc.compile(f, cache_dir=d, capture="trace")(x, y), f(x, y))
+    aotc.cache_flush()
+    (name,) = [n for n in os.listdir(d) if n.endswith(".signed")]
+    proven = dict(launch._PROVEN)
+    assert any(k.startswith("aten.mul.Tensor|") and v == 0 for k, v in proven.items())
+
+    _forget(monkeypatch)  # the next process
+    monkeypatch.setattr(persist, "_VERDICTS_READ", set())
+
+    def no_dry_run(*args):  # type: ignore[no-untyped-def]
+        raise AssertionError("a stored verdict was proven again")
+
+    monkeypatch.setattr(launch, "_verified_binding", no_dry_run)
+    x, y = torch.randn(5, 2, requires_grad=True), torch.randn(5, 2)  # a miss: a cold compile
+    torch.testing.assert_close(aotc.compile(f, cache_dir=d, capture="trace")(x, y), f(x, y))
+    assert launch._PROVEN == proven
+
+    with open(os.path.join(d, name), "r+b") as fh:  # edited: the signature no longer holds
+        data = fh.read().replace(b'"aten.sin.default', b'"aten.cos.default')
+        fh.seek(0)
+        fh.write(data)
+    _forget(monkeypatch)
+    monkeypatch.setattr(persist, "_VERDICTS_READ", set())
+    persist.load_verdicts(CompileOptions.from_env(cache_dir=d))
+    assert launch._PROVEN == {}
