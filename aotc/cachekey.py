@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import importlib.metadata
+import importlib.util
 import logging
 import os
 import sys
@@ -221,10 +221,7 @@ def _versions() -> str:
                 files = sorted((e.name, e.stat()) for e in it if e.name.endswith(".py"))
             for name, st in files:
                 digest.update(f"{package}/{name} {st.st_size} {st.st_mtime_ns}\n".encode())
-        try:
-            triton = importlib.metadata.version("triton")
-        except importlib.metadata.PackageNotFoundError:
-            triton = "none"
+        triton = _triton_install()
         from aotc import __version__
 
         _VERSIONS.append(
@@ -232,6 +229,24 @@ def _versions() -> str:
             f"python {sys.version_info[:3]} format {store.FORMAT_VERSION}"
         )
     return _VERSIONS[0]
+
+
+def _triton_install() -> str:
+    """Which Triton is installed, without importing it: its package's path, size and
+    modification time (reading the distribution's metadata cost ~4 ms of every process's first
+    key, most of a small program's warm start; a reinstall changes the time as an upgrade
+    changes the version). The same whether or not the process has imported triton yet."""
+    try:
+        spec = importlib.util.find_spec("triton")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or spec.origin is None:
+        return "none"
+    try:
+        st = os.stat(spec.origin)
+    except OSError:
+        return "none"
+    return f"{spec.origin} {st.st_size} {st.st_mtime_ns}"
 
 
 def _options_text(options: CompileOptions) -> str:
