@@ -31,6 +31,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _SESSION_CACHE = tempfile.mkdtemp(prefix="aotc-test-cache-")
 os.environ["AOTC_CACHE_DIR"] = _SESSION_CACHE
 atexit.register(shutil.rmtree, _SESSION_CACHE, True)
+# Nor to the user's config: the cache secret (Note [Trusted entries] in runtime/cache.py) is one
+# of the session's own, shared with the subprocesses tests start.
+_SESSION_CONFIG = tempfile.mkdtemp(prefix="aotc-test-config-")
+os.environ["XDG_CONFIG_HOME"] = _SESSION_CONFIG
+atexit.register(shutil.rmtree, _SESSION_CONFIG, True)
 
 import aotc
 
