@@ -58,6 +58,9 @@ def _compiled(f: Callable[..., Any], mode: str) -> Callable[..., Any]:
     if mode == "dynamo":
         torch._dynamo.reset()
         return torch.compile(f, backend="aotc")
+    if mode in ("trace_hit", "triton_hit"):
+        backend = "triton" if mode == "triton_hit" else "aten"
+        return aotc.compile(f, capture="trace", backend=backend, check_invariants=True)
     raise ValueError(f"unknown mode {mode!r}")
 
 
@@ -70,6 +73,13 @@ def check(
     calls: int = 2,
 ) -> Outcome:
     compiled = _compiled(f, mode)
+    if mode.endswith("_hit"):
+        # A disk-cache hit: the first compile stores its entry (one call on inputs of the same
+        # signature), a fresh compile of the same function loads it (this user's own entry:
+        # stored kernels and binding verdicts, Note [Trusted entries] in runtime/cache.py).
+        _observe(compiled, make_inputs, backward, write_outputs, 99)
+        aotc.cache_flush()
+        compiled = _compiled(f, mode)
     for call in range(calls):
         want = _observe(f, make_inputs, backward, write_outputs, 100 + call)
         got = _observe(compiled, make_inputs, backward, write_outputs, 100 + call)

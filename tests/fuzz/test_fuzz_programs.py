@@ -25,12 +25,16 @@ CI_SEEDS = {
     "default": range(0, 10),
     "dynamo": range(0, 10),
     "triton": range(0, 8),
+    "trace_hit": range(0, 10),  # a disk-cache hit of the program (tests/fuzz/compare.py)
+    "triton_hit": range(0, 6),
 }
 SLOW_SEEDS = {
     "trace": range(10_000, 10_600),
     "default": range(10_000, 10_150),
     "dynamo": range(10_000, 10_150),
     "triton": range(10_000, 10_100),
+    "trace_hit": range(10_000, 10_150),
+    "triton_hit": range(10_000, 10_100),
 }
 
 
