@@ -6,7 +6,7 @@
 Prints one line per program that does not match eager, and at the end (and into
 `<out>/summary.json`) how many programs ran per mode, how many matched, how many aotc refused
 (UnsupportedError, by reason) and how many differed; each difference is shrunk and written to
-`<out>/<mode>_<seed>.py`, a runnable program. Modes `trace_hit` and `triton_hit` check a
+`<out>/<mode>_<seed>.py`, a runnable program. Modes `trace_hit`, `default_hit` and `triton_hit` check a
 disk-cache hit instead of the cold compile: the program is compiled and called once, then
 compiled again, which loads the stored entry (tests/fuzz/compare.py).
 """

@@ -58,9 +58,8 @@ def _compiled(f: Callable[..., Any], mode: str) -> Callable[..., Any]:
     if mode == "dynamo":
         torch._dynamo.reset()
         return torch.compile(f, backend="aotc")
-    if mode in ("trace_hit", "triton_hit"):
-        backend = "triton" if mode == "triton_hit" else "aten"
-        return aotc.compile(f, capture="trace", backend=backend, check_invariants=True)
+    if mode in ("trace_hit", "default_hit", "triton_hit"):  # see `check`
+        return _compiled(f, mode.removesuffix("_hit"))
     raise ValueError(f"unknown mode {mode!r}")
 
 

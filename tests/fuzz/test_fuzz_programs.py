@@ -26,6 +26,7 @@ CI_SEEDS = {
     "dynamo": range(0, 10),
     "triton": range(0, 8),
     "trace_hit": range(0, 10),  # a disk-cache hit of the program (tests/fuzz/compare.py)
+    "default_hit": range(0, 6),
     "triton_hit": range(0, 6),
 }
 SLOW_SEEDS = {
@@ -34,6 +35,7 @@ SLOW_SEEDS = {
     "dynamo": range(10_000, 10_150),
     "triton": range(10_000, 10_100),
     "trace_hit": range(10_000, 10_150),
+    "default_hit": range(10_000, 10_100),
     "triton_hit": range(10_000, 10_100),
 }
 
