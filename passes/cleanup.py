@@ -17,6 +17,8 @@ Worked example (CSE then no-op removal then DCE):
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -175,23 +177,26 @@ _UNMARKED_VIEWS = frozenset({aten._unsafe_view.default})
 
 
 def _returned_storage(outputs: set[fx.Node]) -> set[fx.Node]:
-    """The outputs and every value an output is a view of (through view ops): their memory is
-    returned. `v = x.clone(); return v.detach()` returns the clone's memory, not x's."""
+    """The outputs and every value an output is a view of (through view ops, and `getitem` of
+    a multi-output view op such as `split`): their memory is returned. `v = x.clone(); return
+    v.detach()` returns the clone's memory, not x's; so does `v.split(1)[0].detach()` (fuzz
+    seed 18388)."""
     found = set(outputs)
     stack = list(outputs)
     while stack:
         node = stack.pop()
-        target = node.target
-        if (
-            node.op == "call_function"
-            and isinstance(target, torch._ops.OpOverload)
-            and (target.is_view or target in _UNMARKED_VIEWS)
-            and node.args
-            and isinstance(node.args[0], fx.Node)
-            and node.args[0] not in found
-        ):
-            found.add(node.args[0])
-            stack.append(node.args[0])
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        target, source = node.target, node.args[0]
+        if target is operator.getitem:
+            view = _is_view(source) or source.target in _UNMARKED_VIEWS
+        else:
+            view = isinstance(target, torch._ops.OpOverload) and (
+                target.is_view or target in _UNMARKED_VIEWS
+            )
+        if view and source not in found:
+            found.add(source)
+            stack.append(source)
     return found
 
 

@@ -414,6 +414,13 @@ def _reshapes_of_a_noncontiguous_value(a0, a1):  # fuzz campaign 2026-11-27, 149
     return (v0.reshape(-1), v0.reshape(-1))
 
 
+def _split_view_and_an_equal_value(a0, a1):  # fuzz campaign 2026-11-27, 18388
+    v0 = a1 + 1.0
+    v4 = v0.split(1, 0)[0].detach()  # a view of v0 (through split's getitem) is returned
+    v5 = a1 + 1.0  # equal to v0, but eager returns its own memory
+    return (v5, v4)
+
+
 def _views_at_offsets():
     x = torch.randn((3, 2, 4), requires_grad=True)
     return [x[1], x.view(-1), x[:, 1]]
@@ -491,6 +498,11 @@ PROGRAMS = {
         _reshapes_of_a_noncontiguous_value,
         lambda: [torch.randn((4,)), torch.randn((4, 3), requires_grad=True).t()],
         [0, 1],
+    ),
+    "split_view_and_an_equal_value": (
+        _split_view_and_an_equal_value,
+        lambda: [torch.randn((3,)), torch.randn((3, 2, 4), requires_grad=True)[1]],
+        [],
     ),
     "fill_expanded_with_grad": (
         _fill_expanded_with_grad,
