@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -186,8 +186,12 @@ def _view_flags(o: torch.Tensor) -> _ViewFlags:
     }
 
 
-def classify_outputs(outs: list[object], leaves: list[object]) -> OutputAnalysis:
-    """See Note [Output aliasing]."""
+def classify_outputs(
+    outs: list[object], leaves: list[object], narrowed: Mapping[torch.Tensor, Any] | None = None
+) -> OutputAnalysis:
+    """See Note [Output aliasing]. `narrowed`: `EagerChecks.narrowed` of the run that made
+    `outs` (Note [as_strided past its input view] in aotc/functional.py)."""
+    narrowed = narrowed if narrowed is not None else {}
     leaf_of_id: dict[int, UserArg] = {}
     for i, t in enumerate(leaves):
         if isinstance(t, torch.Tensor):
@@ -231,7 +235,7 @@ def classify_outputs(outs: list[object], leaves: list[object]) -> OutputAnalysis
                     if _root(leaves[a]) is root  # type: ignore[arg-type]
                 ]
                 if candidates:
-                    info = _alias_of_input(o, j, candidates, leaves)
+                    info = _alias_of_input(o, j, candidates, leaves, narrowed.get(o, ()))
                 else:
                     source = input_storage[storage][0]
                     k = _add_root(result, root_of_id, root, o, j, leaves[source], source_arg=source)  # type: ignore[arg-type]
@@ -239,6 +243,14 @@ def classify_outputs(outs: list[object], leaves: list[object]) -> OutputAnalysis
             else:
                 primary, where = primaries[storage]
                 if root is primary:
+                    if o is not primary and narrowed.get(o):
+                        raise UnsupportedError(
+                            f"output {j} is a view made by as_strided reaching past the elements "
+                            "of the view it was applied to, of a tensor made inside the "
+                            "compiled function; eager's gradient stops at that inner view's "
+                            "elements, which aotc cannot reproduce for such a view. Return a "
+                            ".clone() of it, or apply as_strided to the tensor itself."
+                        )
                     info = _in_group(o, j, primary, where, result, base_of_id)
                 else:
                     src_out, src_base = _primary_source(primary, where, result, base_of_id)
@@ -398,7 +410,11 @@ def _detached(o: torch.Tensor, root: torch.Tensor, k: int) -> OutputInfo:
 
 
 def _alias_of_input(
-    o: torch.Tensor, j: int, candidates: list[UserArg], leaves: list[object]
+    o: torch.Tensor,
+    j: int,
+    candidates: list[UserArg],
+    leaves: list[object],
+    narrowed: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...] = (),
 ) -> OutputInfo:
     leaf = _view_source(o, candidates, leaves)
     base = leaves[leaf]
@@ -421,8 +437,23 @@ def _alias_of_input(
         lazy_conj=o.is_conj() and not base.is_conj(),
         lazy_neg=o.is_neg() and not base.is_neg(),
         via_geometry=_geometry(via, base) if via is not None else None,
+        narrowed_by=_narrowings(narrowed, base),
         **_view_flags(o),
     )
+
+
+def _narrowings(
+    chain: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...], base: torch.Tensor
+) -> tuple[Geometry, ...]:
+    """The chain's inner views relative to `base`, less any that is `base` itself (regenerating
+    from it restricts the gradient to its elements already)."""
+    own = (tuple(base.shape), tuple(base.stride()), 0)
+    out = []
+    for size, stride, offset in chain:
+        g = Geometry(size, stride, offset - base.storage_offset())
+        if (g.size, g.stride, g.offset) != own:
+            out.append(g)
+    return tuple(out)
 
 
 def _graph_nodes(grad_fn: Any) -> Iterator[Any]:

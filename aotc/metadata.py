@@ -211,7 +211,7 @@ def collect_metadata(
         changes = _leaf_changes(p_leaves, leaves_before)
         _check_grad_of_merged_inputs(changes, convention)
         _check_grad_of_reshaped_leaves(changes, p_leaves)
-        analysis = classify_outputs(p_outs, p_leaves)
+        analysis = classify_outputs(p_outs, p_leaves, checks.narrowed)
         fwd_plan, specs, plain_values, roots = _plan_fwd_outputs(
             analysis.infos, inputs, analysis.bases, analysis.roots, f_outs, p_outs, wrappers, plain
         )

@@ -82,6 +82,8 @@ class OutputStep:
     stale_view: bool = False  # eager's no_grad view whose base was written after: reading its
     # grad_fn raises; one version bump after it is made gives it the same state
     via_geometry: Geometry | None = None  # ALIAS_OF_INPUT: the no_grad view it was taken from
+    # ALIAS_OF_INPUT: views an as_strided on the way reached past (OutputInfo.narrowed_by)
+    narrowed_by: tuple[Geometry, ...] = ()
     detach: bool = False  # FRESH: the graph returns a view; eager's output is none (detach it)
 
 
@@ -214,6 +216,7 @@ def plan_epilogue(
                 new_leaf=out.new_leaf and out.kind is not OutputKind.FRESH,
                 stale_view=out.stale_view,
                 via_geometry=out.via_geometry,
+                narrowed_by=out.narrowed_by,
                 detach=out.kind is OutputKind.FRESH and source in fresh_views,
             )
         )
@@ -343,15 +346,16 @@ def _materialize(
 
 
 def _view(base: torch.Tensor, g: Geometry, s: OutputStep, bump: bool = True) -> torch.Tensor:
+    # Geometries are relative to `base`; as_strided takes an absolute storage offset.
+    root = base.storage_offset()
     if s.via_geometry is not None:  # a leaf view made under no_grad, then the view of it
         v = s.via_geometry
         with torch.no_grad():
-            inner = base.as_strided(v.size, v.stride, base.storage_offset() + v.offset)
-        offset, base = base.storage_offset() + g.offset, inner
-        # Real tensors here, so the offsets are ints (torch's stubs say int | SymInt).
-        g = Geometry(g.size, g.stride, cast(int, offset - inner.storage_offset()))
+            base = base.as_strided(v.size, v.stride, root + v.offset)
     with torch.set_grad_enabled(s.track_grad):
-        view = base.as_strided(g.size, g.stride, base.storage_offset() + g.offset)
+        for n in s.narrowed_by:  # Note [as_strided past its input view] in aotc/functional.py
+            base = base.as_strided(n.size, n.stride, root + n.offset)
+        view = base.as_strided(g.size, g.stride, root + g.offset)
         if s.lazy_conj:
             view = view.conj()
         if s.lazy_neg:

@@ -152,6 +152,10 @@ class OutputInfo:
     # ALIAS_OF_INPUT: eager derived the output, with grad, from a view of the input made under
     # no_grad (a leaf): its geometry relative to base_arg, so gradients stop there as in eager
     via_geometry: Geometry | None = None
+    # ALIAS_OF_INPUT: the views (relative to base_arg) that an `as_strided` on the way reached
+    # past, innermost last: eager's gradient stops at their elements (Note [as_strided past its
+    # input view] in aotc/functional.py)
+    narrowed_by: tuple[Geometry, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
