@@ -138,7 +138,7 @@ def assemble(
     backward = None
     if program.backward is not None:
         backward = bwd.callable if bwd is not None else make_callable(program.backward)
-    return CompiledEntry(program.plan, forward, backward, record, higher)
+    return CompiledEntry(program.plan, forward, backward, record, higher, program.backward)
 
 
 @dataclass(frozen=True, slots=True)

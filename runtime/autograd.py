@@ -100,9 +100,11 @@ def make_autograd_function(
     name: str,
     higher: HigherOrder | None = None,
     written: frozenset[int] = frozenset(),
+    bwd_graph: Any = None,
 ) -> type[torch.autograd.Function]:
     """`written`: graph args the entry's epilogue writes into (Note [Graph args for double
-    backward])."""
+    backward]); `bwd_graph`: the backward fx graph, pruned when some outputs get no gradient
+    (Note [Absent gradients] in runtime/absent.py; None: absent gradients are zeros)."""
     n_out = plan.num_fwd_outs
     diff = plan.diff_outs
     n_args = plan.num_graph_args
@@ -118,6 +120,8 @@ def make_autograd_function(
     watch = plan.watch
     watch_deps = plan.watch_deps
     track = plan.grad_deps is not None or bool(plan.refused) or watch_deps is not None
+    # See Note [Absent gradients] in runtime/absent.py
+    absent_run = _absent_runner(bwd_graph, len(diff)) if len(diff) > 1 else None
     dwatch = plan.watch_args
     rng = plan.rng_device
     unversioned = tuple(n_out + i for i in plan.unversioned_saved)
@@ -148,8 +152,9 @@ def make_autograd_function(
         holder.extend(outs[:n_out])
         if watch:
             ctx.aotc_watch = [_watched(args[g]) for g in watch]
-        if track:
+        if track or absent_run is not None:
             ctx.set_materialize_grads(False)
+        if track:
             ctx.aotc_like = [(outs[k].shape, outs[k].dtype, outs[k].device) for k in diff]
         return pick_diff(outs)
 
@@ -191,6 +196,8 @@ def make_autograd_function(
     place = _placer(tuple(1 + g for g in plan.grad_args), n_result)
 
     def run_backward(ctx, grads: tuple) -> tuple:  # type: ignore[no-untyped-def]
+        if absent_run is not None and None in grads:
+            return run_absent(ctx, grads)
         if grad_enabled() and _differentiable(ctx.aotc_args, grads):
             return _double_backward(ctx, grads)
         release = not keep_graph()
@@ -213,6 +220,20 @@ def make_autograd_function(
                 return bwd(*saved, *grads)
         return bwd(*saved, *grads)
 
+    def run_absent(ctx, grads: tuple) -> tuple:  # type: ignore[no-untyped-def]
+        """A backward where some outputs got no gradient (Note [Absent gradients])."""
+        assert absent_run is not None
+        pruned, zeros = absent_run(frozenset(k for k, g in enumerate(grads) if g is None))
+        filled = zeros(grads)
+        if pruned is None or (grad_enabled() and _differentiable(ctx.aotc_args, filled)):
+            return run_backward(ctx, filled)  # the full graph on zeros, as before
+        if not keep_graph():
+            ctx.aotc_args = ctx.aotc_versions = ctx.aotc_rng = None
+        grads = tuple(g if g is None or g.is_contiguous() else g.contiguous() for g in grads)
+        saved = ctx.saved_tensors + ctx.aotc_sizes if has_sizes else ctx.saved_tensors
+        with torch._C._DisableAutocast() if any_autocast() else contextlib.nullcontext():
+            return pruned(*saved, *grads)  # type: ignore[no-any-return]
+
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[no-untyped-def]
         if watch and watch_deps is None:
             _check_watched(ctx.aotc_watch)
@@ -230,10 +251,11 @@ def make_autograd_function(
                     "backward too. Use the out-of-place op, or .clone() the value before "
                     "modifying it."
                 )
-        grads = tuple(
-            g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
-            for g, (shape, dtype, device) in zip(grads, ctx.aotc_like)
-        )
+        if absent_run is None:
+            grads = tuple(
+                g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+                for g, (shape, dtype, device) in zip(grads, ctx.aotc_like)
+            )
         computed = run_backward(ctx, grads)
         if deps is not None:
             computed = tuple(
@@ -260,6 +282,9 @@ def make_autograd_function(
                 "check_watched": _check_watched,
                 "boxed": boxed,
                 "clear_saved": clear_saved,
+                "absent": (lambda ctx, grads: place(run_absent(ctx, grads)))
+                if absent_run is not None
+                else None,
             },
         )
     return type(
@@ -392,6 +417,8 @@ def _generate_node(
     if plan.watch:
         watched = "".join(f"w{g}, " if g in both else f"watched(args[{g}]), " for g in plan.watch)
         fl.append(f"    ctx.aotc_watch = [{watched}]")
+    if namespace.get("absent") is not None:  # Note [Absent gradients] in runtime/absent.py
+        fl.append("    ctx.set_materialize_grads(False)")
     fl.append(f"    return ({''.join(f'outs[{k}], ' for k in plan.diff_outs)})")
 
     grads = [f"g{p}" for p in range(len(plan.diff_outs))]
@@ -399,6 +426,11 @@ def _generate_node(
     bl = [f"def backward(ctx{''.join(', ' + g for g in grads)}):"]
     if plan.watch:
         bl.append("    check_watched(ctx.aotc_watch)")
+    if namespace.get("absent") is not None:
+        bl += [
+            f"    if {' or '.join(g + ' is None' for g in grads)}:",
+            f"        return absent(ctx, {gtuple})",
+        ]
     bl += [
         f"    if grad_enabled() and differentiable(ctx.aotc_args, {gtuple}):",
         f"        return place(double_backward(ctx, {gtuple}))",
@@ -722,3 +754,39 @@ def autograd_nodes(roots: Iterable[object]) -> Iterator[Any]:
         visited.add(id(node))
         yield node
         stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+
+
+def _absent_runner(
+    graph: Any, num_tangents: int
+) -> Callable[[frozenset[int]], tuple[Callable[..., Any] | None, Callable[[tuple], tuple]]] | None:
+    """Per absence pattern: the pruned backward (None: not prunable) and a function filling
+    absent gradients with zeros (Note [Absent gradients] in runtime/absent.py). None when the
+    graph is unknown or its tangents' sizes are symbolic (then absent gradients are zeros)."""
+    if graph is None:
+        return None
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    like = []
+    for node in placeholders[len(placeholders) - num_tangents :]:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not all(type(s) is int for s in val.shape):
+            return None
+        like.append((tuple(val.shape), val.dtype))
+    built: dict[frozenset[int], Callable[..., Any] | None] = {}
+
+    def zeros(grads: tuple) -> tuple:
+        device = next(g.device for g in grads if g is not None)
+        return tuple(
+            g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+            for g, (shape, dtype) in zip(grads, like)
+        )
+
+    def get(absent: frozenset[int]) -> tuple[Callable[..., Any] | None, Callable[[tuple], tuple]]:
+        if absent not in built:
+            from aotc.runtime.absent import absent_backward
+            from aotc.runtime.launch import make_callable
+
+            pruned = absent_backward(graph, num_tangents, absent)
+            built[absent] = make_callable(pruned) if pruned is not None else None
+        return built[absent], zeros
+
+    return get

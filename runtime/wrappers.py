@@ -102,7 +102,10 @@ class CompiledEntry:
         bwd: Callable[..., tuple[torch.Tensor, ...]] | None,
         record: object = None,
         higher: HigherOrder | None = None,
+        backward_graph: Any = None,
     ) -> None:
+        """`backward_graph`: the fx graph `bwd` runs (pruned for outputs that get no gradient,
+        Note [Absent gradients] in runtime/absent.py)."""
         self.plan = plan
         self.record = record
         if plan.autograd is None:
@@ -117,7 +120,9 @@ class CompiledEntry:
             written = frozenset(
                 m.target for m in plan.epilogue.mutations if m.kind is StepKind.COPY
             )
-            self._fn = make_autograd_function(fwd, bwd, plan.autograd, plan.name, higher, written)
+            self._fn = make_autograd_function(
+                fwd, bwd, plan.autograd, plan.name, higher, written, backward_graph
+            )
             # See Note [Direct apply]
             # torch's stubs declare `apply` on Function only, not on its C base (_FunctionBase).
             self._apply = super(torch.autograd.Function, self._fn).apply  # type: ignore[misc]
