@@ -631,8 +631,8 @@ class OverlappingWrites(TorchFunctionMode):
     ops (see `EagerChecks`). Functionalization would propagate such a write back through the
     expand's inverse (a sum), which is wrong; so the write is done on a clone, and for every
     memory location the last written value (eager's sequential order) goes into the tensor with
-    the stride-0 dims narrowed to one element, which functionalization replays exactly; `count`
-    says how many were rewritten.
+    the stride-0 dims narrowed to one element, taken as an `as_strided` view of the base, which
+    functionalization replays exactly; `count` says how many were rewritten.
 
     With autograd recording such a write, eager's forward works but its backward through it
     raises (CopySlices writes the gradient into the same overlapping view). `rewrite=False` (the
@@ -692,6 +692,12 @@ class OverlappingWrites(TorchFunctionMode):
         dest = target
         for d in dims:
             dest = dest.narrow(d, 0, 1)
+        root = target._base
+        if root is not None:
+            # The same elements as a view of the base itself: functionalization replays a write
+            # through the expand as base + sum(new - old) over the expanded dims, which cancels
+            # (1e35 + (2 - 1e35) is 0; fuzz seed 19294); through as_strided it is a scatter.
+            dest = root.as_strided(dest.shape, dest.stride(), dest.storage_offset())
         dest.copy_(value)
         return target
 

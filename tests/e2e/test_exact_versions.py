@@ -431,6 +431,12 @@ def _as_strided_past_a_narrowed_input_then_viewed(a0, a1):
     return (v1.as_strided((2, 2), (1, 3), 3).view(4), a1 * 2)
 
 
+def _masked_fill_of_an_expanded_large_value(a0):  # fuzz campaign 2026-11-27, 19294
+    v5 = (a0 * 3.0).pow(2).exp()  # up to ~1e35: a write replayed as base + (new - base) is 0
+    v5.expand(2, *v5.shape).masked_fill_(v5.expand(2, *v5.shape) > 0, 2.0)
+    return (v5,)
+
+
 def _views_at_offsets():
     x = torch.randn((3, 2, 4), requires_grad=True)
     return [x[1], x.view(-1), x[:, 1]]
@@ -518,6 +524,11 @@ PROGRAMS = {
         _as_strided_past_a_narrowed_input_then_viewed,
         lambda: [torch.randn((4, 3), requires_grad=True), torch.randn(2, requires_grad=True)],
         [0, 1],
+    ),
+    "masked_fill_of_an_expanded_large_value": (
+        _masked_fill_of_an_expanded_large_value,
+        lambda: [torch.randn((4, 3), dtype=torch.float64, requires_grad=True).t()],
+        [],
     ),
     "split_view_and_an_equal_value": (
         _split_view_and_an_equal_value,
