@@ -64,6 +64,7 @@ from typing import Any, TypedDict
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from aotc.functional import elements_within
 from aotc.runtime.autograd import autograd_nodes
 from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.schema import Dim, Geometry, OutputInfo, OutputKind, RootGrad, UserArg, UserOut
@@ -328,6 +329,13 @@ def _in_group(
     if not where.via_base:  # the primary is a returned output
         return OutputInfo(
             OutputKind.ALIAS_OF_OUTPUT, rg, dtype, base_out=where.out, **_view_flags(o)
+        )
+    if primary.requires_grad and primary.grad_fn is None and not elements_within(o, primary):
+        raise UnsupportedError(
+            f"output {j} is a view reaching past the elements of a leaf made inside the compiled "
+            "function (`t.detach().requires_grad_()`): eager reads the memory that leaf shares "
+            "with t, aotc makes the leaf a tensor of its own, which holds only its elements "
+            "(fuzz seed 21003). Return a .clone() of the view, or take it from t."
         )
     idx = _base_index(primary, where, result, base_of_id)
     return OutputInfo(

@@ -458,7 +458,7 @@ class EagerChecks(TorchDispatchMode):
             func is torch.ops.aten.as_strided.default
             and inp._base is not None
             and isinstance(out, torch.Tensor)
-            and not _elements_within(out, inp)
+            and not elements_within(out, inp)
         ):
             chain = (*chain, (tuple(inp.shape), tuple(inp.stride()), inp.storage_offset()))
         if chain:
@@ -785,7 +785,7 @@ def _elements_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         return bool(torch.isin(ia, ib).any())
 
 
-def _elements_within(out: torch.Tensor, inp: torch.Tensor) -> bool:
+def elements_within(out: torch.Tensor, inp: torch.Tensor) -> bool:
     """Whether every element `out` views is one of `inp`'s (same storage). Symbolic sizes, or
     storages beyond `_OVERLAP_ELEMENTS` elements outside a dense span, count as within."""
     geometry = [v for t in (out, inp) for v in (*t.shape, *t.stride(), t.storage_offset())]

@@ -694,3 +694,22 @@ def test_as_strided_past_a_view_of_an_intermediate_is_refused(caplog):
         aotc.compile(f)(x).sum().backward()
     assert any("runs this graph eagerly" in r.getMessage() for r in caplog.records)
     torch.testing.assert_close(x.grad, want)
+
+
+def test_view_past_a_leaf_made_inside_is_refused():
+    # fuzz campaign 2026-11-27, 21003: `v4 = v3.detach().requires_grad_()` shares v3's base's
+    # memory in eager; aotc's leaf is a tensor of its own, so a view reaching past its elements
+    # would read garbage. A view within them still compiles.
+    def f(a0):
+        v3 = (a0.double() ** 2).unbind(1)[0]
+        v4 = v3.detach().requires_grad_()
+        return v4.as_strided((2,), (1,), 1)
+
+    def g(a0):
+        v3 = (a0.double() ** 2).unbind(1)[0]
+        return v3.detach().requires_grad_()[1:]
+
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(aotc.UnsupportedError, match=r"output 0 is a view reaching past"):
+        aotc.compile(f, capture="trace")(x)
+    torch.testing.assert_close(aotc.compile(g, capture="trace")(x), g(x))
