@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from aotc.runtime.autograd import autograd_nodes
@@ -181,9 +182,25 @@ def _view_flags(o: torch.Tensor) -> _ViewFlags:
         "view_without_grad": grad_fn is None,
         "multi_output_view": o.requires_grad
         and torch._C._autograd._get_creation_meta(o) == _MULTI_OUTPUT,
-        # `requires_grad_()` on a view of a tensor that needs no grad: a leaf of its own
-        "new_leaf": o.requires_grad and grad_fn is None and not o._base.requires_grad,
+        "new_leaf": grad_fn is None and _own_leaf(o),
     }
+
+
+def _own_leaf(view: torch.Tensor) -> bool:
+    """Whether `requires_grad_()` made this view without history a leaf of its own (gradients
+    accumulate into it). Its `requires_grad` alone does not tell: a view also reports its base's
+    (`v = x.view(-1)`, then `x.requires_grad_()`), and eager's backward then raises at `v`, which
+    has no accumulator. A view made under no_grad of a base that requires grad, then
+    `requires_grad_()`, is such a leaf (fuzz seed 16082); autograd's gradient edge tells them
+    apart."""
+    if not view.requires_grad:
+        return False
+    if not view._base.requires_grad:
+        return True  # its own flag: nothing to inherit
+    try:
+        return get_gradient_edge(view).node is not None
+    except (RuntimeError, AssertionError):  # "Expected gradient function to be set"
+        return False
 
 
 def classify_outputs(outs: list[object], leaves: list[object]) -> OutputAnalysis:

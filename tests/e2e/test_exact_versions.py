@@ -414,6 +414,22 @@ def _reshapes_of_a_noncontiguous_value(a0, a1):  # fuzz campaign 2026-11-27, 149
     return (v0.reshape(-1), v0.reshape(-1))
 
 
+def _no_grad_view_of_a_leaf_made_a_leaf(a0):  # fuzz campaign 2026-11-27, 16082
+    with torch.set_grad_enabled(False):
+        v1 = a0.narrow(0, 1, 2)  # a0 requires grad; the view does not
+    v1.requires_grad_()  # a leaf of its own: backward accumulates into v1, not a0
+    return (v1, v1.detach() * 2, a0 * 3)
+
+
+def _view_taken_before_its_base_requires_grad(a0, a1):  # its regression: 16930
+    v2 = a1 * 2.5
+    v4 = v2.reshape(-1)  # requires_grad through its base from here on, but no leaf
+    v2.requires_grad_()
+    with torch.no_grad():
+        v5 = v2[1:]  # the same, under no_grad
+    return (v4, v5, v2)  # eager's backward through v4 or v5 raises
+
+
 def _views_at_offsets():
     x = torch.randn((3, 2, 4), requires_grad=True)
     return [x[1], x.view(-1), x[:, 1]]
@@ -491,6 +507,16 @@ PROGRAMS = {
         _reshapes_of_a_noncontiguous_value,
         lambda: [torch.randn((4,)), torch.randn((4, 3), requires_grad=True).t()],
         [0, 1],
+    ),
+    "view_taken_before_its_base_requires_grad": (
+        _view_taken_before_its_base_requires_grad,
+        lambda: [torch.randn((2, 3)), torch.randn((3,))],
+        [0],
+    ),
+    "view_taken_before_its_base_requires_grad_no_grad": (
+        _view_taken_before_its_base_requires_grad,
+        lambda: [torch.randn((2, 3)), torch.randn((3,))],
+        [1, 2],
     ),
     "fill_expanded_with_grad": (
         _fill_expanded_with_grad,
@@ -628,6 +654,24 @@ def test_in_place_add_between_distinct_rows_of_one_storage_compiles(mode):
         _add_of_another_row_of_itself,
         lambda: [torch.randn(3, 4)],
         [],
+        write_outputs=True,
+        mode=mode,
+    )
+    assert outcome.verdict is Verdict.MATCH, outcome.detail
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("mode", ["trace", "triton"])
+def test_no_grad_view_of_a_leaf_made_a_leaf_matches_eager(mode):
+    """Fuzz seed 16082: the view is a leaf of its own although its base requires grad. (The
+    default mode differs: Dynamo drops `requires_grad_()` on a tensor that already reports
+    requires_grad, see tests/fuzz/test_known_differences.py.)"""
+    from tests.fuzz.compare import Verdict, check
+
+    outcome = check(
+        _no_grad_view_of_a_leaf_made_a_leaf,
+        lambda: [torch.randn((4,), requires_grad=True)],
+        backward=[0, 2],
         write_outputs=True,
         mode=mode,
     )
