@@ -393,9 +393,16 @@ class EagerChecks(TorchDispatchMode):
     tensors run does not check (fuzz seed 12499, a view nothing reads, so no later op fails
     either). Checked here when every size is concrete, except on the storages of
     `unsized_inputs`: a fresh fake (symbolic compilations, Dynamo's graphs) has no more storage
-    than its own extent, where the real input may have more."""
+    than its own extent, where the real input may have more.
 
-    def __init__(self, unsized_inputs: Sequence[object] = ()) -> None:
+    A write into elements of an input's storage that no graph input holds (`a.as_strided((2,),
+    (1,), 1).mul_(2)` on a view `a` at offset 4: fuzz seed 16893): eager writes them, aotc's
+    graph writes back only its inputs, so it is refused (`inputs`: the graph's inputs, synthetic
+    bases included; see `_written_outside`)."""
+
+    def __init__(
+        self, unsized_inputs: Sequence[object] = (), inputs: Sequence[object] = ()
+    ) -> None:
         super().__init__()
         self.problem: str | None = None
         self.accepted_overlaps = 0
@@ -404,6 +411,9 @@ class EagerChecks(TorchDispatchMode):
             for t in unsized_inputs
             if isinstance(t, torch.Tensor) and t.layout is torch.strided
         }
+        self._inputs = [
+            t for t in inputs if isinstance(t, torch.Tensor) and t.layout is torch.strided
+        ]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -440,6 +450,16 @@ class EagerChecks(TorchDispatchMode):
         ]
         read = [a for a in args if isinstance(a, torch.Tensor) and all(a is not w for w in written)]
         for w in written:
+            if _written_outside(w, self._inputs):
+                where = _user_frame(traceback.extract_stack())
+                self.problem = (
+                    f"metadata pass: the program at {where}: {func} writes elements of an "
+                    "input's storage that no input holds (through a view with an absolute "
+                    "storage offset, such as `as_strided`): eager writes them, aotc writes back "
+                    "only the inputs' own elements. Pass the tensor that holds those elements "
+                    "(the input's base) as an argument, or write into a .clone()."
+                )
+                return
             self_overlap = torch._debug_has_internal_overlap(w) == 1
             partial = func._schema.name.endswith("_") and any(
                 _partial_overlap(w, r) or _elements_overlap(w, r) for r in read
@@ -739,6 +759,43 @@ def _elements_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         ia = index.as_strided(a.shape, a.stride(), a.storage_offset()).reshape(-1)
         ib = index.as_strided(b.shape, b.stride(), b.storage_offset()).reshape(-1)
         return bool(torch.isin(ia, ib).any())
+
+
+def _written_outside(w: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether an in-place write into `w` reaches an element of an input's storage that no
+    input on that storage holds (see EagerChecks). Element-exact up to `_OVERLAP_ELEMENTS`
+    elements of storage; above, only a write outside every input's span counts. False when a
+    size is symbolic or the element sizes differ (not checked)."""
+    if w.layout is not torch.strided or w.numel() == 0:
+        return False
+    ref = StorageWeakRef(w.untyped_storage())
+    same = [t for t in inputs if StorageWeakRef(t.untyped_storage()) == ref]
+    if not same:
+        return False
+    geometry = [v for t in (w, *same) for v in (*t.shape, *t.stride(), t.storage_offset())]
+    nbytes = w.untyped_storage().nbytes()
+    if not all(type(v) is int for v in geometry) or type(nbytes) is not int:
+        return False
+    size = w.element_size()
+    if any(t.element_size() != size for t in same):
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        return t.storage_offset(), t.storage_offset() + _extent(t.shape, t.stride())
+
+    (w0, w1), spans = span(w), [span(t) for t in same if t.numel()]
+    if any(t0 <= w0 and w1 <= t1 and t.is_contiguous() for t, (t0, t1) in zip(same, spans)):
+        return False  # the fast path: inside a dense input
+    elements = nbytes // size
+    if elements > _OVERLAP_ELEMENTS or w1 > elements:
+        return not any(t0 <= w0 and w1 <= t1 for t0, t1 in spans)
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        index = torch.arange(elements)
+        held = torch.zeros(elements, dtype=torch.bool)
+        for t in same:
+            if t.numel() and span(t)[1] <= elements:
+                held[index.as_strided(t.shape, t.stride(), t.storage_offset())] = True
+        return not bool(held[index.as_strided(w.shape, w.stride(), w.storage_offset())].all())
 
 
 def _partial_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

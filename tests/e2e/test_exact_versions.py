@@ -430,6 +430,12 @@ def _view_taken_before_its_base_requires_grad(a0, a1):  # its regression: 16930
     return (v4, v5, v2)  # eager's backward through v4 or v5 raises
 
 
+def _write_outside_one_of_overlapping_inputs(a0, a1, a2):  # fuzz campaign 2026-11-27, 16893
+    v0 = a0.as_strided((2,), (1,), 1)  # absolute offset 1: outside a0, inside a2
+    v0.index_put_((torch.tensor([0]),), torch.tensor(3.0, dtype=v0.dtype))
+    return (a1.shape[0],)  # Dynamo's graph gets a0 alone
+
+
 def _views_at_offsets():
     x = torch.randn((3, 2, 4), requires_grad=True)
     return [x[1], x.view(-1), x[:, 1]]
@@ -517,6 +523,11 @@ PROGRAMS = {
         _view_taken_before_its_base_requires_grad,
         lambda: [torch.randn((2, 3)), torch.randn((3,))],
         [1, 2],
+    ),
+    "write_outside_one_of_overlapping_inputs": (
+        _write_outside_one_of_overlapping_inputs,
+        _views_at_offsets,
+        [],
     ),
     "fill_expanded_with_grad": (
         _fill_expanded_with_grad,
@@ -676,3 +687,33 @@ def test_no_grad_view_of_a_leaf_made_a_leaf_matches_eager(mode):
         mode=mode,
     )
     assert outcome.verdict is Verdict.MATCH, outcome.detail
+
+
+def _write_outside_an_input_view(a0):
+    a0.as_strided((2,), (1,), 1).mul_(2)  # elements 1 and 2 of the storage: not a0's
+    return a0 * 1
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("mode", ["trace", "default", "dynamo"])
+def test_write_outside_an_input_view_is_refused_or_runs_eagerly(mode):
+    """Fuzz seed 16893: eager writes storage elements the input view does not hold; aotc's
+    graph writes back only its inputs. Strict mode and torch.compile refuse naming the op and
+    the line; the default mode runs the graph eagerly and matches."""
+    if mode == "dynamo":
+        torch._dynamo.reset()
+        compiled = torch.compile(_write_outside_an_input_view, backend="aotc")
+    else:
+        compiled = _compile(_write_outside_an_input_view, "dynamo" if mode == "default" else mode)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        base = torch.randn(3, 2, 4)
+        want = base.clone()
+        expected = _write_outside_an_input_view(want[:, 1])
+        if mode == "default":
+            torch.testing.assert_close(compiled(base[:, 1]), expected)
+            torch.testing.assert_close(base, want)
+            continue
+        with pytest.raises(Exception, match="mul_.*writes elements of an input's storage") as e:
+            compiled(base[:, 1])
+        assert mode == "dynamo" or "a0.as_strided((2,), (1,), 1).mul_(2)" in str(e.value)
