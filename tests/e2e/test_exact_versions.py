@@ -436,6 +436,20 @@ def _write_outside_one_of_overlapping_inputs(a0, a1, a2):  # fuzz campaign 2026-
     return (a1.shape[0],)  # Dynamo's graph gets a0 alone
 
 
+def _clone_made_to_require_grad_then_transposed(a0):  # fuzz campaign 2026-11-27, 17730
+    v1 = a0.clone()  # no leaf: a0 requires grad
+    v1.requires_grad_()
+    v1.t_()  # in place on a leaf that requires grad would raise
+    v1.zero_()
+    return (v1.to(torch.float16).float().detach(),)  # nothing needs a gradient
+
+
+def _branch_on_requires_grad_with_detached_outputs(a0, a1):
+    y = a0 * 2 if a0.requires_grad else a0 * 3
+    a1.mul_(2)  # an input that is no leaf, written in place
+    return (y.detach(), a1.detach())
+
+
 def _views_at_offsets():
     x = torch.randn((3, 2, 4), requires_grad=True)
     return [x[1], x.view(-1), x[:, 1]]
@@ -527,6 +541,16 @@ PROGRAMS = {
     "write_outside_one_of_overlapping_inputs": (
         _write_outside_one_of_overlapping_inputs,
         _views_at_offsets,
+        [],
+    ),
+    "clone_made_to_require_grad_then_transposed": (
+        _clone_made_to_require_grad_then_transposed,
+        lambda: [torch.randn((2, 3), requires_grad=True) * 1.0],
+        [],
+    ),
+    "branch_on_requires_grad_with_detached_outputs": (
+        _branch_on_requires_grad_with_detached_outputs,
+        lambda: [torch.randn((2, 3), requires_grad=True), torch.randn(3, requires_grad=True) * 1.0],
         [],
     ),
     "fill_expanded_with_grad": (
