@@ -769,7 +769,7 @@ def _written_outside(w: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
     if w.layout is not torch.strided or w.numel() == 0:
         return False
     ref = StorageWeakRef(w.untyped_storage())
-    same = [t for t in inputs if StorageWeakRef(t.untyped_storage()) == ref]
+    same = [t for t in inputs if t.numel() and StorageWeakRef(t.untyped_storage()) == ref]
     if not same:
         return False
     geometry = [v for t in (w, *same) for v in (*t.shape, *t.stride(), t.storage_offset())]
@@ -783,19 +783,27 @@ def _written_outside(w: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
     def span(t: torch.Tensor) -> tuple[int, int]:
         return t.storage_offset(), t.storage_offset() + _extent(t.shape, t.stride())
 
-    (w0, w1), spans = span(w), [span(t) for t in same if t.numel()]
-    if any(t0 <= w0 and w1 <= t1 and t.is_contiguous() for t, (t0, t1) in zip(same, spans)):
-        return False  # the fast path: inside a dense input
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
+
+    (w0, w1), spans = span(w), [span(t) for t in same]
+    if any(_same_geometry(w, t) for t in same) or any(
+        t0 <= w0 and w1 <= t1 and dense(t) for t, (t0, t1) in zip(same, spans, strict=True)
+    ):
+        return False  # the fast paths: an input itself, or inside a dense one (it holds its span)
     elements = nbytes // size
     if elements > _OVERLAP_ELEMENTS or w1 > elements:
         return not any(t0 <= w0 and w1 <= t1 for t0, t1 in spans)
     with torch._subclasses.fake_tensor.unset_fake_temporarily():
         index = torch.arange(elements)
         held = torch.zeros(elements, dtype=torch.bool)
-        for t in same:
-            if t.numel() and span(t)[1] <= elements:
+        for t, (_, t1) in zip(same, spans, strict=True):
+            if t1 <= elements:
                 held[index.as_strided(t.shape, t.stride(), t.storage_offset())] = True
         return not bool(held[index.as_strided(w.shape, w.stride(), w.storage_offset())].all())
+
+
+def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.shape, a.stride(), a.storage_offset()) == (b.shape, b.stride(), b.storage_offset())
 
 
 def _partial_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
