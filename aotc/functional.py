@@ -693,10 +693,24 @@ def _keep_strides(
         value = torch.full_like(target, args[1]) if len(args) > 1 else None  # type: ignore[arg-type]
     else:
         op = getattr(torch.Tensor, name[:-1], None)
-        value = op(*args, **kwargs) if op is not None else None
+        source = target
+        if op is not None and torch.is_grad_enabled() and _any_requires_grad(args, kwargs):
+            # The out-of-place op's autograd node saves its input, which the copy_ below then
+            # changes: eager's in-place node saves a copy of it (its `original_self`), and so
+            # must this one (fuzz seed 18188: `v.mul_(w)` on a transposed view gave w the
+            # gradient of the written values). A saved value changed in place is no error here
+            # (the trace's saved-tensor hooks skip the version check).
+            source = target.clone()
+        value = op(source, *args[1:], **kwargs) if op is not None else None
     if not isinstance(value, torch.Tensor) or value.shape != target.shape:
         return func(*args, **kwargs)
     return target.copy_(value)
+
+
+def _any_requires_grad(args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
+    return any(
+        isinstance(a, torch.Tensor) and a.requires_grad for a in pytree.tree_leaves((args, kwargs))
+    )
 
 
 _METADATA_IN_PLACE = frozenset(

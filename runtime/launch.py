@@ -103,7 +103,9 @@ def make_callable(module: fx.GraphModule) -> Callable[..., Any]:
             body.append(f"    {name} = {const(_fetch_attr(module, str(node.target)), 'const')}")
         elif node.op == "call_function":
             target = node.target
-            if isinstance(target, torch._ops.OpOverload):
+            if target is _AS_STRIDED_SCATTER:  # Note [as_strided_scatter of a tensor with grad]
+                fn = const(_as_strided_scatter, "as_strided_scatter")
+            elif isinstance(target, torch._ops.OpOverload):
                 fn = const(fast_binding(node) or target._op, target.__name__.replace(".", "_"))
             elif target is operator.getitem:
                 fn = const(operator.getitem, "getitem")
@@ -144,6 +146,31 @@ def make_callable(module: fx.GraphModule) -> Callable[..., Any]:
     fn.__aotc_source__ = source
     fn.boxed = namespace["forward_boxed"]
     return fn  # type: ignore[no-any-return]
+
+
+_AS_STRIDED_SCATTER = torch.ops.aten.as_strided_scatter.default
+
+
+def _as_strided_scatter(
+    base: torch.Tensor, src: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    """See Note [as_strided_scatter of a tensor with grad]."""
+    if base.requires_grad and not torch.is_grad_enabled() and not base.is_contiguous():
+        base = base.detach()
+    return _AS_STRIDED_SCATTER._op(base, src, *args, **kwargs)  # type: ignore[no-any-return]
+
+
+# Note [as_strided_scatter of a tensor with grad]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Functionalization writes a mutation through a view of a graph input back with
+# `as_strided_scatter(input, updated_view, ...)`. ATen refuses that op on a non-contiguous tensor
+# that requires grad ("as_strided_scatter is currently only supported for contiguous inputs", an
+# internal assert) even with grad mode off, where no autograd node is made: a synthetic base that
+# a call transposed in place (`a.t_()` before a graph break, then a write through a view of `a`;
+# fuzz seed 18188) crashed the compiled forward. With grad off, the op runs on a `detach()`ed
+# alias of the input: the same memory and values, and the result needs no grad either way. The
+# forward and inference graphs always run with grad off; a backward with `create_graph=True`
+# keeps torch's check.
 
 
 _BINDINGS: dict[tuple[object, ...], Callable[..., Any] | None] = {}

@@ -450,6 +450,18 @@ def _branch_on_requires_grad_with_detached_outputs(a0, a1):
     return (y.detach(), a1.detach())
 
 
+def _mul_into_a_transposed_view(a0, a1):  # found with fuzz campaign 2026-11-27, 18188
+    v0 = a0 * 1.0
+    v0.t().mul_(a1)  # a1's gradient is the values v0 had before the write
+    return (v0 * 2,)
+
+
+def _div_into_a_transposed_input(a0, a1):
+    v1 = a0.t()
+    v1.div_(a1)
+    return (v1.sum(0),)
+
+
 def _views_at_offsets():
     x = torch.randn((3, 2, 4), requires_grad=True)
     return [x[1], x.view(-1), x[:, 1]]
@@ -552,6 +564,19 @@ PROGRAMS = {
         _branch_on_requires_grad_with_detached_outputs,
         lambda: [torch.randn((2, 3), requires_grad=True), torch.randn(3, requires_grad=True) * 1.0],
         [],
+    ),
+    "mul_into_a_transposed_view": (
+        _mul_into_a_transposed_view,
+        lambda: [torch.randn(3, 4, requires_grad=True), torch.randn(4, 3, requires_grad=True)],
+        [0],
+    ),
+    "div_into_a_transposed_input": (
+        _div_into_a_transposed_input,
+        lambda: [
+            torch.randn(3, 4, requires_grad=True) * 1.0,
+            torch.rand(4, 3, requires_grad=True) + 0.5,
+        ],
+        [0],
     ),
     "fill_expanded_with_grad": (
         _fill_expanded_with_grad,
@@ -741,3 +766,33 @@ def test_write_outside_an_input_view_is_refused_or_runs_eagerly(mode):
         with pytest.raises(Exception, match="mul_.*writes elements of an input's storage") as e:
             compiled(base[:, 1])
         assert mode == "dynamo" or "a0.as_strided((2,), (1,), 1).mul_(2)" in str(e.value)
+
+
+def _write_through_a_view_of_an_input_transposed_in_place(a0, a1):  # fuzz 2026-11-27, 18188
+    v1 = a1.movedim(0, -1)
+    a1.t_()  # Dynamo breaks the graph here: the next graph gets a1 (transposed) and v1
+    v2 = torch.where(a1 > 0, a1, v1)
+    v1.mul_(v2)  # written back into a1 with as_strided_scatter
+    return (v2, a1 * 2)
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("mode", ["default", "dynamo"])
+def test_write_through_a_view_of_an_input_transposed_in_place(mode):
+    """The compiled forward crashed in `as_strided_scatter` (ATen's assert on a non-contiguous
+    tensor that requires grad, Note [as_strided_scatter of a tensor with grad]); with that fixed,
+    the gradient of the multiplier was the written values (Note in `_keep_strides`). Strict mode
+    refuses the program (a view replayed on the transposed input: a joint-trace failure)."""
+    from tests.fuzz.compare import Verdict, check
+
+    outcome = check(
+        _write_through_a_view_of_an_input_transposed_in_place,
+        lambda: [
+            torch.randn((3, 1, 2), requires_grad=True) * 1.0,
+            torch.randn((3, 4), requires_grad=True) * 1.0,
+        ],
+        backward=[0, 1],
+        write_outputs=True,
+        mode=mode,
+    )
+    assert outcome.verdict is Verdict.MATCH, outcome.detail
