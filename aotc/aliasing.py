@@ -429,6 +429,14 @@ def _alias_of_input(
     via = _leaf_view_on_path(o, leaves)
     if via is None and _has_grad_fn(o) and base.requires_grad and not _reaches(o, base):
         via = o  # its gradient is dropped at a no_grad view on the way: any no_grad view will do
+    if via is None and _reaches_elements_elsewhere(o, base):
+        raise UnsupportedError(
+            f"output {j} is a view (through `as_strided` with an absolute storage offset) of "
+            f"elements that input {leaf} does not hold, and its autograd node is not input "
+            f"{leaf}'s: eager sends its gradient to the tensor those elements belong to, aotc "
+            f"would regenerate the view from input {leaf}, whose gradient cannot take them. "
+            "Return a .clone() of it, or pass the tensor that holds those elements."
+        )
     return OutputInfo(
         OutputKind.ALIAS_OF_INPUT,
         o.requires_grad,
@@ -453,6 +461,26 @@ def _graph_nodes(grad_fn: Any) -> Iterator[Any]:
         visited.add(id(node))
         yield node
         queue.extend(fn for fn, _ in node.next_functions)
+
+
+def _reaches_elements_elsewhere(o: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether `o`, to be regenerated as a view of the input `base`, has a gradient that eager
+    sends past `base`: `o` reads storage elements `base` does not hold, and `base`'s own node is
+    not on `o`'s graph (eager regenerated `o`'s node from the root after a write into it: fuzz
+    seeds 14115, 18804). A view of `base` would give those elements no gradient. False when it
+    cannot tell (symbolic or large geometry)."""
+    if not (o.requires_grad and _has_grad_fn(o)):
+        return False
+    held, wanted = _offsets(base), _offsets(o)
+    if held is None or wanted is None or wanted <= held:
+        return False
+    goal = id(_grad_fn(base)) if _has_grad_fn(base) else None
+    walked = 0
+    for node in _graph_nodes(_grad_fn(o)):
+        walked += 1
+        if id(node) == goal or getattr(node, "variable", None) is base:
+            return False
+    return walked < _MAX_WALK
 
 
 def _reaches(o: torch.Tensor, target: torch.Tensor) -> bool:

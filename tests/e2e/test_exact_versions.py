@@ -663,10 +663,27 @@ def _squeeze_then_requires_grad(a0):  # fuzz campaign 2026-11-27, 14403
     return (a0.abs(),)
 
 
+def _view_outside_its_input_after_a_write(a0, a1, a2, a3):  # fuzz 2026-11-27, 18804
+    v6 = a3.as_strided((2,), (1,), 1)  # storage elements 1 and 2: no input holds them
+    a1.sigmoid_()  # eager regenerates v6's node from the inputs' base: its gradient goes there
+    return (v6,)
+
+
+def _inputs_view_outside():
+    x1 = torch.randn((3, 2, 4), requires_grad=True) * 1.0
+    return [torch.randn((3, 1, 2), requires_grad=True), x1[1], x1[:, 1], x1[2]]
+
+
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize(
     "f,make,backward,refusal",
     [
+        (
+            _view_outside_its_input_after_a_write,
+            _inputs_view_outside,
+            [0],
+            "of elements that input",
+        ),
         (
             _squeeze_of_a_leaf_under_no_grad,
             lambda: [
