@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from aotc.functional import elements_within
@@ -182,9 +183,26 @@ def _view_flags(o: torch.Tensor) -> _ViewFlags:
         "view_without_grad": grad_fn is None,
         "multi_output_view": o.requires_grad
         and torch._C._autograd._get_creation_meta(o) == _MULTI_OUTPUT,
-        # `requires_grad_()` on a view of a tensor that needs no grad: a leaf of its own
-        "new_leaf": o.requires_grad and grad_fn is None and not o._base.requires_grad,
+        "new_leaf": grad_fn is None and _own_leaf(o),
     }
+
+
+def _own_leaf(view: torch.Tensor) -> bool:
+    """Whether `requires_grad_()` made this view without history a leaf of its own (gradients
+    accumulate into it). Its `requires_grad` alone does not tell: a view also reports its base's
+    (`v = x.view(-1)`, then `x.requires_grad_()`), and eager's backward then raises at `v`, which
+    has no accumulator. A view made under no_grad of a base that requires grad, then
+    `requires_grad_()`, is such a leaf (fuzz seed 16082); autograd's gradient edge tells them
+    apart."""
+    base = view._base
+    if not view.requires_grad or base is None:
+        return False
+    if not base.requires_grad:
+        return True  # its own flag: nothing to inherit
+    try:
+        return get_gradient_edge(view).node is not None
+    except (RuntimeError, AssertionError):  # "Expected gradient function to be set"
+        return False
 
 
 def classify_outputs(
@@ -436,6 +454,14 @@ def _alias_of_input(
     via = _leaf_view_on_path(o, leaves)
     if via is None and _has_grad_fn(o) and base.requires_grad and not _reaches(o, base):
         via = o  # its gradient is dropped at a no_grad view on the way: any no_grad view will do
+    if via is None and _reaches_elements_elsewhere(o, base):
+        raise UnsupportedError(
+            f"output {j} is a view (through `as_strided` with an absolute storage offset) of "
+            f"elements that input {leaf} does not hold, and its autograd node is not input "
+            f"{leaf}'s: eager sends its gradient to the tensor those elements belong to, aotc "
+            f"would regenerate the view from input {leaf}, whose gradient cannot take them. "
+            "Return a .clone() of it, or pass the tensor that holds those elements."
+        )
     return OutputInfo(
         OutputKind.ALIAS_OF_INPUT,
         o.requires_grad,
@@ -475,6 +501,26 @@ def _graph_nodes(grad_fn: Any) -> Iterator[Any]:
         visited.add(id(node))
         yield node
         queue.extend(fn for fn, _ in node.next_functions)
+
+
+def _reaches_elements_elsewhere(o: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether `o`, to be regenerated as a view of the input `base`, has a gradient that eager
+    sends past `base`: `o` reads storage elements `base` does not hold, and `base`'s own node is
+    not on `o`'s graph (eager regenerated `o`'s node from the root after a write into it: fuzz
+    seeds 14115, 18804). A view of `base` would give those elements no gradient. False when it
+    cannot tell (symbolic or large geometry)."""
+    if not (o.requires_grad and _has_grad_fn(o)):
+        return False
+    held, wanted = _offsets(base), _offsets(o)
+    if held is None or wanted is None or wanted <= held:
+        return False
+    goal = id(_grad_fn(base)) if _has_grad_fn(base) else None
+    walked = 0
+    for node in _graph_nodes(_grad_fn(o)):
+        walked += 1
+        if id(node) == goal or getattr(node, "variable", None) is base:
+            return False
+    return walked < _MAX_WALK
 
 
 def _reaches(o: torch.Tensor, target: torch.Tensor) -> bool:

@@ -410,9 +410,16 @@ class EagerChecks(TorchDispatchMode):
     tensors run does not check (fuzz seed 12499, a view nothing reads, so no later op fails
     either). Checked here when every size is concrete, except on the storages of
     `unsized_inputs`: a fresh fake (symbolic compilations, Dynamo's graphs) has no more storage
-    than its own extent, where the real input may have more."""
+    than its own extent, where the real input may have more.
 
-    def __init__(self, unsized_inputs: Sequence[object] = ()) -> None:
+    A write into elements of an input's storage that no graph input holds (`a.as_strided((2,),
+    (1,), 1).mul_(2)` on a view `a` at offset 4: fuzz seed 16893): eager writes them, aotc's
+    graph writes back only its inputs, so it is refused (`inputs`: the graph's inputs, synthetic
+    bases included; see `_written_outside`)."""
+
+    def __init__(
+        self, unsized_inputs: Sequence[object] = (), inputs: Sequence[object] = ()
+    ) -> None:
         super().__init__()
         self.problem: str | None = None
         self.accepted_overlaps = 0
@@ -424,6 +431,9 @@ class EagerChecks(TorchDispatchMode):
             for t in unsized_inputs
             if isinstance(t, torch.Tensor) and t.layout is torch.strided
         }
+        self._inputs = [
+            t for t in inputs if isinstance(t, torch.Tensor) and t.layout is torch.strided
+        ]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -478,6 +488,16 @@ class EagerChecks(TorchDispatchMode):
         ]
         read = [a for a in args if isinstance(a, torch.Tensor) and all(a is not w for w in written)]
         for w in written:
+            if _written_outside(w, self._inputs):
+                where = _user_frame(traceback.extract_stack())
+                self.problem = (
+                    f"metadata pass: the program at {where}: {func} writes elements of an "
+                    "input's storage that no input holds (through a view with an absolute "
+                    "storage offset, such as `as_strided`): eager writes them, aotc writes back "
+                    "only the inputs' own elements. Pass the tensor that holds those elements "
+                    "(the input's base) as an argument, or write into a .clone()."
+                )
+                return
             self_overlap = torch._debug_has_internal_overlap(w) == 1
             partial = func._schema.name.endswith("_") and any(
                 _partial_overlap(w, r) or _elements_overlap(w, r) for r in read
@@ -717,10 +737,24 @@ def _keep_strides(
         value = torch.full_like(target, args[1]) if len(args) > 1 else None  # type: ignore[arg-type]
     else:
         op = getattr(torch.Tensor, name[:-1], None)
-        value = op(*args, **kwargs) if op is not None else None
+        source = target
+        if op is not None and torch.is_grad_enabled() and _any_requires_grad(args, kwargs):
+            # The out-of-place op's autograd node saves its input, which the copy_ below then
+            # changes: eager's in-place node saves a copy of it (its `original_self`), and so
+            # must this one (fuzz seed 18188: `v.mul_(w)` on a transposed view gave w the
+            # gradient of the written values). A saved value changed in place is no error here
+            # (the trace's saved-tensor hooks skip the version check).
+            source = target.clone()
+        value = op(source, *args[1:], **kwargs) if op is not None else None
     if not isinstance(value, torch.Tensor) or value.shape != target.shape:
         return func(*args, **kwargs)
     return target.copy_(value)
+
+
+def _any_requires_grad(args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
+    return any(
+        isinstance(a, torch.Tensor) and a.requires_grad for a in pytree.tree_leaves((args, kwargs))
+    )
 
 
 _METADATA_IN_PLACE = frozenset(
@@ -797,8 +831,10 @@ def elements_within(out: torch.Tensor, inp: torch.Tensor) -> bool:
     i1 = i0 + _extent(inp.shape, inp.stride())
     if o0 < i0 or o1 > i1:
         return False
-    if inp.is_contiguous():
-        return True
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
+
+    if dense(inp):
+        return True  # a dense tensor holds every element of its span
     if i1 > _OVERLAP_ELEMENTS:
         return True
     with torch._subclasses.fake_tensor.unset_fake_temporarily():
@@ -806,6 +842,52 @@ def elements_within(out: torch.Tensor, inp: torch.Tensor) -> bool:
         held = torch.zeros(i1, dtype=torch.bool)
         held[index.as_strided(inp.shape, inp.stride(), i0)] = True
         return bool(held[index.as_strided(out.shape, out.stride(), o0)].all())
+
+
+def _written_outside(w: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether an in-place write into `w` reaches an element of an input's storage that no
+    input on that storage holds (see EagerChecks). Element-exact up to `_OVERLAP_ELEMENTS`
+    elements of storage; above, only a write outside every input's span counts. False when a
+    size is symbolic or the element sizes differ (not checked)."""
+    if w.layout is not torch.strided or w.numel() == 0:
+        return False
+    ref = StorageWeakRef(w.untyped_storage())
+    same = [t for t in inputs if t.numel() and StorageWeakRef(t.untyped_storage()) == ref]
+    if not same:
+        return False
+    geometry = [v for t in (w, *same) for v in (*t.shape, *t.stride(), t.storage_offset())]
+    nbytes = w.untyped_storage().nbytes()
+    if not all(type(v) is int for v in geometry) or type(nbytes) is not int:
+        return False
+    size = w.element_size()
+    if any(t.element_size() != size for t in same):
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:  # sizes are ints here (checked above)
+        start = cast(int, t.storage_offset())
+        return start, start + cast(int, _extent(t.shape, t.stride()))
+
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
+
+    (w0, w1), spans = span(w), [span(t) for t in same]
+    if any(_same_geometry(w, t) for t in same) or any(
+        t0 <= w0 and w1 <= t1 and dense(t) for t, (t0, t1) in zip(same, spans, strict=True)
+    ):
+        return False  # the fast paths: an input itself, or inside a dense one (it holds its span)
+    elements = nbytes // size
+    if elements > _OVERLAP_ELEMENTS or w1 > elements:
+        return not any(t0 <= w0 and w1 <= t1 for t0, t1 in spans)
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        index = torch.arange(elements)
+        held = torch.zeros(elements, dtype=torch.bool)
+        for t, (_, t1) in zip(same, spans, strict=True):
+            if t1 <= elements:
+                held[index.as_strided(t.shape, t.stride(), t.storage_offset())] = True
+        return not bool(held[index.as_strided(w.shape, w.stride(), w.storage_offset())].all())
+
+
+def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.shape, a.stride(), a.storage_offset()) == (b.shape, b.stride(), b.storage_offset())
 
 
 def _partial_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -165,7 +165,7 @@ def collect_metadata(
                 p_leaves = expand_graph_args(convention, plain, constants)
             args_before = [_state(p) for p in plain]
             leaves_before = {id(t): _state(t) for t in p_leaves if isinstance(t, torch.Tensor)}
-            checks = EagerChecks(unsized_inputs=plain if symbolic else ())
+            checks = EagerChecks(unsized_inputs=plain if symbolic else (), inputs=plain)
             overlaps = OverlappingWrites(rewrite=False)
             try:
                 with (

@@ -434,6 +434,7 @@ _REDIRECT: dict[str, Any] = {"redirect": "fake"}
 # See Note [Binding verdicts across processes] in runtime/launch.py
 _VERDICTS = "aotc-binding-verdicts"
 _VERDICTS_READ: set[str] = set()  # cache directories whose verdicts this process loaded
+_VERDICTS_STORED: dict[str, int] = {}  # cache directory -> how many verdicts it was given
 
 
 def _verdicts_path(cache_dir: str) -> str:
@@ -451,21 +452,25 @@ def load_verdicts(options: CompileOptions) -> None:
     body = store.read_signed(_verdicts_path(options.cache_dir), _VERDICTS)
     if body is not None:
         launch.known_verdicts(body)
+        if len(body) >= launch.known_count():  # the file holds all this process knows
+            _VERDICTS_STORED[options.cache_dir] = launch.known_count()
 
 
 def store_verdicts_later(options: CompileOptions) -> None:
     """Queue the verdicts this process found for the cache directory (merged with what is
     there), like an entry (Note [Deferred cache stores])."""
-    if not is_enabled(options) or not launch.has_new_verdicts():
+    if not is_enabled(options):
         return
     assert options.cache_dir is not None
-    path = _verdicts_path(options.cache_dir)
+    directory, count = options.cache_dir, launch.known_count()
+    if _VERDICTS_STORED.get(directory, 0) >= count:
+        return
+    _VERDICTS_STORED[directory] = count
+    path = _verdicts_path(directory)
 
     def job() -> None:
-        new = launch.new_verdicts()
-        if new:
-            old = store.read_signed(path, _VERDICTS) or {}
-            store.write_signed(path, _VERDICTS, {**old, **new})
+        old = store.read_signed(path, _VERDICTS) or {}
+        store.write_signed(path, _VERDICTS, {**old, **launch.known()})
 
     _store_later(path, job)
 

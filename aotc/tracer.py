@@ -22,6 +22,17 @@ metadata-mutated and requires grad is handed to the program as `primal.clone()`:
 mutates the clone, the clone's final value is the "updated input" forward output, and the gradient
 of the original value flows back through the clone into the primal. The epilogue later copies the
 updated value into the user's tensor, which gives it the same autograd history eager would.
+Inference traces (no output takes a tangent) do the same while grad mode is on: eager's input is
+then a non-leaf (eager refuses the write into a leaf that requires grad).
+
+Note [Inference traces keep requires_grad]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A trace without a backward (no output needs a gradient: `return (y.detach(),)`) still gives each
+primal the `requires_grad` the user's tensor has. The program sees what eager sees: Python that
+reads `x.requires_grad` takes eager's branch (it took the other one, silently), and a tensor
+derived from an input that requires grad is no leaf, so `v = a.clone(); v.requires_grad_();
+v.t_()` traces as in eager (fuzz seed 17730: "a leaf Variable that requires grad is being used
+in an in-place operation"). Nothing is differentiated, so the graph is the same.
 """
 
 from __future__ import annotations
@@ -84,7 +95,9 @@ def trace_joint(
     clone_args = {
         g
         for g, info in enumerate(meta.inputs)
-        if info.mutation is not info.mutation.NONE and training and graph_args[g].requires_grad
+        if info.mutation is not info.mutation.NONE
+        and (training or grad_enabled)
+        and graph_args[g].requires_grad
     }
     tangent_outs = [FwdOut(k) for k, needs in enumerate(plan.needs_tangent) if needs]
     recorder = Recorder()  # See Note [Node provenance] in aotc/provenance.py
@@ -139,10 +152,9 @@ def trace_joint(
     made_to_require_grad = {graph_of[c.leaf] for c in meta.leaf_changes if c.requires_grad}
     with fake_mode:
         primals = fakeify(fake_mode, graph_args, as_leaves=True)
+        # See Note [Inference traces keep requires_grad]
         for g, p in enumerate(primals):
-            if not training:
-                p.requires_grad_(False)
-            elif g in made_to_require_grad:
+            if g in made_to_require_grad:
                 p.requires_grad_(True)  # the call sets it first (EpiloguePlan.make_require_grad)
         tangents = (
             [

@@ -52,8 +52,8 @@ process hold for the next. They were ~9 ms of a GPT block's cache hit (a third o
 and as much of its cold compile. Each verdict gets a text key (`aten.mul.Tensor|<kinds>`) and a
 candidate index (-1: no binding matched). aotc/persist.py keeps them in the cache directory, one
 file per torch build, signed like a trusted entry (Note [Trusted entries] in runtime/cache.py):
-`known_verdicts` loads that file's verdicts, `new_verdicts` hands over what this process's dry
-runs found. Only decided verdicts are kept: a dry run that cannot run (symbolic sizes, no meta
+`known_verdicts` loads that file's verdicts, `known` hands over all this process has (merged
+into the file). Only decided verdicts are kept: a dry run that cannot run (symbolic sizes, no meta
 kernel) decides nothing and is tried again next time.
 """
 
@@ -115,7 +115,9 @@ def make_callable(module: fx.GraphModule) -> Callable[..., Any]:
             body.append(f"    {name} = {const(_fetch_attr(module, str(node.target)), 'const')}")
         elif node.op == "call_function":
             target = node.target
-            if isinstance(target, torch._ops.OpOverload):
+            if target is _AS_STRIDED_SCATTER:  # Note [as_strided_scatter of a tensor with grad]
+                fn = const(_as_strided_scatter, "as_strided_scatter")
+            elif isinstance(target, torch._ops.OpOverload):
                 fn = const(fast_binding(node) or target._op, target.__name__.replace(".", "_"))
             elif target is operator.getitem:
                 fn = const(operator.getitem, "getitem")
@@ -158,11 +160,35 @@ def make_callable(module: fx.GraphModule) -> Callable[..., Any]:
     return fn  # type: ignore[no-any-return]
 
 
+_AS_STRIDED_SCATTER = torch.ops.aten.as_strided_scatter.default
+
+
+def _as_strided_scatter(
+    base: torch.Tensor, src: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    """See Note [as_strided_scatter of a tensor with grad]."""
+    if base.requires_grad and not torch.is_grad_enabled() and not base.is_contiguous():
+        base = base.detach()
+    return _AS_STRIDED_SCATTER._op(base, src, *args, **kwargs)  # type: ignore[no-any-return]
+
+
+# Note [as_strided_scatter of a tensor with grad]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Functionalization writes a mutation through a view of a graph input back with
+# `as_strided_scatter(input, updated_view, ...)`. ATen refuses that op on a non-contiguous tensor
+# that requires grad ("as_strided_scatter is currently only supported for contiguous inputs", an
+# internal assert) even with grad mode off, where no autograd node is made: a synthetic base that
+# a call transposed in place (`a.t_()` before a graph break, then a write through a view of `a`;
+# fuzz seed 18188) crashed the compiled forward. With grad off, the op runs on a `detach()`ed
+# alias of the input: the same memory and values, and the result needs no grad either way. The
+# forward and inference graphs always run with grad off; a backward with `create_graph=True`
+# keeps torch's check.
+
+
 _BINDINGS: dict[tuple[object, ...], Callable[..., Any] | None] = {}
 # See Note [Binding verdicts across processes]
 _CANDIDATE_MODULES = ("_VariableFunctions", "_nn", "_special", "TensorBase")  # of torch._C
 _PROVEN: dict[str, int] = {}  # verdict key -> candidate index (-1: none), from any process
-_NEW: dict[str, int] = {}  # verdicts this process's dry runs found, not yet stored
 
 
 def fast_binding(node: fx.Node) -> Callable[..., Any] | None:
@@ -190,7 +216,7 @@ def fast_binding(node: fx.Node) -> Callable[..., Any] | None:
         if index is None:
             index = _verified_binding(target, node)
             if index is not None:
-                _PROVEN[key] = _NEW[key] = index
+                _PROVEN[key] = index
         candidates = _candidates(target)
         _BINDINGS[kinds] = candidates[index] if index is not None and index >= 0 else None
     return _BINDINGS[kinds]
@@ -208,16 +234,13 @@ def known_verdicts(verdicts: dict[str, int]) -> None:
             _PROVEN.setdefault(key, index)
 
 
-def new_verdicts() -> dict[str, int]:
-    """The verdicts this process found since the last call (and forgets them as new)."""
-    out = dict(_NEW)
-    for key in out:
-        _NEW.pop(key, None)
-    return out
+def known() -> dict[str, int]:
+    """Every verdict this process knows: found by its dry runs or loaded."""
+    return dict(_PROVEN)
 
 
-def has_new_verdicts() -> bool:
-    return bool(_NEW)
+def known_count() -> int:
+    return len(_PROVEN)
 
 
 class _NoExample(Exception):

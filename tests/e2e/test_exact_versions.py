@@ -437,6 +437,54 @@ def _masked_fill_of_an_expanded_large_value(a0):  # fuzz campaign 2026-11-27, 19
     return (v5,)
 
 
+def _no_grad_view_of_a_leaf_made_a_leaf(a0):  # fuzz campaign 2026-11-27, 16082
+    with torch.set_grad_enabled(False):
+        v1 = a0.narrow(0, 1, 2)  # a0 requires grad; the view does not
+    v1.requires_grad_()  # a leaf of its own: backward accumulates into v1, not a0
+    return (v1, v1.detach() * 2, a0 * 3)
+
+
+def _view_taken_before_its_base_requires_grad(a0, a1):  # its regression: 16930
+    v2 = a1 * 2.5
+    v4 = v2.reshape(-1)  # requires_grad through its base from here on, but no leaf
+    v2.requires_grad_()
+    with torch.no_grad():
+        v5 = v2[1:]  # the same, under no_grad
+    return (v4, v5, v2)  # eager's backward through v4 or v5 raises
+
+
+def _write_outside_one_of_overlapping_inputs(a0, a1, a2):  # fuzz campaign 2026-11-27, 16893
+    v0 = a0.as_strided((2,), (1,), 1)  # absolute offset 1: outside a0, inside a2
+    v0.index_put_((torch.tensor([0]),), torch.tensor(3.0, dtype=v0.dtype))
+    return (a1.shape[0],)  # Dynamo's graph gets a0 alone
+
+
+def _clone_made_to_require_grad_then_transposed(a0):  # fuzz campaign 2026-11-27, 17730
+    v1 = a0.clone()  # no leaf: a0 requires grad
+    v1.requires_grad_()
+    v1.t_()  # in place on a leaf that requires grad would raise
+    v1.zero_()
+    return (v1.to(torch.float16).float().detach(),)  # nothing needs a gradient
+
+
+def _branch_on_requires_grad_with_detached_outputs(a0, a1):
+    y = a0 * 2 if a0.requires_grad else a0 * 3
+    a1.mul_(2)  # an input that is no leaf, written in place
+    return (y.detach(), a1.detach())
+
+
+def _mul_into_a_transposed_view(a0, a1):  # found with fuzz campaign 2026-11-27, 18188
+    v0 = a0 * 1.0
+    v0.t().mul_(a1)  # a1's gradient is the values v0 had before the write
+    return (v0 * 2,)
+
+
+def _div_into_a_transposed_input(a0, a1):
+    v1 = a0.t()
+    v1.div_(a1)
+    return (v1.sum(0),)
+
+
 def _views_at_offsets():
     x = torch.randn((3, 2, 4), requires_grad=True)
     return [x[1], x.view(-1), x[:, 1]]
@@ -535,6 +583,44 @@ PROGRAMS = {
         lambda: [torch.randn((3,)), torch.randn((3, 2, 4), requires_grad=True)[1]],
         [],
     ),
+    "view_taken_before_its_base_requires_grad": (
+        _view_taken_before_its_base_requires_grad,
+        lambda: [torch.randn((2, 3)), torch.randn((3,))],
+        [0],
+    ),
+    "view_taken_before_its_base_requires_grad_no_grad": (
+        _view_taken_before_its_base_requires_grad,
+        lambda: [torch.randn((2, 3)), torch.randn((3,))],
+        [1, 2],
+    ),
+    "write_outside_one_of_overlapping_inputs": (
+        _write_outside_one_of_overlapping_inputs,
+        _views_at_offsets,
+        [],
+    ),
+    "clone_made_to_require_grad_then_transposed": (
+        _clone_made_to_require_grad_then_transposed,
+        lambda: [torch.randn((2, 3), requires_grad=True) * 1.0],
+        [],
+    ),
+    "branch_on_requires_grad_with_detached_outputs": (
+        _branch_on_requires_grad_with_detached_outputs,
+        lambda: [torch.randn((2, 3), requires_grad=True), torch.randn(3, requires_grad=True) * 1.0],
+        [],
+    ),
+    "mul_into_a_transposed_view": (
+        _mul_into_a_transposed_view,
+        lambda: [torch.randn(3, 4, requires_grad=True), torch.randn(4, 3, requires_grad=True)],
+        [0],
+    ),
+    "div_into_a_transposed_input": (
+        _div_into_a_transposed_input,
+        lambda: [
+            torch.randn(3, 4, requires_grad=True) * 1.0,
+            torch.rand(4, 3, requires_grad=True) + 0.5,
+        ],
+        [0],
+    ),
     "fill_expanded_with_grad": (
         _fill_expanded_with_grad,
         lambda: [torch.randn(4, requires_grad=True)],
@@ -620,10 +706,27 @@ def _squeeze_then_requires_grad(a0):  # fuzz campaign 2026-11-27, 14403
     return (a0.abs(),)
 
 
+def _view_outside_its_input_after_a_write(a0, a1, a2, a3):  # fuzz 2026-11-27, 18804
+    v6 = a3.as_strided((2,), (1,), 1)  # storage elements 1 and 2: no input holds them
+    a1.sigmoid_()  # eager regenerates v6's node from the inputs' base: its gradient goes there
+    return (v6,)
+
+
+def _inputs_view_outside():
+    x1 = torch.randn((3, 2, 4), requires_grad=True) * 1.0
+    return [torch.randn((3, 1, 2), requires_grad=True), x1[1], x1[:, 1], x1[2]]
+
+
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize(
     "f,make,backward,refusal",
     [
+        (
+            _view_outside_its_input_after_a_write,
+            _inputs_view_outside,
+            [0],
+            "of elements that input",
+        ),
         (
             _squeeze_of_a_leaf_under_no_grad,
             lambda: [
@@ -713,3 +816,81 @@ def test_view_past_a_leaf_made_inside_is_refused():
     with pytest.raises(aotc.UnsupportedError, match=r"output 0 is a view reaching past"):
         aotc.compile(f, capture="trace")(x)
     torch.testing.assert_close(aotc.compile(g, capture="trace")(x), g(x))
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("mode", ["trace", "triton"])
+def test_no_grad_view_of_a_leaf_made_a_leaf_matches_eager(mode):
+    """Fuzz seed 16082: the view is a leaf of its own although its base requires grad. (The
+    default mode differs: Dynamo drops `requires_grad_()` on a tensor that already reports
+    requires_grad, see tests/fuzz/test_known_differences.py.)"""
+    from tests.fuzz.compare import Verdict, check
+
+    outcome = check(
+        _no_grad_view_of_a_leaf_made_a_leaf,
+        lambda: [torch.randn((4,), requires_grad=True)],
+        backward=[0, 2],
+        write_outputs=True,
+        mode=mode,
+    )
+    assert outcome.verdict is Verdict.MATCH, outcome.detail
+
+
+def _write_outside_an_input_view(a0):
+    a0.as_strided((2,), (1,), 1).mul_(2)  # elements 1 and 2 of the storage: not a0's
+    return a0 * 1
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("mode", ["trace", "default", "dynamo"])
+def test_write_outside_an_input_view_is_refused_or_runs_eagerly(mode):
+    """Fuzz seed 16893: eager writes storage elements the input view does not hold; aotc's
+    graph writes back only its inputs. Strict mode and torch.compile refuse naming the op and
+    the line; the default mode runs the graph eagerly and matches."""
+    if mode == "dynamo":
+        torch._dynamo.reset()
+        compiled = torch.compile(_write_outside_an_input_view, backend="aotc")
+    else:
+        compiled = _compile(_write_outside_an_input_view, "dynamo" if mode == "default" else mode)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        base = torch.randn(3, 2, 4)
+        want = base.clone()
+        expected = _write_outside_an_input_view(want[:, 1])
+        if mode == "default":
+            torch.testing.assert_close(compiled(base[:, 1]), expected)
+            torch.testing.assert_close(base, want)
+            continue
+        with pytest.raises(Exception, match="mul_.*writes elements of an input's storage") as e:
+            compiled(base[:, 1])
+        assert mode == "dynamo" or "a0.as_strided((2,), (1,), 1).mul_(2)" in str(e.value)
+
+
+def _write_through_a_view_of_an_input_transposed_in_place(a0, a1):  # fuzz 2026-11-27, 18188
+    v1 = a1.movedim(0, -1)
+    a1.t_()  # Dynamo breaks the graph here: the next graph gets a1 (transposed) and v1
+    v2 = torch.where(a1 > 0, a1, v1)
+    v1.mul_(v2)  # written back into a1 with as_strided_scatter
+    return (v2, a1 * 2)
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("mode", ["default", "dynamo"])
+def test_write_through_a_view_of_an_input_transposed_in_place(mode):
+    """The compiled forward crashed in `as_strided_scatter` (ATen's assert on a non-contiguous
+    tensor that requires grad, Note [as_strided_scatter of a tensor with grad]); with that fixed,
+    the gradient of the multiplier was the written values (Note in `_keep_strides`). Strict mode
+    refuses the program (a view replayed on the transposed input: a joint-trace failure)."""
+    from tests.fuzz.compare import Verdict, check
+
+    outcome = check(
+        _write_through_a_view_of_an_input_transposed_in_place,
+        lambda: [
+            torch.randn((3, 1, 2), requires_grad=True) * 1.0,
+            torch.randn((3, 4), requires_grad=True) * 1.0,
+        ],
+        backward=[0, 1],
+        write_outputs=True,
+        mode=mode,
+    )
+    assert outcome.verdict is Verdict.MATCH, outcome.detail

@@ -82,7 +82,25 @@ def _inputs_no_grad_view():
     return [x0[:, 1], x0[2], x0[0]]
 
 
+def _requires_grad_of_a_no_grad_view(a0):  # campaign seed 16082 (branch fuzz10)
+    with torch.no_grad():
+        v1 = a0.narrow(0, 1, 1)  # reports requires_grad through a0, but has no accumulator
+    v1.requires_grad_()  # Dynamo takes this for a no-op: not in its graph nor its bytecode
+    return (v1,)
+
+
+def _inputs_no_grad_view_leaf():
+    return [torch.randn((4,), requires_grad=True)]
+
+
 CASES = {
+    # Dynamo's own answer (torch.compile(backend="eager") raises at the backward too); the
+    # backend sees neither the call nor its effect on Dynamo's example values.
+    "requires_grad_of_a_no_grad_view": (
+        _requires_grad_of_a_no_grad_view,
+        _inputs_no_grad_view_leaf,
+        [0],
+    ),
     "view_of_a_no_grad_view_then_base_written": (
         _view_of_a_no_grad_view_then_base_written,
         _inputs_no_grad_view,
@@ -103,7 +121,7 @@ CASES = {
 
 
 # (case, mode) pairs that differ today; every other pair must match eager.
-KNOWN: set[tuple[str, str]] = set()
+KNOWN: set[tuple[str, str]] = {("requires_grad_of_a_no_grad_view", "default")}
 
 
 @pytest.mark.filterwarnings("ignore")

@@ -28,7 +28,6 @@ def _forget(monkeypatch) -> None:
     """A process that has made no verdicts yet (Note [Binding verdicts across processes])."""
     monkeypatch.setattr(launch, "_BINDINGS", {})
     monkeypatch.setattr(launch, "_PROVEN", {})
-    monkeypatch.setattr(launch, "_NEW", {})
 
 
 def test_bindings_are_kept_only_for_the_same_overload():
@@ -72,7 +71,7 @@ def test_symbolic_sizes_need_a_static_verdict(monkeypatch):
     node = _node(module, aten.sin.default)
     _forget(monkeypatch)
     assert fast_binding(node) is None
-    assert not launch._NEW  # undecided: nothing to keep for the next process
+    assert not launch._PROVEN  # undecided: nothing to keep for the next process
     launch._BINDINGS.clear()
     static = _graph(lambda t: (aten.sin.default(t),), torch.randn(2, 2))
     assert fast_binding(_node(static, aten.sin.default)) is torch._C._VariableFunctions.sin
@@ -119,6 +118,7 @@ def test_verdicts_reach_the_next_process_through_the_cache_dir(tmp_path, monkeyp
     d = str(tmp_path)
     _forget(monkeypatch)
     monkeypatch.setattr(persist, "_VERDICTS_READ", set())
+    monkeypatch.setattr(persist, "_VERDICTS_STORED", {})
     x, y = make()
     torch.testing.assert_close(aotc.compile(f, cache_dir=d, capture="trace")(x, y), f(x, y))
     aotc.cache_flush()
@@ -128,6 +128,7 @@ def test_verdicts_reach_the_next_process_through_the_cache_dir(tmp_path, monkeyp
 
     _forget(monkeypatch)  # the next process
     monkeypatch.setattr(persist, "_VERDICTS_READ", set())
+    monkeypatch.setattr(persist, "_VERDICTS_STORED", {})
 
     def no_dry_run(*args):  # type: ignore[no-untyped-def]
         raise AssertionError("a stored verdict was proven again")
