@@ -426,6 +426,7 @@ class EagerChecks(TorchDispatchMode):
         # Views made by `as_strided` past the elements of the view it was applied to, and views
         # of those: the geometries of those inner views (Note [as_strided past its input view])
         self.narrowed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._written: set[StorageWeakRef] = set()  # storages an op wrote into
         self._unsized = {
             StorageWeakRef(t.untyped_storage())
             for t in unsized_inputs
@@ -456,10 +457,43 @@ class EagerChecks(TorchDispatchMode):
                 self._check(func, args, kwargs)
             except Exception:  # noqa: BLE001 best effort: a failing check must not fail a compile
                 self.problem = None
+        if func._schema.is_mutable:
+            for arg, value in zip(func._schema.arguments, args):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    if isinstance(value, torch.Tensor) and value.layout is torch.strided:
+                        self._written.add(StorageWeakRef(value.untyped_storage()))
         out = func(*args, **kwargs)
         if func.is_view and args and isinstance(args[0], torch.Tensor):
             self._note_narrowing(func, args[0], out)
+            if (
+                self.problem is None
+                and func is torch.ops.aten.as_strided.default
+                and StorageWeakRef(args[0].untyped_storage()) in self._written
+            ):
+                self._check_read_after_write(func, args[0], out)
         return out
+
+    def _check_read_after_write(
+        self, func: torch._ops.OpOverload, inp: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """`as_strided` (an absolute storage offset) of an input's storage the program wrote:
+        the functional graph replays it on the written value, a tensor of the input's own
+        elements: elements no input holds (fuzz seed 21673) cannot be read back from there."""
+        ref = StorageWeakRef(inp.untyped_storage())
+        same = [t for t in self._inputs if StorageWeakRef(t.untyped_storage()) == ref]
+        offsets = [t.storage_offset() for t in same]
+        if not same or not all(type(o) is int for o in offsets):
+            return
+        if not _written_outside(out, self._inputs):
+            return
+        what = "reads elements of an input's storage that no input holds"
+        where = _user_frame(traceback.extract_stack())
+        self.problem = (
+            f"metadata pass: the program at {where}: {func} {what}, after the program wrote into "
+            "that input: eager reads the caller's memory, aotc's graph replays the view on the "
+            "written value, which holds only the input's own elements. Pass the tensor that holds "
+            "those elements (the input's base) as an argument, or take the view before the write."
+        )
 
     def _note_narrowing(self, func: torch._ops.OpOverload, inp: torch.Tensor, out: Any) -> None:
         """See Note [as_strided past its input view]."""
