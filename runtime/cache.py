@@ -239,21 +239,26 @@ def write_entry(cache_dir: str, key: str, body: dict[str, Any], max_bytes: int) 
     if secret is not None:  # See Note [Trusted entries]
         header["mac"] = _mac(secret, key, payload)
     data = json.dumps(header, sort_keys=True).encode() + b"\n" + payload
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=_SUFFIX, dir=cache_dir)
+    _replace_atomically(entry_path(cache_dir, key), data, _SUFFIX)
+    evict(cache_dir, max_bytes)
+    return entry_path(cache_dir, key)
+
+
+def _replace_atomically(path: str, data: bytes, suffix: str = "") -> None:
+    """Write `data` to a temporary file beside `path`, fsync it, rename it over `path`."""
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=suffix, dir=os.path.dirname(path))
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, entry_path(cache_dir, key))
+        os.replace(tmp, path)
     except BaseException:
         try:
             os.unlink(tmp)
         except OSError:
             pass  # already renamed or removed
         raise
-    evict(cache_dir, max_bytes)
-    return entry_path(cache_dir, key)
 
 
 def read_signed(path: str, kind: str) -> dict[str, Any] | None:
@@ -285,17 +290,7 @@ def write_signed(path: str, kind: str, body: dict[str, Any]) -> bool:
     payload = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
     header = {"format": kind, "mac": _mac(secret, kind, payload)}
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(json.dumps(header).encode() + b"\n" + payload)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass  # already renamed or removed
-        raise
+    _replace_atomically(path, json.dumps(header).encode() + b"\n" + payload)
     return True
 
 

@@ -104,12 +104,17 @@ def test_stored_kernel_source_is_never_run(tmp_path, caplog):
             k["source"] = "raise SystemExit('stored kernel source was executed')\n"
         return body
 
-    _rewrite_body(os.path.join(d, entries(d)[0]), plant)
-    with caplog.at_level(logging.WARNING, logger="aotc.cache"):
-        warm = assert_matches_eager(block, block_args, backend="triton", cache_dir=d)
+    warm = _warm_after(d, _rewrite_body, plant, caplog)
     assert "cache_load" in stages(warm)
     assert _kernel_texts(warm) == _kernel_texts(cold)
     assert any("differ from the stored" in r.getMessage() for r in caplog.records)
+
+
+def _warm_after(d: str, rewrite, edit, caplog):  # type: ignore[no-untyped-def]
+    """The hit of `block` after `rewrite(entry, edit)`, its cache warnings in `caplog`."""
+    rewrite(os.path.join(d, entries(d)[0]), edit)
+    with caplog.at_level(logging.WARNING, logger="aotc.cache"):
+        return assert_matches_eager(block, block_args, backend="triton", cache_dir=d)
 
 
 def test_auto_is_cached_and_backends_have_distinct_entries(tmp_path):
@@ -211,9 +216,7 @@ def test_own_entry_whose_lowerings_do_not_fit_is_generated_again(tmp_path, caplo
         body["lowerings"] = json.loads(text.replace('"name": "', '"name": "x'))
         return body
 
-    _resign(os.path.join(d, entries(d)[0]), rename_stored)
-    with caplog.at_level(logging.WARNING, logger="aotc.cache"):
-        warm = assert_matches_eager(block, block_args, backend="triton", cache_dir=d)
+    warm = _warm_after(d, _resign, rename_stored, caplog)
     assert "generate" in stages(warm)
     assert _kernel_texts(warm) == _kernel_texts(cold)
     assert any("does not fit" in r.getMessage() for r in caplog.records)
