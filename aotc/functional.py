@@ -685,8 +685,9 @@ class OverlappingWrites(TorchFunctionMode):
     ops (see `EagerChecks`). Functionalization would propagate such a write back through the
     expand's inverse (a sum), which is wrong; so the write is done on a clone, and for every
     memory location the last written value (eager's sequential order) goes into the tensor with
-    the stride-0 dims narrowed to one element, taken as an `as_strided` view of the base, which
-    functionalization replays exactly; `count` says how many were rewritten.
+    the stride-0 dims narrowed to one element (taken from the base without the expand where it
+    is one, `_unexpanded`), which functionalization replays exactly; `count` says how many were
+    rewritten.
 
     With autograd recording such a write, eager's forward works but its backward through it
     raises (CopySlices writes the gradient into the same overlapping view). `rewrite=False` (the
@@ -746,14 +747,29 @@ class OverlappingWrites(TorchFunctionMode):
         dest = target
         for d in dims:
             dest = dest.narrow(d, 0, 1)
-        root = target._base
-        if root is not None:
-            # The same elements as a view of the base itself: functionalization replays a write
-            # through the expand as base + sum(new - old) over the expanded dims, which cancels
-            # (1e35 + (2 - 1e35) is 0; fuzz seed 19294); through as_strided it is a scatter.
-            dest = root.as_strided(dest.shape, dest.stride(), dest.storage_offset())
+        dest = _unexpanded(target, dest)
         dest.copy_(value)
         return target
+
+
+def _unexpanded(target: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """`dest` (the expanded `target` narrowed to one element along its stride-0 dims) as a view
+    of target's base without the expand, when target is its base expanded (new leading dims,
+    size-1 dims broadcast): functionalization replays a write through an expand as base +
+    sum(new - old) over the expanded dims, which cancels (1e35 + (2 - 1e35) is 0; fuzz seed
+    19294); through `unsqueeze` it is exact. Else `dest` itself."""
+    root = target._base
+    if root is None or target.dim() < root.dim():
+        return dest
+    alt = root
+    for _ in range(target.dim() - root.dim()):
+        alt = alt.unsqueeze(0)
+    same = (
+        tuple(alt.shape) == tuple(dest.shape)
+        and alt.storage_offset() == dest.storage_offset()
+        and all(a == d for n, a, d in zip(alt.shape, alt.stride(), dest.stride()) if n != 1)
+    )
+    return alt if same else dest
 
 
 def _keep_strides(
