@@ -870,28 +870,9 @@ def _elements_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def elements_within(out: torch.Tensor, inp: torch.Tensor) -> bool:
-    """Whether every element `out` views is one of `inp`'s (same storage). Symbolic sizes, or
-    storages beyond `_OVERLAP_ELEMENTS` elements outside a dense span, count as within."""
-    geometry = [v for t in (out, inp) for v in (*t.shape, *t.stride(), t.storage_offset())]
-    if not all(type(v) is int for v in geometry) or out.numel() == 0:
-        return True
-    o0 = out.storage_offset()
-    o1 = o0 + _extent(out.shape, out.stride())
-    i0 = inp.storage_offset()
-    i1 = i0 + _extent(inp.shape, inp.stride())
-    if o0 < i0 or o1 > i1:
-        return False
-    from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
-
-    if dense(inp):
-        return True  # a dense tensor holds every element of its span
-    if i1 > _OVERLAP_ELEMENTS:
-        return True
-    with torch._subclasses.fake_tensor.unset_fake_temporarily():
-        index = torch.arange(i1)
-        held = torch.zeros(i1, dtype=torch.bool)
-        held[index.as_strided(inp.shape, inp.stride(), i0)] = True
-        return bool(held[index.as_strided(out.shape, out.stride(), o0)].all())
+    """Whether every element `out` views is one of `inp`'s (same storage); True where
+    `_written_outside` cannot tell (symbolic sizes)."""
+    return not _written_outside(out, [inp])
 
 
 def _written_outside(w: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
