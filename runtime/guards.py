@@ -18,9 +18,14 @@ alias regeneration depend on. The tree structure of the arguments is covered by 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
+
+try:
+    from torch._C._dynamo.guards import TensorGuards
+except ImportError:  # a torch without Dynamo's C guards
+    TensorGuards = None
 
 Tensor = torch.Tensor
 
@@ -89,12 +94,14 @@ def signature_check(signature: tuple[Any, ...]) -> Callable[[Sequence[object]], 
 
 
 def _signature_conditions(
-    signature: tuple[Any, ...], exact: int
+    signature: tuple[Any, ...], exact: int, tensor_check: Callable[..., bool] | None = None
 ) -> tuple[int, list[str], dict[str, object]] | None:
     """(number of leaves, the conditions on l0, l1, ... that hold iff the key of the leaves
     equals `signature`, their names), or None (shared storage, autocast). The first `exact`
     leaves are checked to be exactly `torch.Tensor` rather than an instance of it (callers that
-    know the call's key requires so, see Note [Fused guard and call])."""
+    know the call's key requires so, see Note [Fused guard and call]); `tensor_check`, when
+    given, checks those leaves' type, dtype, device, shape, strides and requires_grad in one C
+    call (Note [Tensor checks in C])."""
     parts, pattern, grad_enabled, autocast = signature
     if pattern is not None or autocast is not None:
         return None
@@ -107,10 +114,17 @@ def _signature_conditions(
     }
     conds: list[str] = []
     tensors: list[str] = []
+    if tensor_check is not None:
+        namespace["tensor_check"] = tensor_check
+        conds.append(f"tensor_check({''.join(f'l{i}, ' for i in range(exact))})")
     for i, part in enumerate(parts):
         leaf = f"l{i}"
         if len(part) == 6 and isinstance(part[0], torch.dtype):
             dtype, device, shape, stride, requires_grad, is_leaf = part
+            tensors.append(leaf)
+            if tensor_check is not None and i < exact:
+                conds.append(f"{leaf}.is_leaf is {bool(is_leaf)}")
+                continue
             namespace[f"c{i}_dtype"], namespace[f"c{i}_device"] = dtype, device
             namespace[f"c{i}_shape"], namespace[f"c{i}_stride"] = shape, stride
             conds += [
@@ -122,7 +136,6 @@ def _signature_conditions(
                 f"{leaf}.requires_grad is {bool(requires_grad)}",
                 f"{leaf}.is_leaf is {bool(is_leaf)}",
             ]
-            tensors.append(leaf)
         elif i < exact:  # a plain-tensor call cannot have this leaf
             conds.append("False")
         elif part[0] is slice:
@@ -143,6 +156,49 @@ def _signature_conditions(
     conds.append("not any_autocast()")
     conds.append("not functorch_active()")  # Note [Calls after a guard hit] in fastpath.py
     return n, conds, namespace
+
+
+# Note [Tensor checks in C]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# In a probe, the five Python conditions per tensor (dtype, device, shape, strides,
+# requires_grad) each read a property into a fresh Python object: on the tiny training step of
+# bench/overhead.py (two tensors) they were ~3,500 of its ~217,000 instructions (callgrind). Dynamo keeps the same checks
+# in C++: `torch._C._dynamo.guards.TensorGuards`, built from example tensors and the expected
+# sizes and strides, checks a tuple of tensors' exact Python type, dispatch keys (device type,
+# and the conjugate/negative bits and layouts the key does not even hold), dtype, device index,
+# requires_grad, sizes and strides in one call. So a probe for a call of plain tensors (the
+# `exact` leaves) checks them with one TensorGuards built from the call that made the probe,
+# and keeps only `is_leaf` in Python. It checks at least what the key covers, so a passing check
+# still proves the key; it also fails where the key would not (a conjugate view, or a call
+# under a dispatch mode whose keys the thread adds, which the check compares): such calls take
+# the key path, as any probe miss does. The check is built only in a call with no dispatch mode
+# or functorch transform active (it keeps the thread's dispatch keys of the call that built it),
+# and only if it passes on the leaves that made the probe and rejects a changed copy of them;
+# otherwise (or if this torch has no such class) the Python conditions stay.
+# tests/runtime/test_guard_check.py compares the probe with key equality over many changes.
+
+
+def _tensor_check(
+    signature: tuple[Any, ...], leaves: Sequence[object]
+) -> Callable[..., bool] | None:
+    """A C check of `leaves` (plain tensors with the geometry `signature` gives them), see Note
+    [Tensor checks in C]; None where it cannot be built or does not behave."""
+    if TensorGuards is None or not leaves or not all(type(t) is Tensor for t in leaves):
+        return None
+    if torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active():
+        return None  # the check would keep this call's dispatch keys: build it in a plain call
+    parts = signature[0]
+    try:
+        sizes = [list(p[2]) for p in parts[: len(leaves)]]
+        strides = [list(p[3]) for p in parts[: len(leaves)]]
+        guards = TensorGuards(*leaves, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
+        check = guards.check
+        changed = [*leaves[:-1], cast(Tensor, leaves[-1]).unsqueeze(0)]
+        if check(*leaves) is not True or check(*changed) is not False:
+            return None
+    except Exception:  # an older or changed TensorGuards: keep the Python conditions
+        return None
+    return check  # type: ignore[no-any-return]
 
 
 class _Miss:
@@ -196,11 +252,14 @@ def make_probe(
     entry: Any,
     state: tuple[list[str], dict[str, object]] | None = None,
     exact: int = 0,
+    leaves: Sequence[object] | None = None,
 ) -> Callable[[Sequence[object]], object] | None:
     """The fused guard and call of Note [Fused guard and call] for `entry` (a CompiledEntry)
     under `signature`, with the state guard's inline lines (`StateGuard.inline()`); None when
-    the signature has no generated check."""
-    found = _signature_conditions(signature, exact)
+    the signature has no generated check. `leaves`: a call's leaves that have `signature`, for
+    the C check of the exact leaves (Note [Tensor checks in C])."""
+    check = _tensor_check(signature, leaves[:exact]) if leaves is not None and exact else None
+    found = _signature_conditions(signature, exact, check)
     if found is None:
         return None
     n, conds, namespace = found
@@ -303,6 +362,7 @@ def remember_probe(
     entry: Any,
     state: Any = None,
     arity_extra: bool = False,
+    leaves: Sequence[object] | None = None,
 ) -> tuple[object, Callable[[Sequence[object]], object]] | None:
     """The dispatchers' "last entry" record for `key` = (extra, signature): (extra, its fused
     probe), or None when the signature has no check (see Note [Fused guard and call]). `state`:
@@ -314,6 +374,6 @@ def remember_probe(
         extra = key[0]
         exact = extra if arity_extra and type(extra) is int else 0
         inline = state.inline() if state is not None else None
-        probes[pkey] = make_probe(key[1], entry, inline, exact)  # type: ignore[arg-type]
+        probes[pkey] = make_probe(key[1], entry, inline, exact, leaves)  # type: ignore[arg-type]
     probe = probes[pkey]
     return (key[0], probe) if probe is not None else None

@@ -308,13 +308,14 @@ class GuardedDispatcher:
         elif link.shape is not None and not link.shape(leaves):
             link = self._miss(key, leaves)
         if not self._symbolic:
-            self._remember(key, link)
+            self._remember(key, link, leaves)
         return link.entry.call(leaves)  # type: ignore[attr-defined]
 
-    def _remember(self, key: tuple[object, ...], link: _Link) -> None:
-        """Make `link` the one checked first (its check is generated once per key)."""
+    def _remember(self, key: tuple[object, ...], link: _Link, leaves: list[object]) -> None:
+        """Make `link` the one checked first (its check is generated once per key, `leaves` are
+        the call's that made it)."""
         self._last = last = remember_probe(
-            self._probes, key, link.entry, link.guard, arity_extra=True
+            self._probes, key, link.entry, link.guard, arity_extra=True, leaves=leaves
         )
         extra = key[0]
         plain = last is not None and type(extra) is int and extra == len(key[1][0])  # type: ignore[index]

@@ -213,6 +213,52 @@ def test_probe_runs_the_entry_exactly_when_the_check_passes():
     assert checked > 1000
 
 
+def test_probe_with_the_c_tensor_check_runs_exactly_when_the_key_matches():
+    """Note [Tensor checks in C]: a probe built from a call's leaves checks its leading plain
+    tensors in one C call; it still runs the entry exactly when the key would match."""
+    checked = with_c_check = 0
+    for sig, sig_leaves, leaves, call_state in _signature_pairs():
+        exact = next(
+            (i for i, t in enumerate(sig_leaves) if type(t) is not torch.Tensor), len(sig_leaves)
+        )
+        if not exact:
+            continue
+        entry = _Entry()
+        probe = make_probe(sig, entry, None, exact, sig_leaves)
+        if probe is None:
+            assert signature_check(sig) is None
+            continue
+        with_c_check += "tensor_check(" in probe.__aotc_source__
+        with call_state():
+            want = signature_key(leaves) == sig and all(
+                type(t) is torch.Tensor for t in leaves[:exact]
+            )
+            got = probe(leaves)
+        assert (got is not MISS) == want, (sig_leaves, leaves, exact)
+        assert entry.seen == ([leaves] if want else [])
+        checked += 1
+    assert checked > 500 and with_c_check == checked
+
+
+def test_c_tensor_check_refuses_what_the_key_does_not_hold():
+    """The C check compares dispatch keys too: a conjugate view of a complex input misses the
+    probe (the key path then decides), and the compiled function still matches eager."""
+    x = torch.randn(3, dtype=torch.complex64)
+    sig = signature_key([x])
+    entry = _Entry()
+    probe = make_probe(sig, entry, None, 1, [x])
+    assert "tensor_check(" in probe.__aotc_source__
+    assert probe([torch.randn(3, dtype=torch.complex64)]) is not MISS
+    assert probe([x.conj()]) is MISS
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        return (t * 2).abs()
+
+    compiled = aotc.compile(f, capture="trace")
+    for arg in (x, x.conj(), x, x.conj()):
+        torch.testing.assert_close(compiled(arg), f(arg))
+
+
 def test_probe_checks_the_state_guard_after_the_signature():
     x, w = torch.randn(3), torch.randn(3, requires_grad=True)
     box = {"k": 2.0, "mod": "a"}
