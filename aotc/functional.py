@@ -757,19 +757,34 @@ def _unexpanded(target: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
     of target's base without the expand, when target is its base expanded (new leading dims,
     size-1 dims broadcast): functionalization replays a write through an expand as base +
     sum(new - old) over the expanded dims, which cancels (1e35 + (2 - 1e35) is 0; fuzz seed
-    19294); through `unsqueeze` it is exact. Else `dest` itself."""
+    19294); through `unsqueeze` (or, for a contiguous block of a contiguous base, a flat slice)
+    it is exact. Else `dest` itself."""
     root = target._base
-    if root is None or target.dim() < root.dim():
+    if root is None:
         return dest
-    alt = root
-    for _ in range(target.dim() - root.dim()):
-        alt = alt.unsqueeze(0)
-    same = (
-        tuple(alt.shape) == tuple(dest.shape)
-        and alt.storage_offset() == dest.storage_offset()
-        and all(a == d for n, a, d in zip(alt.shape, alt.stride(), dest.stride()) if n != 1)
-    )
-    return alt if same else dest
+
+    def same(alt: torch.Tensor) -> bool:
+        return (
+            tuple(alt.shape) == tuple(dest.shape)
+            and alt.storage_offset() == dest.storage_offset()
+            and all(a == d for n, a, d in zip(alt.shape, alt.stride(), dest.stride()) if n != 1)
+        )
+
+    if target.dim() >= root.dim():
+        alt = root
+        for _ in range(target.dim() - root.dim()):
+            alt = alt.unsqueeze(0)
+        if same(alt):
+            return alt
+    # A contiguous block of a contiguous base (`x.view(-1).expand(2, -1)`, fuzz seed 23122):
+    # the base flattened, sliced and viewed as dest, all replayed exactly.
+    if root.is_contiguous() and dest.is_contiguous():
+        start = dest.storage_offset() - root.storage_offset()
+        if 0 <= start and start + dest.numel() <= root.numel():
+            alt = root.view(-1)[start : start + dest.numel()].view(dest.shape)
+            if same(alt):
+                return alt
+    return dest
 
 
 def _keep_strides(

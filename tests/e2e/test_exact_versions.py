@@ -437,6 +437,12 @@ def _masked_fill_of_an_expanded_large_value(a0):  # fuzz campaign 2026-11-27, 19
     return (v5,)
 
 
+def _fill_of_an_expanded_flat_view(a0, a1, a2):  # fuzz campaign 2026-11-27, 23122
+    a2.expand(2, *a2.shape).fill_(1.0)  # a2 = x.view(-1): one element off by a rounding
+    a1.expand(2, *a1.shape).masked_fill_(a1.expand(2, *a1.shape) > 0, 2.0)
+    return (a2.double(),)
+
+
 def _no_grad_view_of_a_leaf_made_a_leaf(a0):  # fuzz campaign 2026-11-27, 16082
     with torch.set_grad_enabled(False):
         v1 = a0.narrow(0, 1, 2)  # a0 requires grad; the view does not
@@ -576,6 +582,13 @@ PROGRAMS = {
     "masked_fill_of_an_expanded_large_value": (
         _masked_fill_of_an_expanded_large_value,
         lambda: [torch.randn((4, 3), dtype=torch.float64, requires_grad=True).t()],
+        [],
+    ),
+    "fill_of_an_expanded_flat_view": (
+        _fill_of_an_expanded_flat_view,
+        lambda: (lambda x: [torch.randn((2, 3), requires_grad=True), x[2], x.view(-1)])(
+            torch.randn((3, 2, 4)) * 1e8  # large: base + (1 - base) rounds to 0
+        ),
         [],
     ),
     "split_view_and_an_equal_value": (
