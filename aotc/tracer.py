@@ -168,6 +168,7 @@ def trace_joint(
         # Saved values go through identity hooks: see Note [Traces under torch.func].
         try:
             with (
+                _lstm_trainable(training),
                 transform_state(),
                 user_errors("joint trace", eager_ran=True),
                 recording(),
@@ -178,7 +179,12 @@ def trace_joint(
             if not refused_by_functorch(e):
                 raise
             hooked = False
-            with transform_state(), user_errors("joint trace", eager_ran=True), recording():
+            with (
+                _lstm_trainable(training),
+                transform_state(),
+                user_errors("joint trace", eager_ran=True),
+                recording(),
+            ):
                 module = make_fx(joint, record_stack_traces=True)(*primals, *tangents)
         recorder.annotate(module)
 
@@ -192,6 +198,24 @@ def trace_joint(
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def _lstm_trainable(training: bool) -> AbstractContextManager[object]:
+    """See Note [LSTM layers in a training trace]."""
+    return torch.backends.mkldnn.flags(enabled=False) if training else contextlib.nullcontext()
+
+
+# Note [LSTM layers in a training trace]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# While make_fx traces, `aten.lstm` runs torch's Python decomposition, which picks oneDNN's
+# inference-only layer (`mkldnn_rnn_layer(..., train=False)`, no workspace) whenever oneDNN is
+# enabled, the tensors are CPU float and the *input* needs no gradient, even when the weights do.
+# Its autograd formula then records a backward that needs the workspace the layer never made:
+# the compiled backward failed ("Expected a proper Tensor but got None ... 'workspace'"). Eager
+# calls the layer with train=True. A training trace therefore runs with oneDNN disabled, so the
+# decomposition unrolls the layer into plain ops (matmuls and pointwise gates) that the joint
+# graph differentiates; nothing else the trace records reads that flag (the graphs still run
+# oneDNN kernels where ATen picks them at run time). Inference traces keep the oneDNN layer.
 
 
 # Note [Saved values changed in place]
@@ -279,10 +303,9 @@ def _flatten_output(
         if not raws and k in detached and _is_static(value):
             continue  # returned as the view: the epilogue detaches it
         with graph.inserting_before(out):
-            if (
-                raws
-                and _is_static(value)
-                and all(_is_static(flat[r]) and _retakeable(value, flat[r]) for r in raws)  # type: ignore[arg-type]
+            if _is_static(value) and all(
+                _is_static(flat[r]) and _retakeable(value, flat[r])  # type: ignore[arg-type]
+                for r in raws
             ):
                 flat[k], moved = _fresh_copy(graph, value, [flat[r] for r in raws])  # type: ignore[misc]
                 for r, node in zip(raws, moved):
@@ -308,7 +331,9 @@ def _flatten_output(
 # the caller write `out.add_(1)`, autograd would refuse. So such an output is returned as a
 # fresh tensor with the same sizes and strides (`empty_strided` + `copy`), and the graph's own
 # views of it that the epilogue reads geometry from are re-taken off that copy with `as_strided`
-# at the same offsets relative to it. (With symbolic sizes it is a `clone`, as before.)
+# at the same offsets relative to it. A view with no such views gets the same copy (a `clone`
+# would make `a.t().add(1)[0].detach().requires_grad_()` contiguous, eager keeps its stride;
+# fuzz seed 23840). (With symbolic sizes it is a `clone`, as before.)
 # A fresh output that needs no gradient and has no such views is not returned through autograd
 # at all: it stays the graph's view (`a.neg().diagonal().detach()` keeps eager's strides and
 # storage: a copy would come back contiguous), and the epilogue detaches it (`OutputStep.detach`),

@@ -443,6 +443,11 @@ def _fill_of_an_expanded_flat_view(a0, a1, a2):  # fuzz campaign 2026-11-27, 231
     return (a2.double(),)
 
 
+def _strided_view_made_a_new_leaf(a0):  # fuzz campaign 2026-11-27, 23840
+    v1 = (a0 + 1.0)[0]  # a0 transposed: the row has stride 3, and so has eager's leaf
+    return (v1.detach().requires_grad_(),)
+
+
 def _no_grad_view_of_a_leaf_made_a_leaf(a0):  # fuzz campaign 2026-11-27, 16082
     with torch.set_grad_enabled(False):
         v1 = a0.narrow(0, 1, 2)  # a0 requires grad; the view does not
@@ -582,6 +587,11 @@ PROGRAMS = {
     "masked_fill_of_an_expanded_large_value": (
         _masked_fill_of_an_expanded_large_value,
         lambda: [torch.randn((4, 3), dtype=torch.float64, requires_grad=True).t()],
+        [],
+    ),
+    "strided_view_made_a_new_leaf": (
+        _strided_view_made_a_new_leaf,
+        lambda: [torch.randn((4, 3)).t()],
         [],
     ),
     "fill_of_an_expanded_flat_view": (

@@ -404,3 +404,26 @@ def test_assigning_grad_inside_is_refused():
     with pytest.raises(aotc.UnsupportedError, match="assigns .grad"):
         aotc.compile(zero, capture="trace")()  # the default mode runs it (test_capture_dynamo)
     assert model.weight.grad is not None
+
+
+class TwoLayerLSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 8, num_layers=2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        out, (h, c) = self.lstm(x)
+        return self.head(out[:, -1]), h  # c unused: its gradient is absent
+
+
+@pytest.mark.parametrize("capture", ["trace", "dynamo"])
+def test_lstm_trains_like_eager(capture):
+    """Note [LSTM layers in a training trace]: the strict trace's backward needed a oneDNN
+    workspace the traced layer never made (the input needs no gradient, the weights do)."""
+    assert_module_matches_eager(TwoLayerLSTM, lambda: (torch.randn(3, 5, 4),), capture=capture)
+    with torch.no_grad():  # an inference trace (keeps oneDNN's layer)
+        model = TwoLayerLSTM()
+        x = torch.randn(3, 5, 4)
+        got = aotc.compile(model, capture=capture)(x)
+        torch.testing.assert_close(got, model(x))
