@@ -22,6 +22,9 @@ from typing import Any, cast
 
 import torch
 
+# Dynamo's C tensor checks (Note [Tensor checks in C]); typed Any: torch's stub declares the
+# per-tensor size lists flat, the class takes one list per tensor.
+TensorGuards: Any
 try:
     from torch._C._dynamo.guards import TensorGuards
 except ImportError:  # a torch without Dynamo's C guards
