@@ -330,6 +330,11 @@ class CompiledFunction:
                 out = fn(*args, **kwargs)
             return _flatten_output(out)
 
+        # See Note [State during the traced backward] in aotc/tracer.py
+        program.aotc_backward_state = lambda user_leaves: swapped(  # type: ignore[attr-defined]
+            lifted, user_leaves[num_user:]
+        )
+
         n = self._history.count + 1
         progress.info("aotc: compiling %s (signature %d) ...", self._name, n)
         start = time.perf_counter()

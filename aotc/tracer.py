@@ -44,6 +44,7 @@ from typing import cast
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from aotc.functional import (
     FlatProgram,
@@ -68,6 +69,7 @@ from aotc.passes.descriptors import (
 from aotc.passes.ir import JointGraph
 from aotc.provenance import Recorder, recording
 from aotc.runtime.convention import apply_convention, expand_graph_args
+from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.schema import (
     CallingConvention,
     FwdOut,
@@ -102,9 +104,12 @@ def trace_joint(
     tangent_outs = [FwdOut(k) for k, needs in enumerate(plan.needs_tangent) if needs]
     recorder = Recorder()  # See Note [Node provenance] in aotc/provenance.py
 
+    ran: list[list[object]] = []  # the leaves the program ran on (for the backward's state)
+
     def run_program(primals: list[torch.Tensor]) -> list[object]:
         user_args = [p.clone() if g in clone_args else p for g, p in enumerate(primals)]
         user_leaves = expand_graph_args(convention, user_args, constants)
+        ran[:] = [user_leaves]
         outs, _ = program(user_leaves)
         fwd = [outs[j] for j in plan.user_outs]
         fwd += [user_args[g] for g in plan.mutated_args]
@@ -135,8 +140,15 @@ def trace_joint(
                 take = [i for i, k in enumerate(tangent_outs) if hooked or k not in refused]
                 diff = [cast(torch.Tensor, fwd[tangent_outs[i]]) for i in take]
                 wrt = [g for g, p in enumerate(primals) if p.requires_grad]
+                # See Note [State during the traced backward]
+                around = getattr(program, "aotc_backward_state", None)
                 if diff and wrt:
-                    with torch.enable_grad(), recorder.backward(diff):
+                    with (
+                        torch.enable_grad(),
+                        recorder.backward(diff),
+                        around(ran[0]) if around is not None else contextlib.nullcontext(),
+                        _NoRandomInBackward(),
+                    ):
                         got = torch.autograd.grad(
                             diff,
                             [primals[g] for g in wrt],
@@ -198,6 +210,35 @@ def trace_joint(
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+class _NoRandomInBackward(TorchDispatchMode):
+    """Refuses a random op that the traced backward runs (Note [State during the traced
+    backward])."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            raise UnsupportedError(
+                f"joint trace: the backward runs the random op {func} again (activation "
+                "checkpointing around dropout or another random op). Eager's recomputation "
+                "restores the random generator's state to draw the same numbers; a compiled "
+                "backward cannot. Use the default capture mode (aotc.compile without "
+                "capture='trace'), or keep random ops outside the checkpointed function."
+            )
+        return func(*args, **(kwargs or {}))
+
+
+# Note [State during the traced backward]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The program reads module parameters and other lifted state through their locations, which hold
+# the trace's values only while the program runs (`swapped`, aotc/lifting.py). Activation
+# checkpointing (`torch.utils.checkpoint`, non-reentrant) runs part of the program again inside
+# the backward, where it read the user's real parameters instead and the trace refused them. A
+# program that lifts state sets `aotc_backward_state(leaves)`, a context that puts the same
+# values back for the traced backward (aotc/api.py), so the recomputation reads what the forward
+# read, as eager's does. A random op the backward runs (dropout inside a checkpointed function)
+# is refused: eager's recomputation restores the generator's state and draws the forward's
+# numbers again, the compiled backward would draw new ones (and move the generator).
 
 
 def _lstm_trainable(training: bool) -> AbstractContextManager[object]:

@@ -427,3 +427,40 @@ def test_lstm_trains_like_eager(capture):
         x = torch.randn(3, 5, 4)
         got = aotc.compile(model, capture=capture)(x)
         torch.testing.assert_close(got, model(x))
+
+
+class CheckpointedBlocks(nn.Module):
+    def __init__(self, p: float = 0.0) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.drop = nn.Dropout(p)
+        self.b = nn.Linear(8, 4)
+
+    def block(self, t):
+        return self.b(self.drop(self.a(t).relu()))
+
+    def forward(self, x):
+        y = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+        return torch.utils.checkpoint.checkpoint(
+            lambda t: self.block(t).tanh(), y, use_reentrant=False
+        )
+
+
+@pytest.mark.parametrize("capture", ["trace", "dynamo"])
+def test_activation_checkpointing_trains_like_eager(capture):
+    """Note [State during the traced backward]: the recomputation in the backward reads the
+    module's parameters (strict mode read the real ones and refused)."""
+    assert_module_matches_eager(
+        CheckpointedBlocks, lambda: (torch.randn(5, 4, requires_grad=True),), capture=capture
+    )
+
+
+def test_checkpointed_dropout_replays_eager_in_default_mode_and_is_refused_in_strict():
+    """Eager's recomputation redraws the forward's dropout mask from a restored generator
+    state; a compiled backward cannot, so strict mode refuses (it gave other gradients)."""
+    assert_module_matches_eager(
+        lambda: CheckpointedBlocks(0.25), lambda: (torch.randn(5, 4, requires_grad=True),)
+    )
+    model = aotc.compile(CheckpointedBlocks(0.25), capture="trace")
+    with pytest.raises(aotc.UnsupportedError, match="random op .* again"):
+        model(torch.randn(5, 4, requires_grad=True)).sum().backward()
