@@ -331,8 +331,10 @@ class CompiledFunction:
             return _flatten_output(out)
 
         # See Note [State during the traced backward] in aotc/tracer.py
-        program.aotc_backward_state = lambda user_leaves: swapped(  # type: ignore[attr-defined]
-            lifted, user_leaves[num_user:]
+        program.aotc_backward_state = (
+            lambda user_leaves: swapped(  # type: ignore[attr-defined]
+                lifted, user_leaves[num_user:]
+            )
         )
 
         n = self._history.count + 1
