@@ -15,6 +15,7 @@ import threading
 import time
 import types
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Never, TypedDict, Unpack, cast, overload
 
 import torch
@@ -330,12 +331,11 @@ class CompiledFunction:
                 out = fn(*args, **kwargs)
             return _flatten_output(out)
 
-        # See Note [State during the traced backward] in aotc/tracer.py
-        program.aotc_backward_state = (
-            lambda user_leaves: swapped(  # type: ignore[attr-defined]
-                lifted, user_leaves[num_user:]
-            )
-        )
+        def backward_state(user_leaves: list[object]) -> AbstractContextManager[None]:
+            """See Note [State during the traced backward] in aotc/tracer.py."""
+            return swapped(lifted, user_leaves[num_user:])
+
+        program.aotc_backward_state = backward_state  # type: ignore[attr-defined]
 
         n = self._history.count + 1
         progress.info("aotc: compiling %s (signature %d) ...", self._name, n)
