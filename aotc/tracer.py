@@ -44,7 +44,6 @@ from typing import cast
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from aotc.functional import (
     FlatProgram,
@@ -147,7 +146,6 @@ def trace_joint(
                         torch.enable_grad(),
                         recorder.backward(diff),
                         around(ran[0]) if around is not None else contextlib.nullcontext(),
-                        _NoRandomInBackward(),
                     ):
                         got = torch.autograd.grad(
                             diff,
@@ -199,6 +197,7 @@ def trace_joint(
             ):
                 module = make_fx(joint, record_stack_traces=True)(*primals, *tangents)
         recorder.annotate(module)
+        _refuse_random_in_backward(module, recorder.forward_names)
 
     inputs: tuple[InputDesc, ...] = tuple(PrimalInput(GraphArg(g)) for g in range(num_primals))
     inputs += tuple(TangentInput(k) for k in tangent_outs) if training else ()
@@ -212,20 +211,27 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class _NoRandomInBackward(TorchDispatchMode):
-    """Refuses a random op that the traced backward runs (Note [State during the traced
-    backward])."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+def _refuse_random_in_backward(
+    module: torch.fx.GraphModule, forward: frozenset[str] | None
+) -> None:
+    """Refuses a random op the traced backward runs (Note [State during the traced backward]):
+    nodes the backward added are those not in `forward` (the graph's names when it began)."""
+    if forward is None:
+        return
+    for node in module.graph.nodes:
+        target = node.target
+        if (
+            node.op == "call_function"
+            and node.name not in forward
+            and torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+        ):
             raise UnsupportedError(
-                f"joint trace: the backward runs the random op {func} again (activation "
+                f"joint trace: the backward runs the random op {target} again (activation "
                 "checkpointing around dropout or another random op). Eager's recomputation "
                 "restores the random generator's state to draw the same numbers; a compiled "
                 "backward cannot. Use the default capture mode (aotc.compile without "
                 "capture='trace'), or keep random ops outside the checkpointed function."
             )
-        return func(*args, **(kwargs or {}))
 
 
 # Note [State during the traced backward]
