@@ -443,6 +443,13 @@ def _fill_of_an_expanded_flat_view(a0, a1, a2):  # fuzz campaign 2026-11-27, 231
     return (a2.double(),)
 
 
+def _unbind_view_of_a_tensor_given_grad_later(a0, a1, a2):  # fuzz 2026-11-27, 24265
+    v0 = torch.rand_like(a2)
+    v1 = v0.unbind(0)[0]  # made without a node: v0 did not require grad yet
+    v0.copy_(a2)  # now it does; reading v1.grad_fn raises eager's "created in no_grad mode"
+    return (v1,)
+
+
 def _strided_view_made_a_new_leaf(a0):  # fuzz campaign 2026-11-27, 23840
     v1 = (a0 + 1.0)[0]  # a0 transposed: the row has stride 3, and so has eager's leaf
     return (v1.detach().requires_grad_(),)
@@ -587,6 +594,15 @@ PROGRAMS = {
     "masked_fill_of_an_expanded_large_value": (
         _masked_fill_of_an_expanded_large_value,
         lambda: [torch.randn((4, 3), dtype=torch.float64, requires_grad=True).t()],
+        [],
+    ),
+    "unbind_view_of_a_tensor_given_grad_later": (
+        _unbind_view_of_a_tensor_given_grad_later,
+        lambda: [
+            torch.randn((4, 3)).t(),
+            torch.randn((2, 3, 4), requires_grad=True) * 1.0,
+            torch.randn((3, 1, 2), dtype=torch.float64, requires_grad=True),
+        ],
         [],
     ),
     "strided_view_made_a_new_leaf": (
