@@ -316,10 +316,30 @@ def build_outputs(
                 root = roots[s.source]
                 if root is None:
                     root = roots[s.source] = _materialize(plan.roots[s.source], leaves, fwd_outs)
-                result[j] = root if s.geometry is None else _view(root, s.geometry, s)
+                if s.geometry is None:
+                    result[j] = root
+                elif s.stale_view and plan.roots[s.source].source is RootSource.INPUT:
+                    result[j] = _stale_view_of_input_alias(root, s.geometry, s)
+                else:
+                    result[j] = _view(root, s.geometry, s)
             case OutputKind.NOT_TENSOR:
                 result[j] = s.constant
     return result
+
+
+def _stale_view_of_input_alias(root: torch.Tensor, g: Geometry, s: OutputStep) -> torch.Tensor:
+    """A stale view (OutputStep.stale_view) of a detached alias of an input. The alias shares
+    the input's version counter, which the mutations already set to eager's: a bump after the
+    view is made would count eager's write twice (fuzz seed 24612). The view is made one version
+    earlier instead, then the counter goes back."""
+    version = root._version
+    if version == 0:
+        return _view(root, g, s)
+    _set_versions((root,), (version - 1,))
+    try:
+        return _view(root, g, s, bump=False)
+    finally:
+        _set_versions((root,), (version,))
 
 
 def _materialize(

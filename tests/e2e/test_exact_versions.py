@@ -450,6 +450,15 @@ def _unbind_view_of_a_tensor_given_grad_later(a0, a1, a2):  # fuzz 2026-11-27, 2
     return (v1,)
 
 
+def _no_grad_view_of_a_detached_leaf_then_written(a0):  # fuzz 2026-11-27, 24612
+    v0 = a0.unsqueeze(0)
+    v1 = v0.detach().requires_grad_()  # shares a0's version counter
+    with torch.set_grad_enabled(False):
+        v3 = v1.diagonal()
+        v0.sigmoid_()  # one write: a0's version moves by 1, v3 goes stale
+    return (v3,)
+
+
 def _strided_view_made_a_new_leaf(a0):  # fuzz campaign 2026-11-27, 23840
     v1 = (a0 + 1.0)[0]  # a0 transposed: the row has stride 3, and so has eager's leaf
     return (v1.detach().requires_grad_(),)
@@ -603,6 +612,11 @@ PROGRAMS = {
             torch.randn((2, 3, 4), requires_grad=True) * 1.0,
             torch.randn((3, 1, 2), dtype=torch.float64, requires_grad=True),
         ],
+        [],
+    ),
+    "no_grad_view_of_a_detached_leaf_then_written": (
+        _no_grad_view_of_a_detached_leaf_then_written,
+        lambda: [torch.randn((4, 1), requires_grad=True) * 1.0],
         [],
     ),
     "strided_view_made_a_new_leaf": (
