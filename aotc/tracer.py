@@ -103,12 +103,12 @@ def trace_joint(
     tangent_outs = [FwdOut(k) for k, needs in enumerate(plan.needs_tangent) if needs]
     recorder = Recorder()  # See Note [Node provenance] in aotc/provenance.py
 
-    ran: list[list[object]] = []  # the leaves the program ran on (for the backward's state)
+    ran: list[object] = []  # the leaves the program last ran on (for the backward's state)
 
     def run_program(primals: list[torch.Tensor]) -> list[object]:
         user_args = [p.clone() if g in clone_args else p for g, p in enumerate(primals)]
         user_leaves = expand_graph_args(convention, user_args, constants)
-        ran[:] = [user_leaves]
+        ran[:] = user_leaves
         outs, _ = program(user_leaves)
         fwd = [outs[j] for j in plan.user_outs]
         fwd += [user_args[g] for g in plan.mutated_args]
@@ -145,7 +145,7 @@ def trace_joint(
                     with (
                         torch.enable_grad(),
                         recorder.backward(diff),
-                        around(ran[0]) if around is not None else contextlib.nullcontext(),
+                        around(ran) if around is not None else contextlib.nullcontext(),
                     ):
                         got = torch.autograd.grad(
                             diff,
