@@ -143,3 +143,12 @@ __all__ = [
     "inspect",
     "load",
 ]
+
+
+def _skip_own_frames() -> None:
+    from aotc.dynamo_skip import skip_own_frames
+
+    skip_own_frames()
+
+
+_skip_own_frames()  # Note [aotc frames under Dynamo] in aotc/dynamo_skip.py

@@ -48,7 +48,7 @@ from aotc.runtime.stateguard import (
     StateGuard,
 )
 from aotc.runtime.wrappers import COMPILE_LOCK, CompiledEntry
-from aotc.strict import build_state_guard, warn_side_effects
+from aotc.strict import build_state_guard, report_side_effects
 from aotc.symbolic import (
     check_static_geometry,
     guard_expression,
@@ -116,6 +116,8 @@ class CompiledFunction:
         self._ran_eagerly = False  # the last call that needed a compilation ran eagerly
         self._warned_transform = False  # logged a call under a torch.func transform
         self._gen = self._generation(lifted)
+        # See Note [Modules and optimizers as arguments]: (positions, names, ids) -> function
+        self._with_objects: dict[tuple[object, ...], CompiledFunction] = {}
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -136,6 +138,9 @@ class CompiledFunction:
             leaves: list[object] = list(args)
             spec: object = len(args)
         else:
+            bound = self._objects_bound(args, kwargs)
+            if bound is not None:
+                return bound
             leaves, spec = pytree.tree_flatten((args, kwargs))
         gen = self._gen
         if gen.read is not None:
@@ -148,6 +153,50 @@ class CompiledFunction:
             return gen.dispatch.run(leaves, extra)
         except (Retry, StateCreated) as e:
             return self._recover(e, args, kwargs, 0)
+
+    def _objects_bound(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """See Note [Modules and optimizers as arguments]: the call's result through the compiled
+        function with this call's module and optimizer arguments bound, or None if it has none."""
+        positions = tuple(i for i, a in enumerate(args) if isinstance(a, _BOUND_TYPES))
+        names = tuple(k for k, v in kwargs.items() if isinstance(v, _BOUND_TYPES))
+        if not positions and not names:
+            return None
+        objects = tuple(args[i] for i in positions) + tuple(kwargs[k] for k in names)
+        key = (positions, names, tuple(map(id, objects)))
+        compiled = self._with_objects.get(key)
+        if compiled is None or any(a is not b for a, b in zip(compiled._fn.objects, objects)):  # type: ignore[attr-defined]
+            compiled = self._bind_objects(positions, names, objects)
+            self._with_objects[key] = compiled
+            while len(self._with_objects) > _MAX_BOUND_OBJECTS:
+                del self._with_objects[next(iter(self._with_objects))]
+        rest = tuple(a for i, a in enumerate(args) if i not in positions)
+        others = {k: v for k, v in kwargs.items() if k not in names}
+        return compiled(*rest, **others)
+
+    def _bind_objects(
+        self, positions: tuple[int, ...], names: tuple[str, ...], objects: tuple[object, ...]
+    ) -> CompiledFunction:
+        fn = self._fn
+        program = _WithObjects(fn, positions, names, objects)
+        labels = _argument_labels(fn, positions, names)
+        bound = tuple(zip(labels, objects))
+
+        def roots(recorder: Recorder) -> None:
+            self._roots(recorder)
+            for label, obj in bound:
+                recorder.track(obj, f"argument {label}")
+
+        return CompiledFunction(
+            program,
+            self._options,
+            find_free_tensors(fn, bound),
+            self._name,
+            self._extra_key,
+            self._source,
+            relift=functools.partial(find_free_tensors, fn, bound),
+            roots=roots,
+            module=self._module,
+        )
 
     def _under_transform(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call inside torch.func.grad/vmap/jvp/...: run the user's function itself."""
@@ -250,7 +299,8 @@ class CompiledFunction:
 
     @property
     def records(self) -> list[CompiledRecord]:
-        return [e.record for gen in self._gens for e in gen.dispatch.entries]  # type: ignore[attr-defined]
+        own = [e.record for gen in self._gens for e in gen.dispatch.entries]  # type: ignore[attr-defined]
+        return own + [r for c in self._with_objects.values() for r in c.records]
 
     @property
     def _dispatch(self) -> GuardedDispatcher:
@@ -259,7 +309,8 @@ class CompiledFunction:
 
     @property
     def recompile_reasons(self) -> list[str]:
-        return list(self._history.reasons)
+        own = list(self._history.reasons)
+        return own + [r for c in self._with_objects.values() for r in c.recompile_reasons]
 
     def _compile_symbolic(
         self, gen: _Generation, leaves: list[object], key: tuple[object, ...]
@@ -353,7 +404,7 @@ class CompiledFunction:
         guard = build_state_guard(recorder, lifted, self._name)
         if self._module is not None:
             guard = _with_forward_override(guard, self._module)
-        warn_side_effects(recorder)
+        report_side_effects(recorder)
         if guard is not None:
             # The state guard exists only once the compilation's runs are over, after the
             # record was built; set the text in place (replace() would decode a cache hit's
@@ -390,6 +441,78 @@ class _Generation:
 _MAX_EAGER_RUNS = 8  # eager calls of one function that created state (new param groups...)
 _MAX_RELIFTS = 4  # liftings one call may go through before giving up
 _MAX_GENERATIONS = 16  # liftings whose entries are kept
+_MAX_BOUND_OBJECTS = 8  # module/optimizer argument combinations whose compilations are kept
+_BOUND_TYPES = (torch.nn.Module, torch.optim.Optimizer)
+
+# Note [Modules and optimizers as arguments]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A training step is often written `step(model, opt, x, y)`: the model and the optimizer come in
+# as arguments, not through a closure. Their tensors (parameters, buffers, gradients, optimizer
+# state) are read by the program without being arguments themselves, so they must be lifted
+# exactly like a closure's (aotc/lifting.py), and the lifting depends on which objects the call
+# passes. A call whose top-level arguments include nn.Modules or optimizers therefore goes
+# through a compiled function of its own per combination of those objects (by identity, the
+# last `_MAX_BOUND_OBJECTS` kept): the program with the objects bound at their positions
+# (`_WithObjects`), lifted from them as roots (locations named `argument model.lin.weight`), its
+# Python state guarded from them (they are tracked like closure values), and its remaining
+# arguments keyed as usual. A module passed inside a container (a list of modules) is not bound:
+# its tensors are refused as unliftable, with the message saying so. Passing another model is
+# another combination, hence another compilation; the same model with swapped parameters is a
+# relift, as for closures. The bound objects are held by the kept compilations, as a closure
+# would hold them.
+
+
+class _WithObjects:
+    """The user's function with its module/optimizer arguments bound at their positions."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        positions: tuple[int, ...],
+        names: tuple[str, ...],
+        objects: tuple[object, ...],
+    ) -> None:
+        self.fn, self.positions, self.names, self.objects = fn, positions, names, objects
+        self.__name__ = getattr(fn, "__name__", "fn")
+        self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
+        self.__module__ = getattr(fn, "__module__", None) or __name__
+        self.__signature__ = _without_parameters(fn, positions, names)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        full = list(args)
+        k = len(self.positions)
+        for i, obj in zip(self.positions, self.objects[:k]):
+            full.insert(i, obj)
+        kwargs.update(zip(self.names, self.objects[k:]))
+        return self.fn(*full, **kwargs)
+
+
+def _argument_labels(
+    fn: Callable[..., Any], positions: tuple[int, ...], names: tuple[str, ...]
+) -> list[str]:
+    try:
+        params = list(pyinspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        params = []
+    return [params[i] if i < len(params) else f"args[{i}]" for i in positions] + list(names)
+
+
+def _without_parameters(
+    fn: Callable[..., Any], positions: tuple[int, ...], names: tuple[str, ...]
+) -> pyinspect.Signature | None:
+    try:
+        sig = pyinspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    params = [
+        p
+        for i, p in enumerate(sig.parameters.values())
+        if i not in positions and p.name not in names
+    ]
+    try:
+        return sig.replace(parameters=params)
+    except ValueError:
+        return None
 
 
 def _function_roots(fn: Callable[..., Any], recorder: Recorder) -> None:
@@ -473,6 +596,8 @@ def _mark_user_code(fn: Callable[..., Any]) -> None:
     named `forward` and of registered anchors). The hook is private to torch.fx and may be
     absent in other torch versions; then only `forward` methods get source lines."""
     register = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)
+    if isinstance(fn, _WithObjects):
+        fn = fn.fn
     target = getattr(fn, "__func__", fn)
     if register is not None and hasattr(target, "__code__"):
         register(target)

@@ -79,6 +79,9 @@ class _Capture:
         self._warned = False
         self._first_lock = threading.RLock()
         self.warm: frozenset[bool] = frozenset()  # grad modes a call has completed in
+        # See Note [Global module hooks under Dynamo]
+        self.hook_states: set[tuple[tuple[int, ...], ...] | None] = set()
+        self.warned_hooks = False
 
     def backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         """Dynamo's backend protocol (see aotc/backend.py)."""
@@ -86,6 +89,7 @@ class _Capture:
 
         sound_guards_for_this_compile()
         _run_unconvertible_frames_eagerly()
+        self.hook_states.add(_global_hook_state())  # Note [Global module hooks under Dynamo]
         with self._lock:
             reason = "; ".join(self._pending) if self._pending else None
             self._pending.clear()
@@ -263,6 +267,70 @@ def _restore_config(_args: object = None) -> None:
 
 _transforms_active = torch._C._are_functorch_transforms_active
 
+# Note [Global module hooks under Dynamo]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# `nn.modules.module.register_module_forward_hook` (and the pre/backward variants) add hooks that
+# eager runs for every module call. Dynamo traces the ones registered when it compiles into the
+# graph, but installs no guard on the global hook dicts: a hook added or removed later is
+# silently skipped or still run by the cached graph. So every compile records the global hooks
+# it saw (`_Capture.hook_states`: the hook ids of each dict), and a call goes through the
+# compiled graphs only while the global hooks are those every compile saw; otherwise it runs the
+# program eagerly, as eager would with those hooks, and says so once. The check is four dict
+# truth tests while no global hook is registered or was at a compile. A DynamoModule is itself
+# an nn.Module, so `nn.Module.__call__` would run the global hooks once more for the wrapper:
+# its `__call__` skips them there (the original module's call inside runs them, as in eager).
+_module_globals = torch.nn.modules.module
+_GLOBAL_HOOKS = tuple(
+    getattr(_module_globals, name)
+    for name in (
+        "_global_forward_pre_hooks",
+        "_global_forward_hooks",
+        "_global_backward_pre_hooks",
+        "_global_backward_hooks",
+    )
+    if isinstance(getattr(_module_globals, name, None), dict)
+)
+
+
+def _global_hook_state() -> tuple[tuple[int, ...], ...] | None:
+    """The ids of the registered global module hooks, or None when there are none."""
+    if not any(_GLOBAL_HOOKS):
+        return None
+    return tuple(tuple(d) for d in _GLOBAL_HOOKS)
+
+
+def _hooks_moved(capture: _Capture, stacklevel: int = 3) -> bool:
+    """See Note [Global module hooks under Dynamo]: True if this call must run eagerly."""
+    if not (capture.hook_states or any(_GLOBAL_HOOKS)):
+        return False
+    now = _global_hook_state()
+    if not capture.hook_states:
+        if not capture.graphs:
+            return False  # nothing compiled yet: the compile records these hooks
+        capture.hook_states = {None}  # compiled before any global hook existed
+    if capture.hook_states == {now}:
+        return False
+    if not capture.warned_hooks:
+        capture.warned_hooks = True
+        warnings.warn(
+            f"aotc: {capture.name}: the global module hooks changed since it was compiled "
+            "(nn.modules.module.register_module_forward_hook and friends); Dynamo's graphs do "
+            "not guard them, so this call and later ones run eagerly, as eager would with these "
+            "hooks. Register global hooks before the first call to keep compiled calls.",
+            stacklevel=stacklevel,
+        )
+    return True
+
+
+def _has_own_hooks(module: torch.nn.Module) -> bool:
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or getattr(module, "_compiled_call_impl", None) is not None
+    )
+
 
 def _functorch_refusal(e: RuntimeError, name: str) -> None:
     """A torch.func transform in the program refused the user's saved-tensor hooks (as in
@@ -294,6 +362,8 @@ class DynamoFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _transforms_active():  # See Note [Compiled functions under torch.func] in aotc/api.py
+            return self._fn(*args, **kwargs)
+        if _hooks_moved(self._capture):  # Note [Global module hooks under Dynamo]
             return self._fn(*args, **kwargs)
         try:
             if torch.is_grad_enabled() in self._capture.warm:
@@ -365,8 +435,17 @@ class DynamoModule(OriginalState):
         )
         self.training = module.training
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # See Note [Global module hooks under Dynamo]: the wrapper runs no global hooks itself
+        # (without hooks of its own, `nn.Module.__call__` would only call `forward`).
+        if not _has_own_hooks(self):
+            return self.forward(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if _transforms_active():  # See Note [Compiled functions under torch.func] in aotc/api.py
+            return self._orig_mod(*args, **kwargs)
+        if _hooks_moved(self._capture, 4):  # Note [Global module hooks under Dynamo]
             return self._orig_mod(*args, **kwargs)
         try:
             if torch.is_grad_enabled() in self._capture.warm:

@@ -38,6 +38,17 @@ from aotc.runtime.stateguard import Compare, Retry, StateGuard
 from aotc.runtime.symbolic import coarse_key
 
 
+def _original(obj: Any) -> Any:
+    """What an object `aotc.compile` returned was made from (export compiles it again, strict)."""
+    from aotc.capture import DynamoFunction, DynamoModule
+
+    if isinstance(obj, (CompiledModule, DynamoModule)):
+        return obj._modules["_orig_mod"]
+    if isinstance(obj, (CompiledFunction, DynamoFunction)):
+        return obj._fn
+    return obj
+
+
 def export(
     fn_or_module: Any,
     *example_args: Any,
@@ -56,6 +67,7 @@ def export(
     options.update(capture="trace", dynamic=dynamic)
     options.setdefault("cache", False)
     kwargs = dict(example_kwargs or {})
+    fn_or_module = _original(fn_or_module)
     compiled = aotc_compile(fn_or_module, **options)
     is_module = isinstance(compiled, CompiledModule)
     cf: CompiledFunction = compiled._compiled if is_module else compiled

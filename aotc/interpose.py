@@ -202,6 +202,7 @@ def _on_print(rec: Recorder, orig: Callable[..., Any], *args: Any, **kwargs: Any
         f"print() at {where} runs only while aotc traces the program (on fake tensors), "
         "never in compiled calls; it was skipped.",
         where,
+        refuse=False,
     )
     return None
 
@@ -238,8 +239,8 @@ def _on_clock(rec: Recorder, orig: Callable[..., Any], *args: Any, **kwargs: Any
     if where:
         rec.side_effect(
             f"clock at {where}",
-            f"time.{getattr(orig, '__name__', '?')}() at {where} is read once while aotc "
-            "traces the program; compiled calls reuse that value.",
+            f"the program reads the clock (time.{getattr(orig, '__name__', '?')}()) at "
+            f"{where}: a value read once while aotc traces, which compiled calls would reuse.",
             where,
         )
     return orig(*args, **kwargs)

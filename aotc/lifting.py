@@ -303,12 +303,22 @@ def module_training_flags(module: torch.nn.Module) -> Callable[[], tuple[bool, .
     return lambda: tuple(map(training, modules))  # hot path: one C-level loop
 
 
-def find_free_tensors(fn: Callable[..., object]) -> Lifted:
+def find_free_tensors(
+    fn: Callable[..., object], bound: Sequence[tuple[str, object]] = ()
+) -> Lifted:
+    """`bound`: (name, object) for the module and optimizer arguments bound into the program
+    (Note [Modules and optimizers as arguments] in aotc/api.py): walked like closure values."""
     walk = _Walk()
+    for name, value in bound:
+        _visit(value, f"argument {name}", ItemSlot(dict(bound), name), 0, walk)
     if isinstance(fn, types.MethodType) and isinstance(fn.__self__, torch.nn.Module):
         walk.grads = False
         _visit_module(fn.__self__, "self", walk)
         walk.grads = True
+        fn = fn.__func__
+    elif isinstance(fn, types.MethodType) and isinstance(fn.__self__, torch.optim.Optimizer):
+        holder = {"self": fn.__self__}  # `aotc.compile(opt.step)`: walk the optimizer
+        _visit(fn.__self__, "self", ItemSlot(holder, "self"), 0, walk)
         fn = fn.__func__
     code = getattr(fn, "__code__", None)
     if code is None:
@@ -606,7 +616,14 @@ def _check_unchanged(
             raise UnsupportedError(
                 f"the compiled function {what} {name} (to a different tensor); aotc replays "
                 "in-place updates of lifted tensors but not assignments. Update it in place "
-                "(`t.copy_(new)`), or do the assignment outside the compiled function."
+                "(`t.copy_(new)`), or do the assignment outside the compiled function"
+                + (
+                    " (`opt.zero_grad()` and `loss.backward()` assign .grad: call them outside, "
+                    "compile the forward and the optimizer step, or use the default capture "
+                    "mode, which compiles a whole training step)."
+                    if isinstance(slot, GradSlot)
+                    else "."
+                )
             )
     for container, keys in containers:
         new = [k for k in container if id(k) not in keys]

@@ -138,7 +138,7 @@ def _state(t: torch.Tensor) -> _State:
         t.requires_grad,
         is_leaf,
         Geometry(tuple(t.shape), tuple(t.stride()), t.storage_offset()),
-        t._version,
+        0 if t.is_inference() else t._version,  # inference tensors have no version counter
     )
 
 

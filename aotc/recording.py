@@ -118,7 +118,8 @@ class SlotRead:
 # state is created for real), and compiles on the next call, which then reads the state (lifted
 # if it holds tensors, guarded if not). A program that creates state again right after such an
 # eager call is refused (aotc/api.py). Changing an attribute that existed is a side effect
-# instead: undone and reported.
+# instead: undone, and the compilation refused (Note [Python side effects in strict mode]
+# in aotc/strict.py).
 
 
 class Recorder:
@@ -132,7 +133,8 @@ class Recorder:
         self.labels: dict[int, str] = {}
         self.reads: dict[tuple[int, str], AttrRead] = {}
         self.slot_reads: dict[tuple[object, ...], SlotRead] = {}
-        self.side_effects: dict[str, tuple[str, str]] = {}  # key -> (message, where)
+        # key -> (message, where, refuse): see Note [Python side effects in strict mode]
+        self.side_effects: dict[str, tuple[str, str, bool]] = {}
         self.module_calls = False  # a module's __call__ ran (its hook dicts were read)
         self.optimizer_steps = False
         self._seen: dict[int, object] = {}  # walked values (kept alive)
@@ -146,7 +148,8 @@ class Recorder:
         self._patched: list[type] = []
         self._swapped_modules: list[tuple[types.ModuleType, type[types.ModuleType]]] = []
         self._written: set[tuple[int, str]] = set()
-        self._writes: list[tuple[object, str, object, str]] = []
+        # (object, name, old value, user line, written by library code)
+        self._writes: list[tuple[object, str, object, str, bool]] = []
         self._snapshots: dict[int, tuple[object, list[Any], str]] = {}
         self._slot_snapshots: dict[tuple[object, ...], object] = {}
         self._lifting: frozenset[int] = frozenset()
@@ -415,14 +418,17 @@ class Recorder:
         try:
             old = _current(obj, name)
             self._written.add(key)
-            self._writes.append((obj, name, old, user_line(3)))
+            library = not is_user_file(sys._getframe(2).f_code.co_filename)
+            self._writes.append((obj, name, old, user_line(3), library))
         finally:
             self._busy = False
 
-    def side_effect(self, key: str, message: str, where: str) -> None:
+    def side_effect(self, key: str, message: str, where: str, refuse: bool = True) -> None:
         """Note one thing the program did that compiled calls will not do (`where`: the user's
-        line as `user_line` formats it, or "")."""
-        self.side_effects.setdefault(key, (message, where))
+        line as `user_line` formats it, or ""); `refuse`: it changes state or a value later calls
+        read, so the compilation is refused (Note [Python side effects in strict mode] in
+        aotc/strict.py), else it is only reported."""
+        self.side_effects.setdefault(key, (message, where, refuse))
 
     # ------------------------------------------------------------ hooks
 
@@ -488,7 +494,7 @@ class Recorder:
         """Restore what the run changed; report each change as a side effect, except attributes
         the run created (absent or None before): those are returned."""
         created = []
-        for obj, name, old, where in reversed(self._writes):
+        for obj, name, old, where, library in reversed(self._writes):
             now = _current(obj, name)
             if isinstance(old, Tensor):
                 continue  # a lifted location: the lifting checks and restores it
@@ -507,10 +513,13 @@ class Recorder:
                 continue
             self.side_effect(
                 f"assign {label}",
-                f"the program assigns {label} at {where or 'an unknown line'}; strict mode "
-                "runs that assignment only while tracing (it was undone), never in compiled "
-                "calls.",
+                f"the program assigns {label} at {where or 'an unknown line'}"
+                + (" (in library code it calls)." if library else "."),
                 where,
+                # Library code's own attributes are library state, taken as constant (Note
+                # [Strict capture guards]): reported only. `nn.LSTM` refreshes its weight cache
+                # when the trace swaps fake parameters in; eager calls would not.
+                refuse=not library,
             )
         for container, copy, label in self._snapshots.values():
             changed = self._restore_container(container, copy)
@@ -520,8 +529,7 @@ class Recorder:
                     f"mutate {label}",
                     f"the program modifies {type(container).__name__} {label}"
                     + (f" at {where}" if where else "")
-                    + "; strict mode runs that only while tracing (it was undone), never in "
-                    "compiled calls.",
+                    + ".",
                     where,
                 )
         for key, old in self._slot_snapshots.items():
@@ -536,10 +544,7 @@ class Recorder:
             where = self._store_line(key, slot.label)
             self.side_effect(
                 f"store {slot.label}",
-                f"the program assigns {slot.label}"
-                + (f" at {where}" if where else "")
-                + "; strict mode runs that only while tracing (it was undone), never in "
-                "compiled calls.",
+                f"the program assigns {slot.label}" + (f" at {where}" if where else "") + ".",
                 where,
             )
         return created

@@ -2,7 +2,8 @@
 
 Stage: `build_state_guard(recorder, lifted, name) -> StateGuard | None`, once per compiled entry,
 after the compilation's runs of the program (aotc/recording.py recorded them);
-`warn_side_effects(recorder)` reports what the program did that compiled calls will not do.
+`report_side_effects(recorder)` refuses (or, for `print`, reports) what the program did that
+compiled calls will not do (Note [Python side effects in strict mode]).
 Requires: `recorder` recorded every run of the program in this compilation, with `lifted`'s
 fake tensors swapped in (so tensor reads are lifted inputs, not state).
 Ensures: the guard holds on a later call only if every non-tensor value the program read is
@@ -57,8 +58,27 @@ compiled call (aotc/api.py), as `nn.Module.__call__` does.
 
 Side effects. After each run the recorder restores the attributes, globals, cells and container
 contents the program changed (so every run of one compilation starts from the same state), and
-each change is reported once as a warning at the line that made it (`print` is skipped and
-reported; Python/NumPy random draws and tensor hooks registered inside the program raise).
+each change refuses the compilation (Note [Python side effects in strict mode]). Python/NumPy
+random draws and tensor hooks registered inside the program raise at once.
+
+Note [Python side effects in strict mode]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A compiled call replays the graph and runs none of the program's Python. A change the program
+makes to state that outlives the call (an attribute, a global, a closure cell, a list or dict it
+does not own, `self.calls += 1`, `log.append(...)`) would therefore happen once, while tracing,
+and never again: after the next call the state differs from eager's, and so does every value the
+program reads back from it (a counter the output is scaled by stays at its first value, since
+the guard sees the undone state unchanged). Warning and going on would return a different answer
+silently from the second call on, so strict mode refuses the compilation, naming each change and
+its line: the user moves the change out of the compiled function or uses the default capture
+mode, where Dynamo replays side effects after each graph. Reading the clock (`time.time()`) is
+refused the same way: the value would be frozen into the graph. `print` is an exception: it
+changes no state the program or the user's code can read back, so it is skipped and reported
+with a `SideEffectWarning` at its line. So are attributes that library code assigns on its own
+objects (library state is taken as constant, above): `nn.LSTM` refreshes its flat-weight cache
+whenever the trace swaps fake parameters in, which eager calls on the real ones never do. State created on the first call (an attribute that was
+absent or None, optimizer state) is not a side effect of this kind: that call runs eagerly and
+the next one compiles (Note [State created on the first call] in aotc/recording.py).
 
 What is refused, with the value named: NumPy arrays the program reads (in-place changes to
 them cannot be seen), containers with more than `MAX_GUARDED_ELEMENTS` non-constant elements or
@@ -117,8 +137,14 @@ def build_state_guard(rec: Recorder, lifted: Lifted, name: str) -> StateGuard | 
     return StateGuard(builder.items) if builder.items else None
 
 
-def warn_side_effects(rec: Recorder) -> None:
-    for message, where in rec.side_effects.values():
+def report_side_effects(rec: Recorder) -> None:
+    """See Note [Python side effects in strict mode]: warn for each `print` the compiled calls
+    skip; refuse the compilation for every change of state (and clock read) the program made."""
+    refused = []
+    for message, where, refuse in rec.side_effects.values():
+        if refuse:
+            refused.append(message)
+            continue
         filename, _, line = where.split(" (", 1)[0].rpartition(":")
         text = (
             f"aotc ({rec.name}): {message} Move it outside the compiled function, or use the "
@@ -128,6 +154,16 @@ def warn_side_effects(rec: Recorder) -> None:
             warnings.warn_explicit(text, SideEffectWarning, filename, int(line))
         else:
             warnings.warn(text, SideEffectWarning, stacklevel=4)
+    if refused:
+        listed = "\n".join(f"  - {m}" for m in refused)
+        raise UnsupportedError(
+            f"{rec.name}: the program changes Python state that outlives the call:\n{listed}\n"
+            "Strict mode (capture='trace') runs the Python code only while it traces; compiled "
+            "calls replay the graph and would never make these changes, so the state (and "
+            "anything the program later computes from it) would differ from eager. Move them "
+            "outside the compiled function (return the value and update the state there), or "
+            "use the default capture mode, which runs Python side effects on every call."
+        )
 
 
 _HOOK_DICTS = frozenset(

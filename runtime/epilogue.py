@@ -23,8 +23,10 @@ Worked example (f(x) = (x.mul_(2), x.t()), x a non-leaf requiring grad):
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import cast
 
@@ -47,7 +49,14 @@ from aotc.runtime.schema import (
 _MULTI_OUTPUT = torch._C._autograd.CreationMeta.MULTI_OUTPUT_NODE
 _set_creation_meta = torch._C._autograd._set_creation_meta
 _set_versions = torch._C._autograd._unsafe_set_version_counter
-_preserve_version = torch.autograd._unsafe_preserve_version_counter
+
+
+def _preserve_version(t: torch.Tensor) -> AbstractContextManager[object]:
+    """Keeps `t`'s version counter across a step that is not eager's write (inference tensors,
+    made under `torch.inference_mode()`, have no counter)."""
+    if t.is_inference():
+        return contextlib.nullcontext()
+    return torch.autograd._unsafe_preserve_version_counter(t)
 
 
 class StepKind(enum.Enum):
@@ -332,7 +341,7 @@ def _stale_view_of_input_alias(root: torch.Tensor, g: Geometry, s: OutputStep) -
     the input's version counter, which the mutations already set to eager's: a bump after the
     view is made would count eager's write twice (fuzz seed 24612). The view is made one version
     earlier instead, then the counter goes back."""
-    version = root._version
+    version = 0 if root.is_inference() else root._version
     if version == 0:
         return _view(root, g, s)
     _set_versions((root,), (version - 1,))
@@ -388,7 +397,7 @@ def _mark(view: torch.Tensor, s: OutputStep, bump: bool = True) -> torch.Tensor:
         _set_creation_meta(view, _MULTI_OUTPUT)
     if s.new_leaf:
         view.requires_grad_()
-    if s.stale_view and bump:  # a graph value's storage: no input sees this version
+    if s.stale_view and bump and not view.is_inference():  # a graph value's storage
         _set_versions((view,), (view._version + 1,))
     return view
 

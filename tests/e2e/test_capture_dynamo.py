@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -754,3 +755,114 @@ def test_guard_hit_on_modules_keeps_hooks_and_state(make):
             torch.testing.assert_close(p.grad, q.grad)
     assert len(seen) == 8  # 4 calls each, compiled and eager
     assert hits.hits >= 1, hits.hits
+
+
+# ------------------------------------------------- aotc's own frames under Dynamo's callback
+
+
+def _gradient_penalty(x, w):
+    x = x.requires_grad_()  # a graph break: the rest runs while Dynamo's frame callback is on
+    y = (x @ w).sigmoid().sum()
+    (gx,) = torch.autograd.grad(y, x, create_graph=True)
+    return y + gx.pow(2).sum()
+
+
+def test_graphs_backward_run_inside_a_dynamo_frame_is_not_traced_by_dynamo(caplog):
+    """Note [aotc frames under Dynamo]: `autograd.grad(create_graph=True)` after a graph break
+    runs the compiled graph's backward (and compiles its double backward) while Dynamo's callback
+    is on; Dynamo must run aotc's frames as they are, not trace them."""
+    from aotc.runtime import autograd as runtime_autograd
+
+    compiled = _compile(_gradient_penalty)
+    for _ in range(2):
+        x, w = torch.randn(3, 4), torch.randn(4, 2)
+        w1, w2 = w.clone().requires_grad_(), w.clone().requires_grad_()
+        with caplog.at_level("WARNING", logger="torch._dynamo"):
+            expected, got = _gradient_penalty(x.clone(), w1), compiled(x.clone(), w2)
+        torch.testing.assert_close(got, expected)
+        expected.backward()
+        got.backward()
+        torch.testing.assert_close(w2.grad, w1.grad)
+    assert not [r for r in caplog.records if "CONVERT" in r.getMessage()]
+    code = runtime_autograd.make_autograd_function.__code__
+    assert not torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code)
+    for frame_code in _codes_in(runtime_autograd):
+        assert not torch._C._dynamo.eval_frame._debug_get_cache_entry_list(frame_code)
+
+
+def _codes_in(module):
+    """Every function code object defined in `module` (nested ones included)."""
+    stack = [
+        v.__code__
+        for v in vars(module).values()
+        if hasattr(v, "__code__") and v.__module__ == module.__name__
+    ]
+    while stack:
+        code = stack.pop()
+        yield code
+        stack.extend(c for c in code.co_consts if hasattr(c, "co_code"))
+
+
+def test_strict_function_inside_torch_compile_runs_as_one_compiled_call():
+    """A strict-mode object called inside a `torch.compile` region is not inlined into the
+    caller's graph: Dynamo breaks the graph at the call and runs it (Note [aotc frames under
+    Dynamo])."""
+    inner = aotc.compile(lambda x, w: (x @ w).tanh(), capture="trace")
+
+    def outer(x, w):
+        return inner(x.sin(), w).sum() * 2
+
+    def eager_outer(x, w):
+        return (x.sin() @ w).tanh().sum() * 2
+
+    compiled = torch.compile(outer, backend="eager")
+    for _ in range(3):
+        x, w = torch.randn(3, 4), torch.randn(4, 2)
+        w1, w2 = w.clone().requires_grad_(), w.clone().requires_grad_()
+        expected, got = eager_outer(x, w1), compiled(x, w2)
+        torch.testing.assert_close(got, expected)
+        expected.backward()
+        got.backward()
+        torch.testing.assert_close(w2.grad, w1.grad)
+    assert len(aotc.inspect(inner)) == 1  # the inner call ran aotc's compiled entry
+
+
+# ------------------------------------------------------------------ global module hooks
+
+
+def _global_hook_log():
+    log = []
+
+    def hook(module, inputs, output):
+        log.append(type(module).__name__)
+        return output + 1 if isinstance(output, torch.Tensor) else output
+
+    return log, hook
+
+
+@pytest.mark.parametrize("when", ["before_compiling", "after_compiling"])
+def test_global_module_hooks_run_as_in_eager(when):
+    """Note [Global module hooks under Dynamo]: every module call runs them once, the wrapper's
+    own call adds none, and a hook registered after compiling is not skipped by a cached graph."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    compiled = _compile(copy.deepcopy(eager))
+    x = torch.randn(3, 4)
+    log, hook = _global_hook_log()
+    if when == "after_compiling":
+        torch.testing.assert_close(compiled(x), eager(x))
+    handle = nn.modules.module.register_module_forward_hook(hook)
+    try:
+        for _ in range(2):
+            want = eager(x)
+            expected_log, log[:] = list(log), []
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                got = compiled(x)
+            assert log == expected_log == ["Linear", "ReLU", "Sequential"], (log, expected_log)
+            log.clear()
+            torch.testing.assert_close(got, want)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(compiled(x), eager(x))
+    assert not log

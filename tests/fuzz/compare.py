@@ -10,7 +10,8 @@ of which; every input's values, shape, strides, requires_grad, leafness, grad_fn
 version after the call; the RNG state after the call; a backward through the chosen outputs
 (gradients of every leaf reachable from the inputs and of outputs that are leaves, None vs
 values); and, optionally, whether each output can be written in place afterwards and what that
-does to the inputs. Errors: where eager raises, aotc must raise too (the same type, or an
+does to the inputs. Modes "trace_inference" and "default_inference" make the inputs and run
+the calls under `torch.inference_mode()` (inference tensors; no backward). Errors: where eager raises, aotc must raise too (the same type, or an
 aotc error), at the same step.
 """
 
@@ -60,6 +61,8 @@ def _compiled(f: Callable[..., Any], mode: str) -> Callable[..., Any]:
         return torch.compile(f, backend="aotc")
     if mode in ("trace_hit", "default_hit", "triton_hit"):  # see `check`
         return _compiled(f, mode.removesuffix("_hit"))
+    if mode in ("trace_inference", "default_inference"):  # see `_observe`
+        return _compiled(f, mode.removesuffix("_inference"))
     raise ValueError(f"unknown mode {mode!r}")
 
 
@@ -72,6 +75,7 @@ def check(
     calls: int = 2,
 ) -> Outcome:
     compiled = _compiled(f, mode)
+    inference = mode.endswith("_inference")
     if mode.endswith("_hit"):
         # A disk-cache hit: the first compile stores its entry (one call on inputs of the same
         # signature), a fresh compile of the same function loads it (this user's own entry:
@@ -80,8 +84,8 @@ def check(
         aotc.cache_flush()
         compiled = _compiled(f, mode)
     for call in range(calls):
-        want = _observe(f, make_inputs, backward, write_outputs, 100 + call)
-        got = _observe(compiled, make_inputs, backward, write_outputs, 100 + call)
+        want = _observe(f, make_inputs, backward, write_outputs, 100 + call, inference)
+        got = _observe(compiled, make_inputs, backward, write_outputs, 100 + call, inference)
         refused = got.get("unsupported")
         if refused is None and mode == "dynamo" and want.get("error_step") != "call":
             refused = _dynamo_itself(f, make_inputs, backward, write_outputs, 100 + call, got)
@@ -208,6 +212,7 @@ def _tensor_state(t: torch.Tensor) -> dict[str, Any]:
         "has_grad_fn": _grad_fn_state(t),
         "is_view": t._is_view(),
         "value": t.detach().clone(),
+        "is_inference": t.is_inference(),
     }
 
 
@@ -234,11 +239,29 @@ def _observe(
     backward: list[int],
     write_outputs: bool,
     seed: int,
+    inference: bool = False,
+) -> dict[str, Any]:
+    """One call of `fn` on fresh inputs, observed. `inference`: the inputs are made and the call
+    and the writes run under `torch.inference_mode()` (inference tensors, no backward)."""
+    with torch.inference_mode(inference):
+        return _observe_in_mode(fn, make_inputs, [] if inference else backward, write_outputs, seed)
+
+
+def _version(t: torch.Tensor) -> int:
+    return 0 if t.is_inference() else t._version
+
+
+def _observe_in_mode(
+    fn: Callable[..., Any],
+    make_inputs: Callable[[], list[Any]],
+    backward: list[int],
+    write_outputs: bool,
+    seed: int,
 ) -> dict[str, Any]:
     torch.manual_seed(seed)
     args = make_inputs()
     tensors = _tensors(args)
-    versions = [t._version for t in tensors]
+    versions = [_version(t) for t in tensors]
     roots = _roots(args)
     result: dict[str, Any] = {}
     torch.manual_seed(seed + 1)
@@ -259,7 +282,7 @@ def _observe(
     result["spec"] = pytree.tree_structure(out)
     result["outs"] = [_tensor_state(o) if isinstance(o, torch.Tensor) else o for o in flat]
     result["args"] = [
-        {**_tensor_state(t), "version": t._version - v} for t, v in zip(tensors, versions)
+        {**_tensor_state(t), "version": _version(t) - v} for t, v in zip(tensors, versions)
     ]
     result["relations"] = _relations(flat, tensors)
     chosen = [flat[j] for j in backward if j < len(flat) and isinstance(flat[j], torch.Tensor)]

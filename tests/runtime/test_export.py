@@ -53,6 +53,17 @@ def test_function_training_matches_eager(tmp_path):
     assert type(out.grad_fn).__name__.startswith("AotcFunction")  # one autograd node
 
 
+@pytest.mark.parametrize("capture", ["dynamo", "trace"])
+def test_exporting_a_compiled_function_exports_what_it_was_made_from(tmp_path, capture):
+    compiled = aotc.compile(mlp_step, capture=capture)
+    compiled(*mlp_args())
+    loaded = _export_load(compiled, mlp_args(), tmp_path)
+    assert_matches_eager(mlp_step, mlp_args, compiled=loaded, runs=2)
+    net = aotc.compile(Net(), capture=capture)
+    path = aotc.export(net, torch.randn(5, 3), path=tmp_path / "net")
+    assert "self.norm.running_mean" in aotc.load(path, module=Net()).artifact.state_names
+
+
 def test_function_inference_matches_eager(tmp_path):
     with torch.no_grad():
         loaded = _export_load(mlp_step, mlp_args(), tmp_path)
