@@ -63,10 +63,34 @@ def aotc_backend(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **options: Any
 ) -> Callable[..., Any]:
     options = dict(options.pop("options", None) or {}, **options)
+    _inductor_mode(options.pop("mode", None))
     if "dump" in options:
         options["dump_dir"] = options.pop("dump")
     opts = CompileOptions.from_env(**options)
     return compile_graph(gm, example_inputs, opts)
+
+
+_INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_warned_modes: set[str] = set()
+
+
+def _inductor_mode(mode: object) -> None:
+    """`torch.compile(model, backend="aotc", mode=...)`: the modes are Inductor's (CUDA graphs,
+    autotuning); aotc has none, so a known mode is ignored (logged once), another one refused."""
+    if mode is None or mode == "default":
+        return
+    if mode not in _INDUCTOR_MODES:
+        raise ValueError(
+            f"torch.compile(backend='aotc', mode={mode!r}): unknown mode; torch.compile's modes "
+            f"are {', '.join(_INDUCTOR_MODES)} (Inductor's; aotc ignores them)"
+        )
+    if mode not in _warned_modes:
+        _warned_modes.add(str(mode))
+        log.warning(
+            "torch.compile(backend='aotc', mode=%r): aotc has no compile modes (they select "
+            "Inductor's CUDA graphs and autotuning); compiling as usual",
+            mode,
+        )
 
 
 def compile_graph(

@@ -733,6 +733,8 @@ class SavedValues:
         for g, a in enumerate(args):
             if not current:
                 break
+            if a.is_inference():
+                continue  # no version counter to share (and autograd saves no inference tensor)
             before = [t._version for _, t in current]
             with _preserve_version(a):
                 torch.autograd.graph.increment_version(a)

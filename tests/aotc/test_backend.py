@@ -104,6 +104,30 @@ def test_options_pass_through_torch_compile(tmp_path):
         torch.compile(f, backend="aotc", options={"no_such_option": 1})(x, w)
 
 
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_inductor_modes_are_accepted_and_ignored(mode, caplog):
+    """Code switching `backend="inductor"` to "aotc" may keep its `mode=`: compiled as usual."""
+    torch._dynamo.reset()
+
+    def f(x, w):
+        return (x @ w).tanh().sum()
+
+    compiled = torch.compile(f, backend="aotc", mode=mode)
+    x = torch.randn(4, 5)
+    w1 = torch.randn(5, 3, requires_grad=True)
+    w2 = w1.detach().clone().requires_grad_()
+    with caplog.at_level("WARNING", logger="aotc.graphs"):
+        got = compiled(x, w2)
+    want = f(x, w1)
+    torch.testing.assert_close(got, want)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(w2.grad, w1.grad)
+    with pytest.raises(Exception, match="unknown mode"):
+        torch._dynamo.reset()
+        torch.compile(f, backend="aotc", mode="turbo")(x, w1)
+
+
 def test_graph_breaks_compile_each_subgraph_ahead():
     torch._dynamo.reset()
     before = dict(aotc.backend.stats)

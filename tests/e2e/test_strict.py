@@ -1052,3 +1052,17 @@ def test_inference_tensors_in_inference_mode_match_eager():
             assert (g._base is None) == (w._base is None)
         ptr = x.untyped_storage().data_ptr()
         assert [g.untyped_storage().data_ptr() == ptr for g in got] == [True, True, False]
+
+
+def _detached_then_grad_mode_back_on(x):
+    v = x.detach().requires_grad_()
+    with torch.inference_mode(False):
+        w = v * torch.ones(3)  # records autograd outside inference mode (saves the ones)
+    return w.sum() + v.sum()
+
+
+def test_inference_call_that_leaves_inference_mode_inside_matches_eager():
+    compiled = strict(_detached_then_grad_mode_back_on)
+    with torch.inference_mode():
+        x = torch.randn(3, requires_grad=True)
+        close(compiled(x), _detached_then_grad_mode_back_on(x))
