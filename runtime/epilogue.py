@@ -267,7 +267,7 @@ def apply_mutations(
         with torch.set_grad_enabled(not m.no_grad):
             if m.kind is StepKind.COPY:
                 target = dest.get(m.target, graph_args[m.target])
-                target.copy_(fwd_outs[m.new_value])  # type: ignore[index]
+                _copy_back(target, fwd_outs[m.new_value])  # type: ignore[index]
             else:
                 leaf = leaves[m.target]
                 g = m.geometry
@@ -275,6 +275,22 @@ def apply_mutations(
                 leaf.as_strided_(g.size, g.stride, leaf.storage_offset() + g.offset)
     if versions:
         _set_versions(tuple(t for t, _ in versions), tuple(v for _, v in versions))
+
+
+def _copy_back(target: torch.Tensor, value: torch.Tensor) -> None:
+    """`target.copy_(value)`, also where `target` is an expanded view (a stride-0 dimension: an
+    intermediate Dynamo passes to the graph after a break, `x.expand(2, -1).masked_fill_(...)`).
+    `copy_` refuses a destination whose elements share memory. Eager's op wrote each shared
+    location once per alias (only ops that write the same value through every alias accept
+    such a destination, `masked_fill_`), and functionalization derived the new value from the
+    first alias (the inverse of `expand` reads index 0), so the copy goes through index 0 of
+    every expanded dimension."""
+    if any(st == 0 and n > 1 for n, st in zip(target.shape, target.stride())):
+        index = tuple(
+            0 if st == 0 and n > 1 else slice(None) for n, st in zip(target.shape, target.stride())
+        )
+        target, value = target[index], value[index]
+    target.copy_(value)
 
 
 def stale_input_views(plan: EpiloguePlan, leaves: list[object]) -> dict[int, torch.Tensor]:

@@ -7,6 +7,7 @@ values changed in place] in aotc/tracer.py)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -975,3 +976,27 @@ def test_as_strided_of_a_written_input_view_is_refused(offset):
         want = f(make(0))
         torch.manual_seed(1)
         torch.testing.assert_close(aotc.compile(f, capture="trace")(make(0)), want)
+
+
+def _masked_fill_through_expands(a0, a1, a2, a3):
+    v2 = a3.expand(2, *a3.shape)
+    v3 = a3.detach().requires_grad_()  # a graph break in the default mode: v2 is a graph input
+    v2.expand(2, *v2.shape).masked_fill_(v2.expand(2, *v2.shape) > 0, 2.0)
+    return (v3,)
+
+
+@pytest.mark.parametrize("mode", ["trace", "default", "default_inference", "trace_inference"])
+def test_write_into_an_expanded_graph_input(mode):
+    # fuzz campaign 2026-11-27, 25586: the default mode's second graph takes the expand `v2` as
+    # an input and writes it; the copy-back into a destination whose elements share memory
+    # failed (copy_ refuses it), and through the wrong alias it wrote stale values.
+    from tests.fuzz.compare import Verdict, check
+
+    def make():
+        x1 = torch.randn((3, 2, 4), requires_grad=True) * 1.0
+        return [torch.randn((1, 3)), x1[:, 1], x1.view(-1), x1[2]]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # masked_fill_ on an expanded tensor is deprecated
+        outcome = check(_masked_fill_through_expands, make, backward=[0], mode=mode)
+    assert outcome.verdict is Verdict.MATCH, outcome.detail
