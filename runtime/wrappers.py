@@ -181,7 +181,10 @@ class CompiledEntry:
             if self._anchor:
                 args = [*args, GRAD_ANCHOR]
             holder: list[torch.Tensor] = [None] * self._holder_size  # type: ignore[list-item]
-            with torch.enable_grad() if self._enable_grad else _NO_CHANGE:
+            # Inference mode records no history even inside enable_grad (eager's rule): a graph
+            # Dynamo compiled with inference mode off must not turn it on again.
+            regrad = self._enable_grad and not torch.is_inference_mode_enabled()
+            with torch.enable_grad() if regrad else _NO_CHANGE:
                 if torch._C._are_functorch_transforms_active():
                     diff = self._fn.apply(holder, *args)
                 else:

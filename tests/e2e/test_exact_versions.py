@@ -1000,3 +1000,27 @@ def test_write_into_an_expanded_graph_input(mode):
         warnings.simplefilter("ignore")  # masked_fill_ on an expanded tensor is deprecated
         outcome = check(_masked_fill_through_expands, make, backward=[0], mode=mode)
     assert outcome.verdict is Verdict.MATCH, outcome.detail
+
+
+def _enable_grad_inside(a0, a1, a2):
+    with torch.enable_grad():
+        v1 = a2 * a2
+    return (v1,)
+
+
+@pytest.mark.parametrize("mode", ["default_inference", "trace_inference", "default", "trace"])
+def test_enable_grad_inside_a_call_under_inference_mode(mode):
+    # fuzz campaign 2026-11-27, 25705: Dynamo compiles with inference mode off, so the graph's
+    # entry records autograd inside `enable_grad`; under inference mode eager records nothing,
+    # and aotc's autograd node failed to save the inference tensors.
+    from tests.fuzz.compare import Verdict, check
+
+    def make():
+        return [
+            torch.randn((3, 4), requires_grad=True),
+            torch.randn((1, 3), requires_grad=True),
+            torch.randn((2, 3, 4), dtype=torch.float64, requires_grad=True),
+        ]
+
+    outcome = check(_enable_grad_inside, make, backward=[0], mode=mode)
+    assert outcome.verdict is Verdict.MATCH, outcome.detail
