@@ -81,6 +81,7 @@ class _Capture:
         self.warm: frozenset[bool] = frozenset()  # grad modes a call has completed in
         # See Note [Global module hooks under Dynamo]
         self.hook_states: set[tuple[tuple[int, ...], ...] | None] = set()
+        self.hooked = False  # some compile saw global hooks
         self.warned_hooks = False
 
     def backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -89,7 +90,9 @@ class _Capture:
 
         sound_guards_for_this_compile()
         _run_unconvertible_frames_eagerly()
-        self.hook_states.add(_global_hook_state())  # Note [Global module hooks under Dynamo]
+        state = _global_hook_state()  # Note [Global module hooks under Dynamo]
+        self.hook_states.add(state)
+        self.hooked = self.hooked or state is not None
         with self._lock:
             reason = "; ".join(self._pending) if self._pending else None
             self._pending.clear()
@@ -300,9 +303,8 @@ def _global_hook_state() -> tuple[tuple[int, ...], ...] | None:
 
 
 def _hooks_moved(capture: _Capture, stacklevel: int = 3) -> bool:
-    """See Note [Global module hooks under Dynamo]: True if this call must run eagerly."""
-    if not (capture.hook_states or any(_GLOBAL_HOOKS)):
-        return False
+    """See Note [Global module hooks under Dynamo]: True if this call must run eagerly. Callers
+    ask only when `capture.hooked` or a global hook is registered."""
     now = _global_hook_state()
     if not capture.hook_states:
         if not capture.graphs:
@@ -363,16 +365,17 @@ class DynamoFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _transforms_active():  # See Note [Compiled functions under torch.func] in aotc/api.py
             return self._fn(*args, **kwargs)
-        if _hooks_moved(self._capture):  # Note [Global module hooks under Dynamo]
-            return self._fn(*args, **kwargs)
+        capture = self._capture
+        if (capture.hooked or any(_GLOBAL_HOOKS)) and _hooks_moved(capture):
+            return self._fn(*args, **kwargs)  # Note [Global module hooks under Dynamo]
         try:
-            if torch.is_grad_enabled() in self._capture.warm:
+            if torch.is_grad_enabled() in capture.warm:
                 if self._hit is not None:
                     result = self._hit.call(args, kwargs)
                     if result is not MISS:
                         return result
                 return self._call(*args, **kwargs)
-            return self._capture.first_call(self._call, args, kwargs)
+            return capture.first_call(self._call, args, kwargs)
         except RuntimeError as e:
             _functorch_refusal(e, self._name)
             raise
@@ -445,16 +448,17 @@ class DynamoModule(OriginalState):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if _transforms_active():  # See Note [Compiled functions under torch.func] in aotc/api.py
             return self._orig_mod(*args, **kwargs)
-        if _hooks_moved(self._capture, 4):  # Note [Global module hooks under Dynamo]
-            return self._orig_mod(*args, **kwargs)
+        capture = self._capture
+        if (capture.hooked or any(_GLOBAL_HOOKS)) and _hooks_moved(capture, 4):
+            return self._orig_mod(*args, **kwargs)  # Note [Global module hooks under Dynamo]
         try:
-            if torch.is_grad_enabled() in self._capture.warm:
+            if torch.is_grad_enabled() in capture.warm:
                 if self._hit is not None:
                     result = self._hit.call(args, kwargs)
                     if result is not MISS:
                         return result
                 return self._optimized.forward(*args, **kwargs)
-            return self._capture.first_call(self._optimized.forward, args, kwargs)
+            return capture.first_call(self._optimized.forward, args, kwargs)
         except RuntimeError as e:
             _functorch_refusal(e, self._name)
             raise
