@@ -52,6 +52,7 @@ import torch
 
 from aotc.dynamohit import MISS, hit_caller, module_hit_caller
 from aotc.functional import FUNCTORCH_HOOKS_HINT, refused_by_functorch
+from aotc.hooks import has_own_hooks
 from aotc.options import Capture, CompileOptions
 from aotc.pipeline import CompiledRecord
 from aotc.runtime.errors import AotcError, UnsupportedError
@@ -325,13 +326,7 @@ def _hooks_moved(capture: _Capture, stacklevel: int = 3) -> bool:
 
 
 def _has_own_hooks(module: torch.nn.Module) -> bool:
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
-        or getattr(module, "_compiled_call_impl", None) is not None
-    )
+    return has_own_hooks(module) or getattr(module, "_compiled_call_impl", None) is not None
 
 
 def _functorch_refusal(e: RuntimeError, name: str) -> None:

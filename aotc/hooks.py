@@ -24,13 +24,19 @@ from torch.nn.modules import module as nn_module
 from aotc.usercode import MISSING
 
 
-def has_hooks(module: torch.nn.Module) -> bool:
+def has_own_hooks(module: torch.nn.Module) -> bool:
+    """Hooks registered on `module` itself (not the global module hooks)."""
     return bool(
         module._forward_hooks
         or module._forward_pre_hooks
         or module._backward_hooks
         or module._backward_pre_hooks
-        or nn_module._global_forward_hooks
+    )
+
+
+def has_hooks(module: torch.nn.Module) -> bool:
+    return has_own_hooks(module) or bool(
+        nn_module._global_forward_hooks
         or nn_module._global_forward_pre_hooks
         or nn_module._global_backward_hooks
         or nn_module._global_backward_pre_hooks
