@@ -122,6 +122,7 @@ def make_autograd_function(
     track = plan.grad_deps is not None or bool(plan.refused) or watch_deps is not None
     # See Note [Absent gradients] in runtime/absent.py
     absent_run = _absent_runner(bwd_graph, len(diff)) if len(diff) > 1 else None
+    n_bwd_outs = _num_outputs(bwd_graph) if absent_run is not None else 0
     dwatch = plan.watch_args
     rng = plan.rng_device
     unversioned = tuple(n_out + i for i in plan.unversioned_saved)
@@ -223,6 +224,11 @@ def make_autograd_function(
     def run_absent(ctx, grads: tuple) -> tuple:  # type: ignore[no-untyped-def]
         """A backward where some outputs got no gradient (Note [Absent gradients])."""
         assert absent_run is not None
+        if all(g is None for g in grads):
+            # Reached only through an edge no gradient flows along (another node's input that
+            # this node's outputs feed, where the loss used none of them): eager never runs
+            # this node, so it reads nothing it saved (which may have been written since).
+            return (None,) * n_bwd_outs
         pruned, zeros = absent_run(frozenset(k for k, g in enumerate(grads) if g is None))
         filled = zeros(grads)
         if pruned is None or (grad_enabled() and _differentiable(ctx.aotc_args, filled)):
@@ -417,7 +423,8 @@ def _generate_node(
     if plan.watch:
         watched = "".join(f"w{g}, " if g in both else f"watched(args[{g}]), " for g in plan.watch)
         fl.append(f"    ctx.aotc_watch = [{watched}]")
-    if namespace.get("absent") is not None:  # Note [Absent gradients] in runtime/absent.py
+    single = len(plan.diff_outs) == 1
+    if namespace.get("absent") is not None or single:  # Note [Absent gradients] (absent.py)
         fl.append("    ctx.set_materialize_grads(False)")
     fl.append(f"    return ({''.join(f'outs[{k}], ' for k in plan.diff_outs)})")
 
@@ -431,6 +438,11 @@ def _generate_node(
             f"    if {' or '.join(g + ' is None' for g in grads)}:",
             f"        return absent(ctx, {gtuple})",
         ]
+    elif single:
+        # No gradient reached the one output: the node is on the engine's path only through an
+        # edge of another node whose loss used none of its outputs. Eager never runs this node,
+        # so it reads nothing it saved (values written since would raise).
+        bl += ["    if g0 is None:", f"        return ({'None, ' * (1 + plan.num_graph_args)})"]
     bl += [
         f"    if grad_enabled() and differentiable(ctx.aotc_args, {gtuple}):",
         f"        return place(double_backward(ctx, {gtuple}))",
@@ -756,6 +768,11 @@ def autograd_nodes(roots: Iterable[object]) -> Iterator[Any]:
         visited.add(id(node))
         yield node
         stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+
+
+def _num_outputs(graph: Any) -> int:
+    out = next(n for n in reversed(graph.graph.nodes) if n.op == "output")
+    return len(out.args[0])
 
 
 def _absent_runner(

@@ -1024,3 +1024,28 @@ def test_enable_grad_inside_a_call_under_inference_mode(mode):
 
     outcome = check(_enable_grad_inside, make, backward=[0], mode=mode)
     assert outcome.verdict is Verdict.MATCH, outcome.detail
+
+
+def _new_leaf_beside_a_written_output(a0, a1, a2):
+    v0 = a2.exp()
+    v1 = a2**2
+    v4 = v1.detach().requires_grad_()
+    v0.relu_()
+    return (v4**2,)
+
+
+@pytest.mark.parametrize("mode", ["default", "trace"])
+def test_backward_that_reaches_a_node_without_gradient_reads_nothing_it_saved(mode):
+    # fuzz campaign 2026-11-27, 26283: the default mode's second graph (after the graph break at
+    # `requires_grad_()`) takes v0, the first graph's output, and writes it; the loss uses only
+    # v4 ** 2. The engine reaches the first graph's node through the second's edge with no
+    # gradient; it materialized zeros and unpacked the written saved value (eager's node is never
+    # run). A node whose one output got no gradient now returns at once.
+    from tests.fuzz.compare import Verdict, check
+
+    def make():
+        x0 = torch.randn((3, 2, 4), requires_grad=True)
+        return [x0[2], x0[0], torch.randn((1, 3), requires_grad=True)]
+
+    outcome = check(_new_leaf_beside_a_written_output, make, backward=[0], mode=mode)
+    assert outcome.verdict is Verdict.MATCH, outcome.detail
