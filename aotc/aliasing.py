@@ -58,17 +58,18 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypedDict
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from aotc.functional import elements_within
+from aotc.functional import ViewRecord, elements_within, geometry_of
 from aotc.runtime.autograd import autograd_nodes
 from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.schema import Dim, Geometry, OutputInfo, OutputKind, RootGrad, UserArg, UserOut
+from aotc.runtime.viewreplay import ViewOp
 
 _MULTI_OUTPUT = torch._C._autograd.CreationMeta.MULTI_OUTPUT_NODE
 _DEFAULT = torch._C._autograd.CreationMeta.DEFAULT
@@ -209,11 +210,16 @@ def _own_leaf(view: torch.Tensor) -> bool:
 
 
 def classify_outputs(
-    outs: list[object], leaves: list[object], narrowed: Mapping[torch.Tensor, Any] | None = None
+    outs: list[object],
+    leaves: list[object],
+    narrowed: Mapping[torch.Tensor, Any] | None = None,
+    views: Mapping[int, ViewRecord] | None = None,
 ) -> OutputAnalysis:
     """See Note [Output aliasing]. `narrowed`: `EagerChecks.narrowed` of the run that made
-    `outs` (Note [as_strided past its input view] in aotc/functional.py)."""
+    `outs` (Note [as_strided past its input view] in aotc/functional.py); `views`: its
+    `EagerChecks.views` (Note [Replayed views] in runtime/viewreplay.py)."""
     narrowed = narrowed if narrowed is not None else {}
+    views = views if views is not None else {}
     leaf_of_id: dict[int, UserArg] = {}
     for i, t in enumerate(leaves):
         if isinstance(t, torch.Tensor):
@@ -258,6 +264,7 @@ def classify_outputs(
                 ]
                 if candidates:
                     info = _alias_of_input(o, j, candidates, leaves, narrowed.get(o, ()))
+                    info = _with_replay(info, o, leaves[info.base_arg], views)  # type: ignore[index, arg-type]
                 else:
                     source = input_storage[storage][0]
                     k = _add_root(result, root_of_id, root, o, j, leaves[source], source_arg=source)  # type: ignore[arg-type]
@@ -274,6 +281,7 @@ def classify_outputs(
                             ".clone() of it, or apply as_strided to the tensor itself."
                         )
                     info = _in_group(o, j, primary, where, result, base_of_id)
+                    info = _with_replay(info, o, primary, views)
                 else:
                     src_out, src_base = _primary_source(primary, where, result, base_of_id)
                     k = _add_root(
@@ -477,6 +485,58 @@ def _alias_of_input(
         narrowed_by=_narrowings(narrowed, base),
         **_view_flags(o),
     )
+
+
+_MAX_CHAIN = 32
+_NOT_REPLAYED = ("aten.detach.default",)
+
+
+def _with_replay(
+    info: OutputInfo, o: torch.Tensor, base: torch.Tensor, views: Mapping[int, ViewRecord]
+) -> OutputInfo:
+    """`info` with eager's view chain from `base` to `o`, where one can be replayed (Note
+    [Replayed views] in runtime/viewreplay.py)."""
+    replayable = (OutputKind.ALIAS_OF_INPUT, OutputKind.ALIAS_OF_INTERMEDIATE)
+    if info.kind not in (*replayable, OutputKind.ALIAS_OF_OUTPUT):
+        return info
+    if info.stale_view or info.new_leaf or info.via_geometry is not None or info.narrowed_by:
+        return info
+    chain = view_chain(o, base, views)
+    if chain is None:
+        return info
+    ops, grad = chain
+    # Replayed in eager's grad mode, the view has an autograd node iff the base requires grad
+    # now. Eager's may have none though the base does: made before `base.requires_grad_()`.
+    if info.requires_grad and grad != (not info.view_without_grad):
+        return info
+    return replace(info, replay=ops, replay_grad=grad)
+
+
+def view_chain(
+    o: torch.Tensor, base: torch.Tensor, views: Mapping[int, ViewRecord]
+) -> tuple[tuple[ViewOp, ...], bool] | None:
+    """The view ops eager ran from `base` to `o` and the grad mode it ran them all in, or None:
+    a step that is not a recorded view op with plain arguments, mixed grad modes, or `o` or
+    `base` changed in place since (`transpose_`: the chain would not give `o` from `base`)."""
+    ops: list[ViewOp] = []
+    modes = set()
+    cur = o
+    base_then: tuple[object, ...] | None = None
+    while cur is not base:
+        record = views.get(id(cur))
+        if record is None or record[0] is not cur or len(ops) >= _MAX_CHAIN:
+            return None
+        _, parent, op, grad, parent_then, view_then = record
+        if op is None or op.op in _NOT_REPLAYED:
+            return None
+        if cur is o and view_then != geometry_of(o):
+            return None
+        ops.append(op)
+        modes.add(grad)
+        cur, base_then = parent, parent_then
+    if len(modes) != 1 or base_then != geometry_of(base):
+        return None
+    return tuple(reversed(ops)), modes.pop()
 
 
 def _narrowings(

@@ -22,6 +22,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from aotc.functional import TRACING
 from aotc.hooks import call_with_hooks, forward_override, has_hooks
 from aotc.lifting import (
     Lifted,
@@ -89,6 +90,9 @@ class CompiledFunction:
     original. See Note [Strict capture guards] in aotc/strict.py for what a compiled entry is
     specialized on and how a call checks it."""
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> CompiledFunction:
+        return self  # like the function it wraps (copy.deepcopy of a dict holding it)
+
     def __init__(
         self,
         fn: Callable[..., Any],
@@ -134,6 +138,8 @@ class CompiledFunction:
                 return out
         if _transforms_active():  # See Note [Compiled functions under torch.func]
             return self._under_transform(args, kwargs)
+        if TRACING.active:  # See Note [Compiled functions called while aotc traces]
+            return self._fn(*args, **kwargs)
         if not kwargs and {*map(type, args)} <= _PLAIN_TENSOR:  # every arg a plain Tensor
             leaves: list[object] = list(args)
             spec: object = len(args)
@@ -378,6 +384,11 @@ class CompiledFunction:
 
         def program(user_leaves: list[object]) -> tuple[list[object], object]:
             args, kwargs = pytree.tree_unflatten(user_leaves[:num_user], in_spec)
+            recorder.inputs = {
+                id(t): (name, i < num_user)
+                for i, (name, t) in enumerate(zip(names, user_leaves))
+                if isinstance(t, torch.Tensor)
+            }
             with swapped(lifted, user_leaves[num_user:]), recorder.run(lifting):
                 out = fn(*args, **kwargs)
             return _flatten_output(out)
@@ -664,6 +675,7 @@ class CompiledModule(OriginalState):
         super().__init__()
         refuse_distributed(module, "the module", "aotc.compile")
         self._orig_mod = module
+        self._options = options
         forward = type(module).forward
 
         def call_forward(*args: Any, **kwargs: Any) -> Any:

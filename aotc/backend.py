@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -107,6 +108,11 @@ def compile_graph(
     Dynamo recompiled, for listeners; `on_graph(graph)`: gets the `DynamoGraph`, or the lazily
     compiled `CompiledFunction` of a fallback (both have `.records`)."""
     _refuse_metadata_changes(gm)
+    switch = _inference_mode_switch(gm)
+    if switch is not None:  # See Note [Inference mode switches in Dynamo graphs]
+        stats["eager"] += 1
+        log.info("aotc backend: %s runs as Dynamo's graph (inference mode set at %s)", name, switch)
+        return _with_mode_guards_released(gm.forward)
     fake_mode = detect_fake_mode(example_inputs)
     fakes = _fake_inputs(gm, example_inputs, fake_mode)
     floats = _dynamic_floats(fakes)
@@ -190,6 +196,42 @@ def _refuse_metadata_changes(gm: torch.fx.GraphModule) -> None:
                 "(torch.compile with any backend). aotc.compile runs this frame eagerly; with "
                 "torch.compile, use the out-of-place op (`x = x.transpose(0, 1)`)."
             )
+
+
+# Note [Inference mode switches in Dynamo graphs]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# `with torch.inference_mode(False):` (or `(True)`) inside a compiled region becomes a pair of
+# `_enter_inference_mode`/`_exit_inference_mode` calls in Dynamo's graph. Tracing the graph runs
+# them while tracing only, so the compiled graph would run every op in the caller's mode: under
+# an outer `inference_mode()` the region's outputs came back as inference tensors, and eager's
+# errors (an in-place update of an inference tensor outside inference mode, an inference tensor
+# saved for backward) were not raised. Such a graph runs as Dynamo's graph module, which switches
+# the mode around its ops as eager does (what `torch.compile(backend="eager")` runs).
+_INFERENCE_MODE_SWITCHES = (torch.autograd.grad_mode._enter_inference_mode,)
+
+
+def _with_mode_guards_released(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """`forward`, except that an error leaves no mode switched: the graph enters and exits the
+    mode without try/finally, and its guard object, kept alive by the traceback, would restore
+    the mode it saved whenever the traceback dies (long after the caller's own `with` exited)."""
+
+    def run(*args: Any) -> Any:
+        try:
+            return forward(*args)
+        except BaseException as e:
+            if e.__traceback__ is not None:
+                traceback.clear_frames(e.__traceback__.tb_next)  # the graph's frames
+            raise
+
+    return run
+
+
+def _inference_mode_switch(gm: torch.fx.GraphModule) -> str | None:
+    """The line of the first inference-mode switch in the graph, or None."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _INFERENCE_MODE_SWITCHES:
+            return _node_line(node)
+    return None
 
 
 def _node_line(node: torch.fx.Node) -> str:

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from aotc.dynamohit import MISS, hit_caller, module_hit_caller
-from aotc.functional import FUNCTORCH_HOOKS_HINT, refused_by_functorch
+from aotc.functional import FUNCTORCH_HOOKS_HINT, TRACING, refused_by_functorch
 from aotc.hooks import has_own_hooks
 from aotc.options import Capture, CompileOptions
 from aotc.pipeline import CompiledRecord
@@ -344,6 +344,9 @@ class DynamoFunction:
     """A function compiled by aotc through Dynamo (the default capture mode). Call it like the
     original; `aotc.inspect` lists every graph compiled for it."""
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> DynamoFunction:
+        return self  # like the function it wraps (copy.deepcopy of a dict holding it)
+
     def __init__(self, fn: Callable[..., Any], options: CompileOptions, name: str) -> None:
         self._fn = fn
         self._name = name
@@ -358,7 +361,9 @@ class DynamoFunction:
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _transforms_active():  # See Note [Compiled functions under torch.func] in aotc/api.py
+        # Note [Compiled functions under torch.func] in aotc/api.py; Note [Compiled functions
+        # called while aotc traces] in aotc/functional.py
+        if _transforms_active() or TRACING.active:
             return self._fn(*args, **kwargs)
         capture = self._capture
         if (capture.hooked or any(_GLOBAL_HOOKS)) and _hooks_moved(capture):
@@ -441,7 +446,9 @@ class DynamoModule(OriginalState):
         return super().__call__(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if _transforms_active():  # See Note [Compiled functions under torch.func] in aotc/api.py
+        # Note [Compiled functions under torch.func] in aotc/api.py; Note [Compiled functions
+        # called while aotc traces] in aotc/functional.py
+        if _transforms_active() or TRACING.active:
             return self._orig_mod(*args, **kwargs)
         capture = self._capture
         if (capture.hooked or any(_GLOBAL_HOOKS)) and _hooks_moved(capture, 4):

@@ -11,6 +11,7 @@ import contextlib
 import importlib
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
@@ -31,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from aotc.runtime.errors import AotcError, UnsupportedError
+from aotc.runtime.viewreplay import ViewOp, plain_args
 
 # A user program after flattening: takes the user leaves, returns (output leaves, output spec).
 FlatProgram = Callable[[list[object]], tuple[list[object], object]]
@@ -97,6 +99,16 @@ def _user_frame(tb: traceback.StackSummary) -> str:
     return "<unknown>"
 
 
+def _raised_by_program(filename: str) -> bool:
+    """Whether the innermost frame of an error is the program's own code (not torch's, aotc's
+    or the standard library's)."""
+    path = os.path.abspath(filename)
+    return not path.startswith(_OWN_DIRS) and not path.startswith(_STDLIB) and "<" not in filename
+
+
+_STDLIB = os.path.dirname(os.path.abspath(contextlib.__file__))
+
+
 @contextlib.contextmanager
 def user_errors(what: str, eager_ran: bool = False) -> Iterator[None]:
     """Turn tracing failures that mean 'unsupported program' into UnsupportedError.
@@ -127,7 +139,10 @@ def user_errors(what: str, eager_ran: bool = False) -> Iterator[None]:
         # fake tensors also raise replaying a view from a base whose rank an in-place op changed
         # (`v = a.t(); a.squeeze_(0); v.unsqueeze_(0)`: eager runs it; fuzz seed 8119).
         text = str(e)
-        where = _user_frame(traceback.extract_tb(sys.exc_info()[2]))
+        frames = traceback.extract_tb(sys.exc_info()[2])
+        where = _user_frame(frames)
+        if not eager_ran and frames and _raised_by_program(frames[-1].filename):
+            raise  # the program's own `raise` (or a builtin it called): eager raises it too
         if "FakeTensor" in text and ("non-Fake" in text or "convert all Tensors" in text):
             found = text.split("Found in", 1)[-1].strip()[:200]
             raise UnsupportedError(
@@ -356,24 +371,45 @@ def _empty_with_geometry(t: torch.Tensor) -> torch.Tensor:
     return empty.set_(storage, offset, t.shape, t.stride())
 
 
+class _Tracing(threading.local):
+    active = False
+
+
+# Note [Compiled functions called while aotc traces]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A program may call another `aotc.compile` object (a helper compiled on its own, a submodule
+# compiled before the whole model). While aotc traces the outer program, that call gets fake or
+# functional tensors: its compiled entries cannot run on them (their guards read storage
+# pointers), and Dynamo would compile its frame on them. So, on the thread that traces, such a
+# call runs the inner object's Python function itself, which the outer trace then captures like
+# the rest of the program. `TRACING.active` is that thread's flag, set by `compiling()`.
+TRACING = _Tracing()
+
+
 @contextlib.contextmanager
 def compiling() -> Iterator[None]:
     """`torch.compiler.is_compiling()` is True while aotc traces, as under torch.compile.
 
     Library code checks the flag to take its traceable path: torch.optim's Adam/AdamW keep the
     step count a tensor instead of calling `.item()` on it, and group tensors lazily. The flag is
-    torch.compiler's own (set by Dynamo for the duration of its compilations)."""
-    session = getattr(torch.compiler, "_compile_session_context", None)
-    if session is not None:
-        with session():
-            yield
-        return
-    old = torch.compiler._is_compiling_flag
-    torch.compiler._is_compiling_flag = True
+    torch.compiler's own (set by Dynamo for the duration of its compilations). Also sets
+    `TRACING.active` (Note [Compiled functions called while aotc traces])."""
+    tracing = TRACING.active
+    TRACING.active = True
     try:
-        yield
+        session = getattr(torch.compiler, "_compile_session_context", None)
+        if session is not None:
+            with session():
+                yield
+            return
+        old = torch.compiler._is_compiling_flag
+        torch.compiler._is_compiling_flag = True
+        try:
+            yield
+        finally:
+            torch.compiler._is_compiling_flag = old
     finally:
-        torch.compiler._is_compiling_flag = old
+        TRACING.active = tracing
 
 
 # Note [as_strided past its input view]
@@ -435,9 +471,21 @@ class EagerChecks(TorchDispatchMode):
         self._inputs = [
             t for t in inputs if isinstance(t, torch.Tensor) and t.layout is torch.strided
         ]
+        # id(view) -> (view, the tensor it was made from, its op as data or None, grad mode,
+        # both tensors' geometries then): every view op of the run, for Note [Replayed views]
+        # in runtime/viewreplay.py
+        self.views: dict[int, ViewRecord] = {}
+        # storages of inference tensors: fakes' views of them made outside inference mode are
+        # not inference tensors, eager's are (Note [Views of inference tensors])
+        self._inference: set[StorageWeakRef] = {
+            StorageWeakRef(t.untyped_storage()) for t in self._inputs if t.is_inference()
+        }
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        inference = torch.is_inference_mode_enabled()
+        if self.problem is None and func._schema.is_mutable and self._inference and not inference:
+            self._check_inference_write(func, args)
         if self.problem is None and func in _AS_STRIDED:
             eager = _storage_bounds_error(func, args, kwargs, self._unsized)
             if eager is not None:
@@ -446,6 +494,15 @@ class EagerChecks(TorchDispatchMode):
                     f"metadata pass: the program failed at {where}: {func} raises '{eager}' in "
                     "eager PyTorch too (a view reaching past the end of its tensor's storage). "
                     "Fix the view's size, stride or storage offset."
+                )
+        if self.problem is None and func in _INDEX_OPS:
+            eager = _too_many_indices(args)
+            if eager is not None:
+                where = _user_frame(traceback.extract_stack())
+                self.problem = (
+                    f"metadata pass: the program failed at {where}: {func} raises '{eager}' in "
+                    "eager PyTorch too (fake tensors do not check it). Index with at most as many "
+                    "indices as the tensor has dimensions."
                 )
         if func in _SQUEEZE_IN_PLACE and _is_symbolic(args[0]):
             out = _SQUEEZE_IN_PLACE[func](*args, **kwargs)
@@ -463,8 +520,13 @@ class EagerChecks(TorchDispatchMode):
                     if isinstance(value, torch.Tensor) and value.layout is torch.strided:
                         self._written.add(StorageWeakRef(value.untyped_storage()))
         out = func(*args, **kwargs)
+        if inference:  # every tensor made here is an inference tensor
+            for t in out if isinstance(out, (list, tuple)) else (out,):
+                if isinstance(t, torch.Tensor) and t.layout is torch.strided:
+                    self._inference.add(StorageWeakRef(t.untyped_storage()))
         if func.is_view and args and isinstance(args[0], torch.Tensor):
             self._note_narrowing(func, args[0], out)
+            self._note_view(func, args, kwargs, out)
             if (
                 self.problem is None
                 and func is torch.ops.aten.as_strided.default
@@ -494,6 +556,48 @@ class EagerChecks(TorchDispatchMode):
             "written value, which holds only the input's own elements. Pass the tensor that holds "
             "those elements (the input's base) as an argument, or take the view before the write."
         )
+
+    def _check_inference_write(self, func: torch._ops.OpOverload, args: Sequence[Any]) -> None:
+        """Note [Views of inference tensors]: eager refuses an in-place op outside inference mode
+        on an inference tensor, and every view of one is one, also a view made outside inference
+        mode; a fake view made there is a normal tensor, which the fake op writes freely. So a
+        write outside inference mode into an inference tensor's storage is refused here, with
+        eager's message."""
+        for arg, value in zip(func._schema.arguments, args):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            if not isinstance(value, torch.Tensor) or value.layout is not torch.strided:
+                continue
+            if StorageWeakRef(value.untyped_storage()) in self._inference:
+                where = _user_frame(traceback.extract_stack())
+                self.problem = (
+                    f"metadata pass: the program failed at {where}: {func} raises 'Inplace update "
+                    "to inference tensor outside InferenceMode is not allowed' in eager PyTorch "
+                    "too (the tensor is a view of an inference tensor). Make a .clone() to get "
+                    "a normal tensor before the in-place update."
+                )
+                return
+
+    def _note_view(
+        self, func: torch._ops.OpOverload, args: Any, kwargs: dict[str, Any], out: Any
+    ) -> None:
+        outs = out if isinstance(out, (list, tuple)) else [out]
+        try:
+            rest = plain_args(args[1:])
+            named = tuple((k, plain_args(v)) for k, v in kwargs.items())
+            if any(_is_symbolic(t) for t in (args[0], *outs)):
+                raise TypeError("symbolic")
+        except TypeError:  # a tensor or a symbolic size: not replayable as data
+            rest = named = None
+        grad = torch.is_grad_enabled()
+        for i, o in enumerate(outs):
+            if isinstance(o, torch.Tensor):
+                if rest is None or named is None:
+                    self.views[id(o)] = (o, args[0], None, grad, None, None)
+                    continue
+                index = i if isinstance(out, (list, tuple)) else None
+                op = ViewOp(str(func), rest, named, index)  # type: ignore[arg-type]
+                self.views[id(o)] = (o, args[0], op, grad, geometry_of(args[0]), geometry_of(o))
 
     def _note_narrowing(self, func: torch._ops.OpOverload, inp: torch.Tensor, out: Any) -> None:
         """See Note [as_strided past its input view]."""
@@ -580,6 +684,31 @@ class EagerChecks(TorchDispatchMode):
             )
 
 
+# the ops whose meta kernels take more indices than the tensor has dimensions (eager refuses)
+_INDEX_OPS = frozenset(
+    {
+        torch.ops.aten.index.Tensor,
+        torch.ops.aten.index_put.default,
+        torch.ops.aten.index_put_.default,
+        torch.ops.aten._index_put_impl_.default,
+    }
+)
+
+
+def _too_many_indices(args: Sequence[Any]) -> str | None:
+    """Eager's IndexError for `self[indices]` with more indices than `self` has dims, or None."""
+    if len(args) < 2 or not isinstance(args[0], torch.Tensor):
+        return None
+    count = 0
+    for index in args[1]:
+        masks = isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
+        count += index.dim() if masks else 1
+    dims = args[0].dim()
+    return (
+        f"too many indices for tensor of dimension {dims} (got {count})" if count > dims else None
+    )
+
+
 # the ops eager checks against their tensor's storage size: each has the arguments `self`,
 # `size`, `stride` and `storage_offset=None` (as_strided_scatter also a `src`)
 _AS_STRIDED = frozenset(
@@ -636,6 +765,22 @@ _SQUEEZE_IN_PLACE = {
     torch.ops.aten.squeeze_.dim: torch.ops.aten.squeeze.dim,
     torch.ops.aten.squeeze_.dims: torch.ops.aten.squeeze.dims,
 }
+
+
+def geometry_of(t: torch.Tensor) -> tuple[object, ...]:
+    return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+
+# A view op of the plain run: (view, the tensor it was made from, its op as data or None (not
+# replayable), grad mode, the two tensors' geometries then (None with no op)).
+ViewRecord = tuple[
+    torch.Tensor,
+    torch.Tensor,
+    ViewOp | None,
+    bool,
+    tuple[object, ...] | None,
+    tuple[object, ...] | None,
+]
 
 
 def _is_symbolic(t: object) -> bool:

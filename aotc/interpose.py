@@ -234,6 +234,18 @@ def _on_random(rec: Recorder, orig: Callable[..., Any], *args: Any, **kwargs: An
     )
 
 
+def _on_seed(rec: Recorder, orig: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    where = _caller_line(2)
+    if not where:  # library code (torch.utils.checkpoint restores the state it stashed)
+        return orig(*args, **kwargs)
+    raise UnsupportedError(
+        f"{rec.name}: torch.{getattr(orig, '__name__', '?')}() at {where} sets the global random "
+        "state: it would run once, while aotc traces, and compiled calls would draw from the "
+        "state as they find it. Seed outside the compiled function, pass a torch.Generator as an "
+        "argument, or use the default capture mode."
+    )
+
+
 def _on_clock(rec: Recorder, orig: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     where = _caller_line(2)
     if where:
@@ -270,10 +282,98 @@ def _stub_targets() -> list[tuple[object, str, Callable[..., Any]]]:
     ]
     targets += [(random, n, _on_random) for n in _RANDOM_NAMES if hasattr(random, n)]
     targets += [(time, n, _on_clock) for n in ("time", "time_ns", "perf_counter", "monotonic")]
+    seeds = ("manual_seed", "seed", "set_rng_state")
+    targets += [(owner, n, _on_seed) for owner in (torch, torch.random) for n in seeds]
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         targets += [(numpy.random, n, _on_random) for n in _NUMPY_RANDOM_NAMES]
     return [(o, n, h) for o, n, h in targets if hasattr(o, n)]
+
+
+# Note [.grad and .data of inputs in strict mode]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Two tensor attributes bypass the dispatcher, so no trace sees them: `.grad` (a field of the
+# autograd meta) and the `.data` setter (`x.data = t` swaps x's storage and sizes in place). On a
+# program's inputs (its tensor arguments and lifted tensors) both would be silently wrong in a
+# graph: a fake argument's `.grad` is None whatever the real one holds, so `x.grad` would be baked
+# as None and `x.grad = t` dropped; `x.data = t` would change only the fake swapped in for the
+# trace, so the call would leave the real tensor as it was. While a strict run is in progress,
+# `Tensor.grad` and `Tensor.data` are properties that refuse, naming the input and the user's
+# line: reading or writing `.grad` of an argument (a lifted tensor's `.grad` is lifted itself,
+# see aotc/lifting.py), and assigning `.data` of any input. Intermediates are left alone: eager
+# and the trace agree on them. Both properties call TensorBase's own descriptors otherwise.
+_GRAD: Any = vars(torch._C.TensorBase)["grad"]  # the C descriptors
+_DATA: Any = vars(torch._C.TensorBase)["data"]
+
+
+def _input_name(self: Tensor, arguments_only: bool) -> str | None:
+    rec = ACTIVE[-1] if ACTIVE else None
+    if rec is None or threading.get_ident() != rec.thread:
+        return None
+    found = rec.inputs.get(id(self))
+    if found is None or (arguments_only and not found[1]):
+        return None
+    return found[0]
+
+
+def _refuse_attribute(self: Tensor, what: str, name: str, hint: str) -> None:
+    rec = ACTIVE[-1]
+    where = user_line(3) or "an unknown line"
+    raise UnsupportedError(
+        f"{rec.name}: the program {what} of input {name!r} at {where}. That bypasses the "
+        f"operators aotc traces, so a compiled call would not do it. {hint}"
+    )
+
+
+_GRAD_HINT = (
+    "Pass the gradient as an argument of its own (`f(x, x.grad)`), do this outside the compiled "
+    "function, or use the default capture mode."
+)
+
+
+def _get_grad(self: Tensor) -> Any:
+    name = _input_name(self, arguments_only=True)
+    if name is not None:
+        _refuse_attribute(self, "reads .grad", name, _GRAD_HINT)
+    return _GRAD.__get__(self, type(self))
+
+
+def _set_grad(self: Tensor, value: Any) -> None:
+    name = _input_name(self, arguments_only=True)
+    if name is not None:
+        _refuse_attribute(self, "assigns .grad", name, _GRAD_HINT)
+    _GRAD.__set__(self, value)
+
+
+def _del_grad(self: Tensor) -> None:
+    name = _input_name(self, arguments_only=True)
+    if name is not None:
+        _refuse_attribute(self, "deletes .grad", name, _GRAD_HINT)
+    _GRAD.__delete__(self)
+
+
+def _get_data(self: Tensor) -> Any:
+    return _DATA.__get__(self, type(self))
+
+
+def _set_data(self: Tensor, value: Any) -> None:
+    name = _input_name(self, arguments_only=False)
+    if name is not None:
+        _refuse_attribute(
+            self,
+            "assigns .data",
+            name,
+            "Write the values in place instead (`with torch.no_grad(): x.copy_(t)`), or do this "
+            "outside the compiled function.",
+        )
+    _DATA.__set__(self, value)
+
+
+def _property_targets() -> list[tuple[object, str, object]]:
+    return [
+        (Tensor, "grad", property(_get_grad, _set_grad, _del_grad, doc=_GRAD.__doc__)),
+        (Tensor, "data", property(_get_data, _set_data, doc=_DATA.__doc__)),
+    ]
 
 
 _STUB_COUNT = 0
@@ -291,6 +391,10 @@ def install_stubs() -> None:
             own = name in vars(owner)
             _STUB_SAVED.append((owner, name, vars(owner).get(name), own))
             setattr(owner, name, _stub(orig, handler))
+        for owner, name, replacement in _property_targets():
+            own = name in vars(owner)
+            _STUB_SAVED.append((owner, name, vars(owner).get(name), own))
+            setattr(owner, name, replacement)
 
 
 def remove_stubs() -> None:

@@ -180,6 +180,7 @@ def collect_metadata(
                 ):
                     p_outs, _ = program(p_leaves)
             except Exception as e:
+                checks.check()  # eager's earlier refusal, noted in a dispatch, comes first
                 if saved is None or not refused_by_functorch(e):
                     raise
                 saved = None  # run again without hooks; probe every output for staleness
@@ -211,7 +212,7 @@ def collect_metadata(
         changes = _leaf_changes(p_leaves, leaves_before)
         _check_grad_of_merged_inputs(changes, convention)
         _check_grad_of_reshaped_leaves(changes, p_leaves)
-        analysis = classify_outputs(p_outs, p_leaves, checks.narrowed)
+        analysis = classify_outputs(p_outs, p_leaves, checks.narrowed, checks.views)
         fwd_plan, specs, plain_values, roots = _plan_fwd_outputs(
             analysis.infos, inputs, analysis.bases, analysis.roots, f_outs, p_outs, wrappers, plain
         )

@@ -29,6 +29,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -259,6 +260,7 @@ def compile_signature(
             with (
                 transform_state(),
                 torch.autograd.graph.saved_tensors_hooks(_identity, _identity),
+                no_anomaly_checks(),
                 compiling(),
             ):
                 return _compile_signature(
@@ -267,7 +269,7 @@ def compile_signature(
         except Exception as e:
             if user_hooks or not refused_by_functorch(e):
                 raise
-        with transform_state(), compiling():
+        with transform_state(), no_anomaly_checks(), compiling():
             return _compile_signature(
                 program, leaves, names, options, name, source, fake_mode, graph
             )
@@ -288,6 +290,13 @@ def compile_signature(
             e.add_note(_TRACEBACK_NOTE)
             raise e.with_traceback(None) from None
         raise
+
+
+def no_anomaly_checks() -> AbstractContextManager[object]:
+    """Anomaly mode off while tracing: its NaN check on every backward output reads values
+    (`isnan().any()`), which fake tensors do not have. The compiled node's own outputs are
+    checked by the engine at run time, as eager's nodes' are."""
+    return torch.autograd.set_detect_anomaly(False)
 
 
 # Note [User-facing tracebacks]

@@ -153,6 +153,9 @@ class Recorder:
         self._snapshots: dict[int, tuple[object, list[Any], str]] = {}
         self._slot_snapshots: dict[tuple[object, ...], object] = {}
         self._lifting: frozenset[int] = frozenset()
+        # id -> (name, is an argument) of the run's input tensors: Note [.grad and .data of
+        # inputs in strict mode] in aotc/interpose.py
+        self.inputs: dict[int, tuple[str, bool]] = {}
 
     # ------------------------------------------------------------ the walk
 

@@ -15,6 +15,13 @@ class OriginalState(torch.nn.Module):
     """Mixin for a module wrapper whose `_orig_mod` holds the state."""
 
     _orig_mod: torch.nn.Module
+    _options: Any
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """`copy.deepcopy` (an EMA copy of the model) and `torch.save` copy the original module
+        and compile the copy again with the same options: compiled entries, caches and locks are
+        per object (and not picklable). Hooks on the wrapper itself are not copied."""
+        return (_recompile, (type(self), self._orig_mod, self._options))
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self._orig_mod.state_dict(*args, **kwargs)
@@ -27,3 +34,7 @@ class OriginalState(torch.nn.Module):
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Any:
         return self._orig_mod.named_buffers(*args, **kwargs)
+
+
+def _recompile(cls: type, module: torch.nn.Module, options: Any) -> Any:
+    return cls(module, options)

@@ -154,7 +154,7 @@ def make_autograd_function(
         if watch:
             ctx.aotc_watch = [_watched(args[g]) for g in watch]
         if track or absent_run is not None:
-            ctx.set_materialize_grads(False)
+            ctx.materialize_grads = False
         if track:
             ctx.aotc_like = [(outs[k].shape, outs[k].dtype, outs[k].device) for k in diff]
         return pick_diff(outs)
@@ -425,7 +425,7 @@ def _generate_node(
         fl.append(f"    ctx.aotc_watch = [{watched}]")
     single = len(plan.diff_outs) == 1
     if namespace.get("absent") is not None or single:  # Note [Absent gradients] (absent.py)
-        fl.append("    ctx.set_materialize_grads(False)")
+        fl.append("    ctx.materialize_grads = False")
     fl.append(f"    return ({''.join(f'outs[{k}], ' for k in plan.diff_outs)})")
 
     grads = [f"g{p}" for p in range(len(plan.diff_outs))]

@@ -20,6 +20,7 @@ registers per thread, spill stores/loads, stack frame, shared memory, warps and 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import importlib.util
@@ -27,6 +28,7 @@ import io
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -35,6 +37,7 @@ from typing import Any
 
 _MODULES: dict[str, Any] = {}
 _DIR = tempfile.mkdtemp(prefix="aotc_cuda_worker_")
+atexit.register(shutil.rmtree, _DIR, True)  # the parent closes stdin: the loop ends, this runs
 
 
 class _Pointer:

@@ -45,6 +45,7 @@ from aotc.runtime.schema import (
     UserArg,
     UserOut,
 )
+from aotc.runtime.viewreplay import ViewOp, replay
 
 _MULTI_OUTPUT = torch._C._autograd.CreationMeta.MULTI_OUTPUT_NODE
 _set_creation_meta = torch._C._autograd._set_creation_meta
@@ -94,6 +95,9 @@ class OutputStep:
     # ALIAS_OF_INPUT: views an as_strided on the way reached past (OutputInfo.narrowed_by)
     narrowed_by: tuple[Geometry, ...] = ()
     detach: bool = False  # FRESH: the graph returns a view; eager's output is none (detach it)
+    # eager's view ops from the base, and their grad mode (Note [Replayed views])
+    replay: tuple[ViewOp, ...] | None = None
+    replay_grad: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +231,8 @@ def plan_epilogue(
                 via_geometry=out.via_geometry,
                 narrowed_by=out.narrowed_by,
                 detach=out.kind is OutputKind.FRESH and source in fresh_views,
+                replay=out.replay,
+                replay_grad=out.replay_grad,
             )
         )
     late = (OutputKind.ALIAS_OF_OUTPUT, OutputKind.IS_OUTPUT)
@@ -391,6 +397,9 @@ def _materialize(
 
 
 def _view(base: torch.Tensor, g: Geometry, s: OutputStep, bump: bool = True) -> torch.Tensor:
+    if s.replay is not None:  # Note [Replayed views] in runtime/viewreplay.py
+        with torch.set_grad_enabled(s.replay_grad):
+            return _mark(replay(base, s.replay), s, bump)
     # Geometries are relative to `base`; as_strided takes an absolute storage offset.
     root = base.storage_offset()
     if s.via_geometry is not None:  # a leaf view made under no_grad, then the view of it
@@ -420,6 +429,9 @@ def _mark(view: torch.Tensor, s: OutputStep, bump: bool = True) -> torch.Tensor:
 
 def _view_like(base: torch.Tensor, raw: torch.Tensor, s: OutputStep) -> torch.Tensor:
     """A real view of `base` with the geometry `raw` (the graph's own view of it) has."""
+    if s.replay is not None:  # Note [Replayed views] in runtime/viewreplay.py
+        with torch.set_grad_enabled(s.replay_grad):
+            return _mark(replay(base, s.replay), s)
     with torch.set_grad_enabled(s.track_grad):
         if raw.dtype != base.dtype:  # view_as_real / view(dtype) of the base
             if base.is_complex() and not raw.is_complex():

@@ -22,10 +22,12 @@ Ensures:
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import importlib.util
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -196,8 +198,9 @@ def load_kernel(kernel: KernelSource) -> Any:
 def kernel_module(source: str, name: str, key: str) -> Any:
     """Import a kernel's source text as module `aotc_kernel_<key>` (from a file: Triton reads a
     function's source with `inspect`)."""
-    if not _DIR:
+    if not _DIR:  # one folder per process, removed when it exits
         _DIR.append(tempfile.mkdtemp(prefix="aotc_kernels_"))
+        atexit.register(shutil.rmtree, _DIR[0], True)
     path = os.path.join(_DIR[0], f"{name}_{key}.py")
     with open(path, "w") as f:
         f.write(source)

@@ -9,7 +9,17 @@ graphs, partition reports) for the cache's inspection fields.
 
 from __future__ import annotations
 
-from aotc.runtime import autograd, epilogue, kernels, schema, steps, symexpr, symsizes, wrappers
+from aotc.runtime import (
+    autograd,
+    epilogue,
+    kernels,
+    schema,
+    steps,
+    symexpr,
+    symsizes,
+    viewreplay,
+    wrappers,
+)
 from aotc.runtime.codec import register_records
 
 RUNTIME_RECORDS: tuple[type, ...] = (
@@ -40,6 +50,7 @@ RUNTIME_RECORDS: tuple[type, ...] = (
     symexpr.SizeExpr,
     steps.StepProgram,
     steps.GraphProgram,
+    viewreplay.ViewOp,
 )
 
 register_records(*RUNTIME_RECORDS)

@@ -30,6 +30,8 @@ from typing import NewType, TypeAlias
 
 import torch
 
+from aotc.runtime.viewreplay import ViewOp
+
 UserArg = NewType("UserArg", int)
 GraphArg = NewType("GraphArg", int)
 UserOut = NewType("UserOut", int)
@@ -156,6 +158,10 @@ class OutputInfo:
     # past, innermost last: eager's gradient stops at their elements (Note [as_strided past its
     # input view] in aotc/functional.py)
     narrowed_by: tuple[Geometry, ...] = ()
+    # ALIAS_OF_*: eager's view ops from the base to the output, and the grad mode it ran them
+    # in; None: rebuilt with as_strided (Note [Replayed views] in runtime/viewreplay.py)
+    replay: tuple[ViewOp, ...] | None = None
+    replay_grad: bool = True
 
 
 @dataclass(frozen=True, slots=True)

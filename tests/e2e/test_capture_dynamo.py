@@ -866,3 +866,56 @@ def test_global_module_hooks_run_as_in_eager(when):
         handle.remove()
     torch.testing.assert_close(compiled(x), eager(x))
     assert not log
+
+
+# ------------------------------------------- inference mode switched inside a compiled region
+
+
+def _inference_tensor(*shape):
+    with torch.inference_mode():
+        return torch.randn(*shape)
+
+
+@pytest.mark.parametrize("entry", ["aotc", "torch.compile"])
+def test_inference_mode_switched_off_inside_a_call_made_under_it_matches_eager(entry):
+    def makes_normal_tensors(a):
+        with torch.inference_mode(False):
+            v = a * 2
+        return v, v * 3
+
+    def writes_an_inference_tensor(a):
+        with torch.inference_mode(False):
+            a.add_(1)
+        return a * 2
+
+    def saves_an_inference_tensor(a, w):
+        with torch.inference_mode(False):
+            return (a * w).sum()
+
+    def compile_(fn):
+        if entry == "aotc":
+            return aotc.compile(fn)
+        return torch.compile(fn, backend="aotc")
+
+    torch._dynamo.reset()
+    a = _inference_tensor(3)
+    with torch.inference_mode():
+        want, got = makes_normal_tensors(a), compile_(makes_normal_tensors)(a)
+    assert [t.is_inference() for t in got] == [t.is_inference() for t in want] == [False, True]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    for fn, args, message in (
+        (writes_an_inference_tensor, lambda: [_inference_tensor(3)], "Inplace update"),
+        (
+            saves_an_inference_tensor,
+            lambda: [_inference_tensor(3), torch.randn(3, requires_grad=True)],
+            "cannot be saved for backward",
+        ),
+    ):
+        compiled = compile_(fn)
+        for run in (fn, compiled):
+            made = args()  # (outside inference mode: `w` is a normal tensor)
+            with pytest.raises(RuntimeError, match=message), torch.inference_mode():
+                run(*made)
+            # the failed region left no mode switched
+            assert not torch.is_inference_mode_enabled()

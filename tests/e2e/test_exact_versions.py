@@ -513,6 +513,12 @@ def _div_into_a_transposed_input(a0, a1):
     return (v1.sum(0),)
 
 
+def _index_put_into_a_zero_dim_value(a0, a1):  # fuzz session 13, 27125
+    v0 = a0.sum()
+    v0.index_put_((torch.tensor([0]),), torch.tensor(3.0))  # eager: IndexError, fakes: none
+    return (a1,)
+
+
 def _views_at_offsets():
     x = torch.randn((3, 2, 4), requires_grad=True)
     return [x[1], x.view(-1), x[:, 1]]
@@ -679,6 +685,11 @@ PROGRAMS = {
         _fill_expanded_with_grad,
         lambda: [torch.randn(4, requires_grad=True)],
         [0],
+    ),
+    "index_put_into_a_zero_dim_value": (
+        _index_put_into_a_zero_dim_value,
+        lambda: [torch.randn(4, requires_grad=True) * 1.0, torch.randn(2, 3)],
+        [],
     ),
 }
 

@@ -464,3 +464,30 @@ def test_checkpointed_dropout_replays_eager_in_default_mode_and_is_refused_in_st
     model = aotc.compile(CheckpointedBlocks(0.25), capture="trace")
     with pytest.raises(aotc.UnsupportedError, match="random op .* again"):
         model(torch.randn(5, 4, requires_grad=True)).sum().backward()
+
+
+@pytest.mark.parametrize("capture", ["dynamo", "trace"])
+def test_deepcopy_and_save_of_a_compiled_module(capture):
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    compiled = aotc.compile(model, capture=capture)
+    x = torch.randn(5, 4)
+    compiled(x)
+    ema = copy.deepcopy(compiled)  # the usual EMA copy of a training model
+    assert type(ema) is type(compiled)
+    assert all(p is not q for p, q in zip(ema.parameters(), model.parameters()))
+    torch.testing.assert_close(ema(x), model(x))
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.mul_(0.5)  # the copy's state is its own
+    assert not torch.allclose(ema(x), model(x))
+    buf = io.BytesIO()
+    torch.save(compiled, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    torch.testing.assert_close(loaded(x), model(x))
+    loaded(x).sum().backward()
+    assert all(p.grad is not None for p in loaded.parameters())

@@ -1066,3 +1066,142 @@ def test_inference_call_that_leaves_inference_mode_inside_matches_eager():
     with torch.inference_mode():
         x = torch.randn(3, requires_grad=True)
         close(compiled(x), _detached_then_grad_mode_back_on(x))
+
+
+# ------------------------------------------------- .grad and .data of inputs (never traced)
+
+
+def test_reading_or_assigning_grad_of_an_argument_is_refused():
+    def reads(x):
+        return x * (x.grad if x.grad is not None else 1.0)
+
+    def assigns(x, g):
+        x.grad = g * 2
+        return x * 3
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(aotc.UnsupportedError, match=r"reads \.grad of input 'x'.*x\.grad"):
+        strict(reads)(x)
+    with pytest.raises(aotc.UnsupportedError, match=r"assigns \.grad of input 'x'"):
+        strict(assigns)(x, torch.randn(3))
+    assert x.grad is None
+
+
+def test_assigning_data_of_an_input_is_refused_and_of_an_intermediate_runs():
+    weight = torch.randn(3)
+
+    def swaps_argument(x, y):
+        x.data = y * 2
+        return x + 1
+
+    def swaps_closure_tensor(x):
+        weight.data = x * 2
+        return weight + 1
+
+    def swaps_intermediate(x):
+        y = x * 2
+        y.data = torch.ones(3)
+        return y + x
+
+    x, y = torch.randn(3), torch.randn(3)
+    with pytest.raises(aotc.UnsupportedError, match=r"assigns \.data of input 'x'.*copy_"):
+        strict(swaps_argument)(x, y)
+    with pytest.raises(aotc.UnsupportedError, match=r"assigns \.data of input 'closure weight'"):
+        strict(swaps_closure_tensor)(x)
+    close(strict(swaps_intermediate)(x), swaps_intermediate(x))
+    # the properties are gone once tracing is over
+    assert "grad" not in vars(torch.Tensor) and "data" not in vars(torch.Tensor)
+
+
+def test_grad_of_a_lifted_parameter_is_still_read_per_call():
+    p = torch.randn(3, requires_grad=True)
+
+    def scaled(x):
+        return x * (p.grad if p.grad is not None else torch.ones(3))
+
+    compiled = strict(scaled)
+    x = torch.randn(3)
+    close(compiled(x), scaled(x))
+    p.grad = torch.full((3,), 2.0)
+    close(compiled(x), scaled(x), "after .grad was set")
+
+
+@pytest.mark.parametrize("capture", ["dynamo", "trace"])
+def test_anomaly_mode_compiles_and_reports_nan_gradients(capture):
+    def f(x):
+        return ((x * 0).sqrt() * 2).sum()
+
+    compiled = aotc.compile(f, capture=capture)
+    for fn in (f, compiled):
+        with torch.autograd.detect_anomaly():
+            x = torch.tensor([1.0, 2.0], requires_grad=True)
+            with pytest.raises(RuntimeError, match="returned nan values"):
+                fn(x).backward()
+
+    def g(x):
+        return (x.sin() * 2).sum()
+
+    with torch.autograd.detect_anomaly():  # compiled under anomaly mode, no NaN: eager's grads
+        x = torch.tensor([1.0, 2.0], requires_grad=True)
+        aotc.compile(g, capture=capture)(x).backward()
+        close(x.grad, 2 * x.detach().cos())
+
+
+def test_user_exceptions_keep_their_type():
+    def f(x):
+        if x.dim() != 2:
+            raise ValueError("expects a matrix")
+        return x * 2
+
+    compiled = strict(f)
+    with pytest.raises(ValueError, match="expects a matrix"):
+        compiled(torch.randn(3))
+    x = torch.randn(2, 2)
+    close(compiled(x), f(x))
+
+
+def test_reseeding_the_global_generator_inside_is_refused():
+    def f(x):
+        torch.manual_seed(5)
+        return x + torch.rand(3)
+
+    with pytest.raises(aotc.UnsupportedError, match=r"torch\.manual_seed\(\) at .*Generator"):
+        strict(f)(torch.randn(3))
+
+    def with_generator(x, g):
+        return x + torch.rand(3, generator=g)
+
+    compiled = strict(with_generator)
+    g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    x = torch.randn(3)
+    for _ in range(2):
+        close(compiled(x, g2), with_generator(x, g1))
+
+
+@pytest.mark.parametrize("inner_capture", ["dynamo", "trace"])
+@pytest.mark.parametrize("outer_capture", ["dynamo", "trace"])
+def test_compiled_objects_called_inside_a_compiled_program(inner_capture, outer_capture):
+    def helper(x):
+        return x.sin() * 2
+
+    inner = aotc.compile(helper, capture=inner_capture)
+
+    def outer(x):
+        return inner(x).sum() + x.cos().sum()
+
+    x = torch.randn(3, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    inner(x.detach())  # compiled on real tensors first: its entries must not see the trace's
+    want, got = outer(x), aotc.compile(outer, capture=outer_capture)(x2)
+    close(got, want)
+    want.backward()
+    got.backward()
+    close(x2.grad, x.grad)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    twin = copy.deepcopy(model)
+    twin[0] = aotc.compile(twin[0], capture=inner_capture)
+    compiled = aotc.compile(twin, capture=outer_capture)
+    x = torch.randn(2, 3)
+    close(compiled(x), model(x))

@@ -6,6 +6,8 @@ module of a CUDA kernel is a compiler function whatever TRITON_INTERPRET says.""
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -95,6 +97,9 @@ def test_a_kernel_the_compiler_rejects_is_reported(tmp_path: object) -> None:
     reports, summary = check.finish()
     assert reports and "does not compile for sm_90" in reports[0] and "this" in reports[0]
     assert "failed" in summary
+    source = reports[0].rsplit("source: ", 1)[1].strip()
+    assert os.path.isfile(source)
+    shutil.rmtree(os.path.dirname(source))  # the report's folder is the user's to keep
 
 
 def test_occupancy_limits() -> None:
