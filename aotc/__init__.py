@@ -147,8 +147,10 @@ __all__ = [
 
 def _skip_own_frames() -> None:
     from aotc.dynamo_skip import skip_own_frames
+    from aotc.fake_log import quiet_fake_tensor_errors
 
     skip_own_frames()
+    quiet_fake_tensor_errors()  # Note [Fake tensor error logs] in aotc/fake_log.py
 
 
 _skip_own_frames()  # Note [aotc frames under Dynamo] in aotc/dynamo_skip.py

@@ -46,7 +46,7 @@ GENERATED_PREFIX = "<aotc "  # every source aotc generates is compiled under a n
 _done = [False]
 
 
-def _own_dirs() -> list[str]:
+def own_dirs() -> list[str]:
     """The directories holding aotc's code: the package and, in a checkout, its runtime/ and
     passes/ folders (Note [One import name] in aotc/__init__.py)."""
     dirs = []
@@ -68,7 +68,7 @@ def _register(rules: types.ModuleType) -> None:
         skip_dirs = rules.SKIP_DIRS
         recompile = rules._recompile_re
         as_posix = getattr(rules, "_as_posix_path", lambda p: p)
-        for d in [*_own_dirs(), GENERATED_PREFIX]:
+        for d in [*own_dirs(), GENERATED_PREFIX]:
             entry = as_posix(d)
             if entry not in skip_dirs:
                 skip_dirs.append(entry)

@@ -477,6 +477,8 @@ class EagerChecks(TorchDispatchMode):
         self.views: dict[int, ViewRecord] = {}
         # storages of inference tensors: fakes' views of them made outside inference mode are
         # not inference tensors, eager's are (Note [Views of inference tensors])
+        self._call_inference = torch.is_inference_mode_enabled()  # the call's mode
+        self.switched_inference = False
         self._inference: set[StorageWeakRef] = {
             StorageWeakRef(t.untyped_storage()) for t in self._inputs if t.is_inference()
         }
@@ -484,6 +486,8 @@ class EagerChecks(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         inference = torch.is_inference_mode_enabled()
+        if inference != self._call_inference:
+            self.switched_inference = True  # Note [Inference mode switched inside a call]
         if self.problem is None and func._schema.is_mutable and self._inference and not inference:
             self._check_inference_write(func, args)
         if self.problem is None and func in _AS_STRIDED:
@@ -693,6 +697,37 @@ _INDEX_OPS = frozenset(
         torch.ops.aten._index_put_impl_.default,
     }
 )
+
+
+# Note [Inference mode switched inside a call]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A strict-mode graph runs in the mode of the call: under `torch.inference_mode()` every tensor
+# it makes is an inference tensor and no autograd is recorded; outside, none is. A program that
+# switches the mode inside (`with torch.inference_mode(False):` in a call made under inference
+# mode, or the reverse) makes the region's tensors in the other mode in eager. The plain run
+# makes them as eager does (it runs the program's switches), and eager's refusals there are
+# raised (an in-place update of an inference tensor, with Note [Views of inference tensors]).
+# What the graph cannot reproduce is an output whose mode is the region's: an output eager made
+# a normal tensor, or one requiring grad, in a call under inference mode, or an inference tensor
+# in a call outside it. `check_inference_outputs` refuses those after the plain run; outputs the
+# program made back in the call's mode (a sum of the region's result) match and compile.
+def check_inference_outputs(outs: Sequence[object], leaves: Sequence[object]) -> None:
+    call = torch.is_inference_mode_enabled()
+    inputs = {id(t) for t in leaves if isinstance(t, torch.Tensor)}
+    for j, o in enumerate(outs):
+        if not isinstance(o, torch.Tensor) or id(o) in inputs:
+            continue
+        if o.is_inference() != call or (call and o.requires_grad):
+            made = "an inference tensor" if o.is_inference() else "a normal tensor"
+            mode = "under" if call else "outside"
+            raise UnsupportedError(
+                f"metadata pass: output {j} is {made}"
+                + (" that requires grad" if o.requires_grad else "")
+                + f", made where the program switches torch.inference_mode, in a call {mode} "
+                "inference mode. Strict mode compiles one graph that runs in the call's mode. "
+                "Use torch.no_grad() for the region, make the call in the mode the program "
+                "needs, or use the default capture mode."
+            )
 
 
 def _too_many_indices(args: Sequence[Any]) -> str | None:

@@ -48,6 +48,7 @@ from aotc.functional import (
     EagerChecks,
     FlatProgram,
     OverlappingWrites,
+    check_inference_outputs,
     fakeify,
     functionalization,
     refused_by_functorch,
@@ -186,6 +187,8 @@ def collect_metadata(
                 saved = None  # run again without hooks; probe every output for staleness
                 continue
             checks.check()
+            if checks.switched_inference:  # Note [Inference mode switched inside a call]
+                check_inference_outputs(p_outs, p_leaves)
             break
     # Run 2, functional: which inputs are data-mutated, and the values' fake metadata.
     with fake_mode:

@@ -239,3 +239,21 @@ def test_console_script_installed():
         pytest.skip("aotc console script not installed in this environment")
     out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True)
     assert aotc.__version__ in out.stdout
+
+
+@pytest.mark.parametrize("capture", ["dynamo", "trace"])
+def test_shape_errors_are_not_preceded_by_fake_tensor_tracebacks(capture, caplog):
+    def f(x, w):
+        return (x @ w).relu().sum()
+
+    torch._dynamo.reset()
+    compiled = aotc.compile(f, capture=capture)
+    with caplog.at_level("ERROR"), pytest.raises(RuntimeError, match=r"3x4|\[3, 4\]"):
+        compiled(torch.randn(3, 4), torch.randn(5, 2))
+    assert not [r for r in caplog.records if "attempting to run meta" in r.getMessage()]
+    # fake tensors used outside aotc keep their log
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with caplog.at_level("ERROR"), FakeTensorMode(), pytest.raises(RuntimeError):
+        torch.randn(3, 4) @ torch.randn(5, 2)
+    assert [r for r in caplog.records if "attempting to run meta" in r.getMessage()]

@@ -1068,6 +1068,40 @@ def test_inference_call_that_leaves_inference_mode_inside_matches_eager():
         close(compiled(x), _detached_then_grad_mode_back_on(x))
 
 
+def test_output_made_in_a_switched_inference_mode_region_is_refused():
+    def clone_outside_inference_mode(a):  # fuzz session 13, 27523
+        with torch.inference_mode(False):
+            return a.clone()
+
+    def inference_region_inside_a_training_call(x):
+        with torch.inference_mode():
+            stats = x.mean()
+        return stats
+
+    with torch.inference_mode():
+        x = torch.randn(3, requires_grad=True)
+        assert clone_outside_inference_mode(x).requires_grad  # eager: a normal tensor with grad
+        with pytest.raises(aotc.UnsupportedError, match=r"output 0 is a normal tensor"):
+            strict(clone_outside_inference_mode)(x)
+    assert inference_region_inside_a_training_call(torch.randn(3)).is_inference()
+    with pytest.raises(aotc.UnsupportedError, match=r"output 0 is an inference tensor"):
+        strict(inference_region_inside_a_training_call)(torch.randn(3))
+
+
+def test_write_into_a_view_of_an_inference_tensor_outside_inference_mode_raises_like_eager():
+    def f(a):  # fuzz session 13, 26900: fakes' views made there are not inference tensors
+        v = a + 1.0
+        with torch.inference_mode(False):
+            v.expand(2, *v.shape).fill_(1.0)
+        return v
+
+    for fn in (f, strict(f)):
+        with torch.inference_mode():
+            x = torch.randn(1, 3)
+            with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+                fn(x)
+
+
 # ------------------------------------------------- .grad and .data of inputs (never traced)
 
 
