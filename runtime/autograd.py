@@ -133,14 +133,19 @@ def make_autograd_function(
             args = args[:n_args]
         if rng is not None:
             ctx.aotc_rng = get_rng()
+        try:  # Note [Version snapshots under inference mode]
+            if dwatch:
+                ctx.aotc_versions = [args[i]._version for i in dwatch]
+            if watch:
+                ctx.aotc_watch = [_watched(args[g]) for g in watch]
+        except RuntimeError:
+            ctx.aotc_versions = ctx.aotc_watch = None
         outs = fwd(*args)
         # See Note [Graph args for double backward]
         if written:
             ctx.aotc_args = tuple(None if i in written else a for i, a in enumerate(args))
         else:
             ctx.aotc_args = args
-        if dwatch:
-            ctx.aotc_versions = [args[i]._version for i in dwatch]
         # Every saved tensor goes through save_for_backward, so saved-tensor hooks
         # (saved_tensors_hooks, save_on_cpu) around the call see exactly these values.
         if unversioned:
@@ -151,8 +156,6 @@ def make_autograd_function(
         else:
             ctx.save_for_backward(*outs[n_out:n_tensors])
         holder.extend(outs[:n_out])
-        if watch:
-            ctx.aotc_watch = [_watched(args[g]) for g in watch]
         if track or absent_run is not None:
             ctx.materialize_grads = False
         if track:
@@ -396,16 +399,25 @@ def _generate_node(
     n_out = plan.num_fwd_outs
     n_tensors = n_out + plan.num_saved - plan.num_saved_symints
     n_all = n_out + plan.num_saved
-    fl = ["def forward(ctx, holder, *args):", "    outs = fwd(*args)", "    ctx.aotc_args = args"]
     # One version snapshot per graph arg: an arg both watched (inputs changed after the call)
-    # and noted for a double backward reads its version once, into its watch record.
+    # and noted for a double backward reads its version once, into its watch record. Taken
+    # before the graph runs (it writes no input), see Note [Version snapshots under inference
+    # mode].
     both = set(plan.watch) & set(plan.watch_args)
-    fl += [f"    w{g} = watched(args[{g}])" for g in plan.watch if g in both]
+    snap = [f"w{g} = watched(args[{g}])" for g in plan.watch if g in both]
     if plan.watch_args:
         versions = "".join(
             f"w{i}[1], " if i in both else f"args[{i}]._version, " for i in plan.watch_args
         )
-        fl.append(f"    ctx.aotc_versions = [{versions}]")
+        snap.append(f"ctx.aotc_versions = [{versions}]")
+    if plan.watch:
+        watched = "".join(f"w{g}, " if g in both else f"watched(args[{g}]), " for g in plan.watch)
+        snap.append(f"ctx.aotc_watch = [{watched}]")
+    fl = ["def forward(ctx, holder, *args):"]
+    if snap:
+        fl += ["    try:", *(f"        {line}" for line in snap)]
+        fl += ["    except RuntimeError:", "        ctx.aotc_versions = ctx.aotc_watch = None"]
+    fl += ["    outs = fwd(*args)", "    ctx.aotc_args = args"]
     # `to_save` is what `ctx.save_for_backward(*tensors)` sets (a tuple); set here without the
     # Python frame of that method. Autograd reads it after forward returns, as it would then.
     saved = "".join(f"outs[{k}], " for k in range(n_out, n_tensors))
@@ -420,9 +432,6 @@ def _generate_node(
         fl.append("    holder.append(outs[0])")
     elif n_out:
         fl.append(f"    holder.extend(outs[:{n_out}])")
-    if plan.watch:
-        watched = "".join(f"w{g}, " if g in both else f"watched(args[{g}]), " for g in plan.watch)
-        fl.append(f"    ctx.aotc_watch = [{watched}]")
     single = len(plan.diff_outs) == 1
     if namespace.get("absent") is not None or single:  # Note [Absent gradients] (absent.py)
         fl.append("    ctx.materialize_grads = False")
@@ -545,6 +554,16 @@ def _unversioned(outs: tuple, positions: tuple[int, ...]) -> tuple:
 _Watched = tuple[torch.Tensor, int, torch.Size]  # the tensor (or its counter), version, shape
 
 
+# Note [Version snapshots under inference mode]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The forward notes the versions of some graph args (for a double backward, and to refuse a
+# backward after an input changed). An inference tensor has no version counter: reading it
+# raises. Such an arg reaches a node recorded for autograd only in a call under
+# `torch.inference_mode()` whose graph Dynamo compiled with the mode off (an `enable_grad`
+# region; the mode is hidden from the backend), where no backward can ever run. So a failed
+# snapshot leaves the records empty instead of failing the call. The snapshot is taken before
+# the graph runs (the forward graph writes no input; mutations are copied back after it), so a
+# failure has nothing to undo, and a `try` costs nothing when nothing fails.
 def _watched(t: torch.Tensor) -> _Watched:
     """A leaf (a parameter) is kept as is: its module keeps it alive anyway. Any other input is
     kept as an empty alias that shares only its version counter, so that the node does not keep

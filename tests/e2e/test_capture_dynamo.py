@@ -919,3 +919,20 @@ def test_inference_mode_switched_off_inside_a_call_made_under_it_matches_eager(e
                 run(*made)
             # the failed region left no mode switched
             assert not torch.is_inference_mode_enabled()
+
+
+@pytest.mark.parametrize("capture", ["dynamo", "trace"])
+def test_enable_grad_region_in_a_call_under_inference_mode_matches_eager(capture):
+    def f(a0, a1, a2):  # fuzz session 13, 28024: Dynamo compiles it with inference mode off
+        v0 = torch.maximum(a1, a0)
+        with torch.enable_grad():
+            v2 = v0 * a2
+        return v2
+
+    compiled = aotc.compile(f, capture=capture)
+    with torch.inference_mode():
+        args = [torch.randn(3), torch.randn(2, 3, requires_grad=True), torch.randn(2, 3)]
+        args[2].requires_grad_()
+        want, got = f(*args), compiled(*args)
+    assert got.is_inference() == want.is_inference() and not got.requires_grad
+    torch.testing.assert_close(got, want)
