@@ -491,23 +491,19 @@ class EagerChecks(TorchDispatchMode):
         if self.problem is None and func._schema.is_mutable and self._inference and not inference:
             self._check_inference_write(func, args)
         if self.problem is None and func in _AS_STRIDED:
-            eager = _storage_bounds_error(func, args, kwargs, self._unsized)
-            if eager is not None:
-                where = _user_frame(traceback.extract_stack())
-                self.problem = (
-                    f"metadata pass: the program failed at {where}: {func} raises '{eager}' in "
-                    "eager PyTorch too (a view reaching past the end of its tensor's storage). "
-                    "Fix the view's size, stride or storage offset."
-                )
+            self._eager_error(
+                func,
+                _storage_bounds_error(func, args, kwargs, self._unsized),
+                "a view reaching past the end of its tensor's storage",
+                "Fix the view's size, stride or storage offset.",
+            )
         if self.problem is None and func in _INDEX_OPS:
-            eager = _too_many_indices(args)
-            if eager is not None:
-                where = _user_frame(traceback.extract_stack())
-                self.problem = (
-                    f"metadata pass: the program failed at {where}: {func} raises '{eager}' in "
-                    "eager PyTorch too (fake tensors do not check it). Index with at most as many "
-                    "indices as the tensor has dimensions."
-                )
+            self._eager_error(
+                func,
+                _too_many_indices(args),
+                "fake tensors do not check it",
+                "Index with at most as many indices as the tensor has dimensions.",
+            )
         if func in _SQUEEZE_IN_PLACE and _is_symbolic(args[0]):
             out = _SQUEEZE_IN_PLACE[func](*args, **kwargs)
             return torch.ops.aten.as_strided_.default(
@@ -560,6 +556,17 @@ class EagerChecks(TorchDispatchMode):
             "written value, which holds only the input's own elements. Pass the tensor that holds "
             "those elements (the input's base) as an argument, or take the view before the write."
         )
+
+    def _eager_error(
+        self, func: torch._ops.OpOverload, eager: str | None, why: str, fix: str
+    ) -> None:
+        """Note eager's error `eager` for `func` at the user's line (nothing if None)."""
+        if eager is not None:
+            where = _user_frame(traceback.extract_stack(sys._getframe(2)))
+            self.problem = (
+                f"metadata pass: the program failed at {where}: {func} raises '{eager}' in "
+                f"eager PyTorch too ({why}). {fix}"
+            )
 
     def _check_inference_write(self, func: torch._ops.OpOverload, args: Sequence[Any]) -> None:
         """Note [Views of inference tensors]: eager refuses an in-place op outside inference mode
