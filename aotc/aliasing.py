@@ -63,6 +63,7 @@ from typing import Any, TypedDict
 
 import torch
 from torch.autograd.graph import get_gradient_edge
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from aotc.functional import ViewRecord, elements_within, geometry_of
@@ -104,6 +105,7 @@ class RootRef:
     geometry: Geometry  # relative to the source's storage offset
     grad: RootGrad
     value: ValueRef  # where the root itself is (HISTORY: its value becomes a forward output)
+    whole: bool = False  # the root has its source's own geometry (no as_strided_ needed)
 
 
 @dataclass
@@ -214,12 +216,14 @@ def classify_outputs(
     leaves: list[object],
     narrowed: Mapping[torch.Tensor, Any] | None = None,
     views: Mapping[int, ViewRecord] | None = None,
+    reshaped: Mapping[int, Any] | None = None,
 ) -> OutputAnalysis:
     """See Note [Output aliasing]. `narrowed`: `EagerChecks.narrowed` of the run that made
     `outs` (Note [as_strided past its input view] in aotc/functional.py); `views`: its
     `EagerChecks.views` (Note [Replayed views] in runtime/viewreplay.py)."""
     narrowed = narrowed if narrowed is not None else {}
     views = views if views is not None else {}
+    reshaped = reshaped if reshaped is not None else {}
     leaf_of_id: dict[int, UserArg] = {}
     for i, t in enumerate(leaves):
         if isinstance(t, torch.Tensor):
@@ -264,11 +268,12 @@ def classify_outputs(
                 ]
                 if candidates:
                     info = _alias_of_input(o, j, candidates, leaves, narrowed.get(o, ()))
-                    info = _with_replay(info, o, leaves[info.base_arg], views)  # type: ignore[index, arg-type]
+                    base = leaves[info.base_arg]  # type: ignore[index]
+                    info = _with_replay(info, o, base, views, reshaped, j)  # type: ignore[arg-type]
                 else:
                     source = input_storage[storage][0]
                     k = _add_root(result, root_of_id, root, o, j, leaves[source], source_arg=source)  # type: ignore[arg-type]
-                    info = _detached(o, root, k)
+                    info = _detached(o, root, k, j)
             else:
                 primary, where = primaries[storage]
                 if root is primary:
@@ -281,7 +286,7 @@ def classify_outputs(
                             ".clone() of it, or apply as_strided to the tensor itself."
                         )
                     info = _in_group(o, j, primary, where, result, base_of_id)
-                    info = _with_replay(info, o, primary, views)
+                    info = _with_replay(info, o, primary, views, reshaped, j)
                 else:
                     src_out, src_base = _primary_source(primary, where, result, base_of_id)
                     k = _add_root(
@@ -294,7 +299,7 @@ def classify_outputs(
                         source_out=src_out,
                         source_base=src_base,
                     )
-                    info = _detached(o, root, k)
+                    info = _detached(o, root, k, j)
         result.infos.append(info)
     _check_new_leaves(outs, result)
     return result
@@ -412,21 +417,49 @@ def _add_root(
             f"{root.dtype} alias (`.view(dtype).detach()`); aotc cannot regenerate such aliases. "
             "Return a .clone() of it instead."
         )
+    geometry = _geometry(root, source)
+    whole = _is_whole(root, source)
+    if not whole:
+        _refuse_symbolic(geometry, j, "a detached alias of part of another tensor")
     k = root_of_id[id(root)] = len(result.roots)
     result.roots.append(
         RootRef(
             source_arg=source_arg,
             source_out=source_out,
             source_base=source_base,
-            geometry=_geometry(root, source),
+            geometry=geometry,
             grad=_root_grad(root),
             value=ValueRef(UserOut(j), via_base=root is not o),
+            whole=whole,
         )
     )
     return k
 
 
-def _detached(o: torch.Tensor, root: torch.Tensor, k: int) -> OutputInfo:
+def _is_whole(root: torch.Tensor, source: torch.Tensor) -> bool:
+    """Whether `root` has exactly `source`'s geometry (decided without adding shape guards)."""
+    pairs = [
+        *zip(root.shape, source.shape),
+        *zip(root.stride(), source.stride()),
+        (root.storage_offset(), source.storage_offset()),
+    ]
+    return root.dim() == source.dim() and all(statically_known_true(a == b) for a, b in pairs)
+
+
+def _refuse_symbolic(geometry: Geometry | None, j: int, what: str) -> None:
+    """A geometry the runtime rebuilds with as_strided must be concrete (Note [Replayed views]:
+    views with symbolic sizes are replayed where their ops can be)."""
+    if geometry is None:
+        return
+    values = (*geometry.size, *geometry.stride, geometry.offset)
+    if any(isinstance(v, torch.SymInt) for v in values):
+        raise UnsupportedError(
+            f"output {j} is {what} with symbolic sizes, which aotc rebuilds only with concrete "
+            "ones. Return a .clone() of it, or compile without dynamic sizes for it."
+        )
+
+
+def _detached(o: torch.Tensor, root: torch.Tensor, k: int, j: int) -> OutputInfo:
     if o.dtype != root.dtype:
         raise UnsupportedError(
             f"an output is a {o.dtype} view of a detached {root.dtype} tensor (`.detach()` then "
@@ -434,6 +467,7 @@ def _detached(o: torch.Tensor, root: torch.Tensor, k: int) -> OutputInfo:
         )
     flags = _view_flags(o) if o is not root else _ViewFlags()
     geometry = _geometry(o, root) if o is not root else None
+    _refuse_symbolic(geometry, j, "a view of a detached alias")
     return OutputInfo(
         OutputKind.DETACHED,
         o.requires_grad,
@@ -492,17 +526,22 @@ _NOT_REPLAYED = ("aten.detach.default",)
 
 
 def _with_replay(
-    info: OutputInfo, o: torch.Tensor, base: torch.Tensor, views: Mapping[int, ViewRecord]
+    info: OutputInfo,
+    o: torch.Tensor,
+    base: torch.Tensor,
+    views: Mapping[int, ViewRecord],
+    reshaped: Mapping[int, Any],
+    j: int,
 ) -> OutputInfo:
     """`info` with eager's view chain from `base` to `o`, where one can be replayed (Note
     [Replayed views] in runtime/viewreplay.py)."""
     replayable = (OutputKind.ALIAS_OF_INPUT, OutputKind.ALIAS_OF_INTERMEDIATE)
     if info.kind not in (*replayable, OutputKind.ALIAS_OF_OUTPUT):
         return info
-    if info.stale_view or info.new_leaf or info.via_geometry is not None or info.narrowed_by:
-        return info
-    chain = view_chain(o, base, views)
+    special = info.stale_view or info.new_leaf or info.via_geometry is not None
+    chain = None if special or info.narrowed_by else view_chain(o, base, views, reshaped)
     if chain is None:
+        _check_concrete_geometry(info, j)
         return info
     ops, grad = chain
     # Replayed in eager's grad mode, the view has an autograd node iff the base requires grad
@@ -512,12 +551,32 @@ def _with_replay(
     return replace(info, replay=ops, replay_grad=grad)
 
 
+def _check_concrete_geometry(info: OutputInfo, j: int) -> None:
+    """An output view of an input is rebuilt from its recorded geometry when its view ops
+    cannot be replayed; a symbolic geometry cannot be (as_strided takes concrete sizes)."""
+    if info.kind is not OutputKind.ALIAS_OF_INPUT:
+        return  # views of graph values are rebuilt from the graph's own view, at run time
+    geometries = [info.geometry, info.via_geometry, *info.narrowed_by]
+    values = [v for g in geometries if g is not None for v in (*g.size, *g.stride, g.offset)]
+    if any(isinstance(v, torch.SymInt) for v in values):
+        raise UnsupportedError(
+            f"output {j} is a view of input {info.base_arg} with symbolic sizes, made by view "
+            "ops aotc cannot replay (a size argument that is itself symbolic, or a view whose "
+            "gradient eager stops early). Return a .clone() of it, or compile without dynamic "
+            "sizes for it."
+        )
+
+
 def view_chain(
-    o: torch.Tensor, base: torch.Tensor, views: Mapping[int, ViewRecord]
+    o: torch.Tensor,
+    base: torch.Tensor,
+    views: Mapping[int, ViewRecord],
+    reshaped: Mapping[int, Any] | None = None,
 ) -> tuple[tuple[ViewOp, ...], bool] | None:
     """The view ops eager ran from `base` to `o` and the grad mode it ran them all in, or None:
     a step that is not a recorded view op with plain arguments, mixed grad modes, or `o` or
     `base` changed in place since (`transpose_`: the chain would not give `o` from `base`)."""
+    reshaped = reshaped if reshaped is not None else {}
     ops: list[ViewOp] = []
     modes = set()
     cur = o
@@ -529,14 +588,24 @@ def view_chain(
         _, parent, op, grad, parent_then, view_then = record
         if op is None or op.op in _NOT_REPLAYED:
             return None
-        if cur is o and view_then != geometry_of(o):
+        if cur is o and not _unchanged(o, view_then, reshaped):
             return None
         ops.append(op)
         modes.add(grad)
         cur, base_then = parent, parent_then
-    if len(modes) != 1 or base_then != geometry_of(base):
+    if len(modes) != 1 or not _unchanged(base, base_then, reshaped):
         return None
     return tuple(reversed(ops)), modes.pop()
+
+
+def _unchanged(
+    t: torch.Tensor, then: tuple[object, ...] | None, reshaped: Mapping[int, Any]
+) -> bool:
+    """Whether `t` still has the geometry it had when the view was made: compared where it was
+    recorded (concrete sizes), else (symbolic sizes) no in-place op reshaped it."""
+    if then is not None:
+        return then == geometry_of(t)
+    return reshaped.get(id(t)) is not t
 
 
 def _narrowings(

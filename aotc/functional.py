@@ -475,6 +475,7 @@ class EagerChecks(TorchDispatchMode):
         # both tensors' geometries then): every view op of the run, for Note [Replayed views]
         # in runtime/viewreplay.py
         self.views: dict[int, ViewRecord] = {}
+        self.reshaped: dict[int, torch.Tensor] = {}  # tensors an in-place op gave new geometry
         # storages of inference tensors: fakes' views of them made outside inference mode are
         # not inference tensors, eager's are (Note [Views of inference tensors])
         self._call_inference = torch.is_inference_mode_enabled()  # the call's mode
@@ -519,6 +520,8 @@ class EagerChecks(TorchDispatchMode):
                 if arg.alias_info is not None and arg.alias_info.is_write:
                     if isinstance(value, torch.Tensor) and value.layout is torch.strided:
                         self._written.add(StorageWeakRef(value.untyped_storage()))
+            if func._schema.name in _RESHAPES_IN_PLACE and isinstance(args[0], torch.Tensor):
+                self.reshaped[id(args[0])] = args[0]
         out = func(*args, **kwargs)
         if inference:  # every tensor made here is an inference tensor
             for t in out if isinstance(out, (list, tuple)) else (out,):
@@ -596,10 +599,11 @@ class EagerChecks(TorchDispatchMode):
         try:
             rest = plain_args(args[1:])
             named = tuple((k, plain_args(v)) for k, v in kwargs.items())
-            if any(_is_symbolic(t) for t in (args[0], *outs)):
-                raise TypeError("symbolic")
-        except TypeError:  # a tensor or a symbolic size: not replayable as data
+        except TypeError:  # a tensor or a symbolic size argument: not replayable as data
             rest = named = None
+        # Symbolic geometries are not compared (that would add guards): `reshaped` says instead
+        # whether a tensor's geometry changed in place (see `view_chain` in aotc/aliasing.py).
+        symbolic = any(_is_symbolic(t) for t in (args[0], *outs))
         grad = torch.is_grad_enabled()
         for i, o in enumerate(outs):
             if isinstance(o, torch.Tensor):
@@ -608,7 +612,11 @@ class EagerChecks(TorchDispatchMode):
                     continue
                 index = i if isinstance(out, (list, tuple)) else None
                 op = ViewOp(str(func), rest, named, index)  # type: ignore[arg-type]
-                self.views[id(o)] = (o, args[0], op, grad, geometry_of(args[0]), geometry_of(o))
+                if symbolic:
+                    self.views[id(o)] = (o, args[0], op, grad, None, None)
+                else:
+                    then = (geometry_of(args[0]), geometry_of(o))
+                    self.views[id(o)] = (o, args[0], op, grad, *then)
 
     def _note_narrowing(self, func: torch._ops.OpOverload, inp: torch.Tensor, out: Any) -> None:
         """See Note [as_strided past its input view]."""
@@ -811,6 +819,16 @@ _SQUEEZE_IN_PLACE = {
 
 def geometry_of(t: torch.Tensor) -> tuple[object, ...]:
     return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+
+# in-place ops that change their tensor's sizes, strides or storage (not its values)
+_RESHAPES_IN_PLACE = frozenset(
+    f"aten::{name}"
+    for name in (
+        "transpose_", "t_", "squeeze_", "unsqueeze_", "as_strided_", "swapdims_", "swapaxes_",
+        "resize_", "resize_as_", "set_", "detach_", "_unsafe_set_data",
+    )
+)  # fmt: skip
 
 
 # A view op of the plain run: (view, the tensor it was made from, its op as data or None (not

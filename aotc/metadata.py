@@ -215,7 +215,9 @@ def collect_metadata(
         changes = _leaf_changes(p_leaves, leaves_before)
         _check_grad_of_merged_inputs(changes, convention)
         _check_grad_of_reshaped_leaves(changes, p_leaves)
-        analysis = classify_outputs(p_outs, p_leaves, checks.narrowed, checks.views)
+        analysis = classify_outputs(
+            p_outs, p_leaves, checks.narrowed, checks.views, checks.reshaped
+        )
         fwd_plan, specs, plain_values, roots = _plan_fwd_outputs(
             analysis.infos, inputs, analysis.bases, analysis.roots, f_outs, p_outs, wrappers, plain
         )
@@ -421,7 +423,7 @@ def _plan_fwd_outputs(
             assert r.source_base is not None
             source, index = RootSource.VALUE, base0 + r.source_base
         value = FwdOut(value0 + history.index(r)) if r.grad is RootGrad.HISTORY else None
-        roots.append(DetachedRoot(source, index, r.geometry, r.grad, value))
+        roots.append(DetachedRoot(source, index, r.geometry, r.grad, value, whole=r.whole))
     return plan, specs, values, tuple(roots)
 
 

@@ -381,7 +381,7 @@ def _materialize(
     assert isinstance(src, torch.Tensor)
     t = src.detach()
     g = root.geometry
-    if (tuple(t.shape), tuple(t.stride()), 0) != (g.size, g.stride, g.offset):
+    if not root.whole and (tuple(t.shape), tuple(t.stride()), 0) != (g.size, g.stride, g.offset):
         with _preserve_version(t):
             t.as_strided_(g.size, g.stride, src.storage_offset() + g.offset)
     match root.grad:

@@ -130,6 +130,7 @@ class DetachedRoot:
     geometry: Geometry  # relative to the source's storage offset
     grad: RootGrad
     history: int | None = None  # HISTORY: the FwdOut holding its value and history
+    whole: bool = False  # it has the source's own geometry: no as_strided_ (sizes may be symbolic)
 
 
 @dataclass(frozen=True, slots=True)

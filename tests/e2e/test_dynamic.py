@@ -209,3 +209,37 @@ def test_dynamic_view_saved_as_base_keeps_its_sizes(via):
             torch.testing.assert_close(g, w)
     assert aotc.backend.stats["fallback"] == before["fallback"]
     assert aotc.backend.stats["ahead"] - before["ahead"] >= 1
+
+
+_ALIASING_PROGRAMS = {
+    "views_of_the_input": lambda x: (x.view(-1), x[0], x.t(), x[1:], x.unsqueeze(0), x.diagonal()),
+    "views_with_symbolic_arguments": lambda x: (
+        x.view(x.shape[0], -1),
+        x[:, :1].expand(x.shape[0], 3),
+    ),
+    "multi_output_views": lambda x: (*x.split(1, dim=1), *x.chunk(2, dim=0)),
+    "views_of_an_intermediate": lambda x: ((x * 2).t(), (x * 3).view(-1, x.shape[1])),
+    "detached_aliases": lambda x: (x.detach(), x.detach()[1:], x + 1),
+    "narrow": lambda x: (x.narrow(0, 1, x.shape[0] - 1), x.mean()),
+}
+
+
+@pytest.mark.parametrize("capture", ["dynamo", "trace"])
+@pytest.mark.parametrize("name", sorted(_ALIASING_PROGRAMS))
+def test_outputs_that_alias_inputs_with_symbolic_sizes_match_eager(name, capture):
+    # Before session 13 these crashed ("SymIntArrayRef expected to contain only concrete
+    # integers") or returned a detached alias of the first call's size (Note [Replayed views]).
+    f = _ALIASING_PROGRAMS[name]
+    torch._dynamo.reset()
+    options = {"dynamic": True} if capture == "trace" else {}
+    compiled = aotc.compile(f, capture=capture, **options)
+    for n in (3, 5, 7):  # the default mode recompiles with dynamic sizes on the second
+        x = torch.randn(n, 4, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_()
+        want, got = f(x), compiled(x2)
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w)
+            assert g.stride() == w.stride() and (g.grad_fn is None) == (w.grad_fn is None)
+        sum((w * 1.5).sum() for w in want if w.requires_grad).backward()
+        sum((g * 1.5).sum() for g in got if g.requires_grad).backward()
+        torch.testing.assert_close(x2.grad, x.grad)
