@@ -17,9 +17,16 @@ The plain metadata run sees every view op eager runs (aotc/functional.py `EagerC
 chain from the base to the output is recorded as data: each op's name, its non-tensor arguments
 and, for unbind/split, which element. Each call applies the chain to the real base, in the grad
 mode eager made the views in, which gives eager's nodes, creation metadata (a view from
-`unbind` may not be written in place) and conjugate/negative bits. Where no such chain exists
-(symbolic sizes, a step that is no view op, views whose gradient eager stops early: the
-`via_geometry`/`narrowed_by`/stale cases of runtime/epilogue.py) the as_strided view is kept.
+`unbind` may not be written in place) and conjugate/negative bits. The chain is used only if
+the base and the output still have the geometry they had when the view was made (an in-place
+`transpose_` of either in between breaks it): compared when sizes are concrete, and for symbolic
+sizes (not compared: that would add shape guards) taken from whether an in-place op reshaped
+either (`EagerChecks.reshaped`). Replay is also what makes views of inputs work with symbolic
+sizes at all: the ops' arguments are plain numbers (`view(-1)`, `select(0, 0)`) while the
+geometry is symbolic, which `as_strided` cannot take; such views without a chain (a symbolic size
+argument) are refused at compile time. Where no chain exists otherwise (a step that is no view
+op, views whose gradient eager stops early: the `via_geometry`/`narrowed_by`/stale cases of
+runtime/epilogue.py) the as_strided view from the recorded geometry is kept.
 """
 
 from __future__ import annotations
