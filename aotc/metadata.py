@@ -218,6 +218,10 @@ def collect_metadata(
         analysis = classify_outputs(
             p_outs, p_leaves, checks.narrowed, checks.views, checks.reshaped
         )
+        # The recorded views hold their tensors, and so the autograd graph behind them: released
+        # before anything asks which saved values are still held (`_watched_args`).
+        checks.views.clear()
+        checks.reshaped.clear()
         fwd_plan, specs, plain_values, roots = _plan_fwd_outputs(
             analysis.infos, inputs, analysis.bases, analysis.roots, f_outs, p_outs, wrappers, plain
         )
