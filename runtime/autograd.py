@@ -700,6 +700,11 @@ def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
     return t
 
 
+# Nonzero while SavedValues packs a value: the ops it runs then are not the program's (the
+# cache key's recorders in aotc/keytrace.py skip them).
+PACKING = [0]
+
+
 class _Packed:
     """A value SavedValues saved, as autograd holds it."""
 
@@ -722,8 +727,18 @@ class SavedValues:
         self._unpacked: set[int] | None = None  # while recording: indices into _saved
 
     def _pack(self, t: torch.Tensor) -> _Packed:
-        packed = _Packed(t, t._version, len(self._saved))
-        self._saved.append((t, t._version))
+        # A detached alias (same storage and version counter, no autograd history): holding the
+        # tensor itself would hold its node, and a node that saves its own output (`amax`,
+        # `exp`) would then hold itself through the packed value and never be freed, so
+        # `held` would say a backward could still unpack a value that fed no output. Autograd
+        # restores the history of what an unpack hook returns from its own records.
+        PACKING[0] += 1  # not an op of the program: the cache key's check must not see it
+        try:
+            alias = t.detach()
+        finally:
+            PACKING[0] -= 1
+        packed = _Packed(alias, t._version, len(self._saved))
+        self._saved.append((alias, t._version))
         self._held.append(weakref.ref(packed))
         return packed
 

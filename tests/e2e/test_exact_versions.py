@@ -519,6 +519,20 @@ def _index_put_into_a_zero_dim_value(a0, a1):  # fuzz session 13, 27125
     return (a1,)
 
 
+def _dead_saved_input_then_written(a0, a1, a2):  # fuzz session 13, 29318
+    v0 = a1.amax(0)  # noqa: F841  (a live local at the graph break in the default mode)
+    v1 = a2 - a2
+    a2.as_strided_(a2.shape, a2.stride())
+    a1.masked_fill_(a1 > 0, 1.0)
+    return (v1,)
+
+
+def _overlapping_a1_views():
+    x0 = torch.randn((3, 2, 4), requires_grad=True) * 1.0
+    x1 = torch.randn((1, 3), requires_grad=True) * 1.0
+    return [x0[2], x0.view(-1), x1]
+
+
 def _views_at_offsets():
     x = torch.randn((3, 2, 4), requires_grad=True)
     return [x[1], x.view(-1), x[:, 1]]
@@ -684,6 +698,11 @@ PROGRAMS = {
     "fill_expanded_with_grad": (
         _fill_expanded_with_grad,
         lambda: [torch.randn(4, requires_grad=True)],
+        [0],
+    ),
+    "dead_saved_input_then_written": (
+        _dead_saved_input_then_written,
+        _overlapping_a1_views,
         [0],
     ),
     "index_put_into_a_zero_dim_value": (
@@ -1060,3 +1079,23 @@ def test_backward_that_reaches_a_node_without_gradient_reads_nothing_it_saved(mo
 
     outcome = check(_new_leaf_beside_a_written_output, make, backward=[0], mode=mode)
     assert outcome.verdict is Verdict.MATCH, outcome.detail
+
+
+@pytest.mark.parametrize("capture", ["dynamo", "trace"])
+def test_input_written_after_the_call_when_only_a_dead_value_saved_it(capture):
+    # Session 13: `a.amax(0)` saves `a` and its own output; the metadata pass held that node
+    # alive (its saved-value hooks kept the output, whose node holds them), so the compiled
+    # backward refused a write to `a` after the call that eager's backward never meets.
+    def f(a, b):
+        a.amax(0)
+        return b * 2
+
+    compiled = aotc.compile(f, capture=capture)
+    for fn in (f, compiled):
+        a = torch.randn(3, 4, requires_grad=True) * 1.0
+        b = torch.randn(3, requires_grad=True)
+        out = fn(a, b)
+        with torch.no_grad():
+            a.add_(1)
+        out.sum().backward()
+        torch.testing.assert_close(b.grad, torch.full((3,), 2.0))
