@@ -553,18 +553,12 @@ def _with_replay(
 
 def _check_concrete_geometry(info: OutputInfo, j: int) -> None:
     """An output view of an input is rebuilt from its recorded geometry when its view ops
-    cannot be replayed; a symbolic geometry cannot be (as_strided takes concrete sizes)."""
-    if info.kind is not OutputKind.ALIAS_OF_INPUT:
-        return  # views of graph values are rebuilt from the graph's own view, at run time
-    geometries = [info.geometry, info.via_geometry, *info.narrowed_by]
-    values = [v for g in geometries if g is not None for v in (*g.size, *g.stride, g.offset)]
-    if any(isinstance(v, torch.SymInt) for v in values):
-        raise UnsupportedError(
-            f"output {j} is a view of input {info.base_arg} with symbolic sizes, made by view "
-            "ops aotc cannot replay (a size argument that is itself symbolic, or a view whose "
-            "gradient eager stops early). Return a .clone() of it, or compile without dynamic "
-            "sizes for it."
-        )
+    cannot be replayed (a size argument that is itself symbolic, or a view whose gradient eager
+    stops early); views of graph values are rebuilt from the graph's own view, at run time."""
+    if info.kind is OutputKind.ALIAS_OF_INPUT:
+        what = f"a view of input {info.base_arg} made by view ops aotc cannot replay"
+        for geometry in (info.geometry, info.via_geometry, *info.narrowed_by):
+            _refuse_symbolic(geometry, j, what)
 
 
 def view_chain(

@@ -397,9 +397,8 @@ def _materialize(
 
 
 def _view(base: torch.Tensor, g: Geometry, s: OutputStep, bump: bool = True) -> torch.Tensor:
-    if s.replay is not None:  # Note [Replayed views] in runtime/viewreplay.py
-        with torch.set_grad_enabled(s.replay_grad):
-            return _mark(replay(base, s.replay), s, bump)
+    if s.replay is not None:
+        return _replayed(base, s, bump)
     # Geometries are relative to `base`; as_strided takes an absolute storage offset.
     root = base.storage_offset()
     if s.via_geometry is not None:  # a leaf view made under no_grad, then the view of it
@@ -417,6 +416,14 @@ def _view(base: torch.Tensor, g: Geometry, s: OutputStep, bump: bool = True) -> 
     return _mark(view, s, bump)
 
 
+def _replayed(base: torch.Tensor, s: OutputStep, bump: bool = True) -> torch.Tensor:
+    """Eager's view ops from `base`, in eager's grad mode (Note [Replayed views] in
+    runtime/viewreplay.py)."""
+    assert s.replay is not None
+    with torch.set_grad_enabled(s.replay_grad):
+        return _mark(replay(base, s.replay), s, bump)
+
+
 def _mark(view: torch.Tensor, s: OutputStep, bump: bool = True) -> torch.Tensor:
     if s.multi_output_view and view.requires_grad and view._base is not None:
         _set_creation_meta(view, _MULTI_OUTPUT)
@@ -429,9 +436,8 @@ def _mark(view: torch.Tensor, s: OutputStep, bump: bool = True) -> torch.Tensor:
 
 def _view_like(base: torch.Tensor, raw: torch.Tensor, s: OutputStep) -> torch.Tensor:
     """A real view of `base` with the geometry `raw` (the graph's own view of it) has."""
-    if s.replay is not None:  # Note [Replayed views] in runtime/viewreplay.py
-        with torch.set_grad_enabled(s.replay_grad):
-            return _mark(replay(base, s.replay), s)
+    if s.replay is not None:
+        return _replayed(base, s)
     with torch.set_grad_enabled(s.track_grad):
         if raw.dtype != base.dtype:  # view_as_real / view(dtype) of the base
             if base.is_complex() and not raw.is_complex():
