@@ -45,6 +45,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from aotc.api import COMPILE_LISTENERS, CompiledFunction, _flatten_output
+from aotc.eagergraph import eager_graph
 from aotc.lifting import find_free_tensors, swapped
 from aotc.options import Capture, CompileOptions
 from aotc.pipeline import compile_signature
@@ -112,7 +113,7 @@ def compile_graph(
     if switch is not None:  # See Note [Inference mode switches in Dynamo graphs]
         stats["eager"] += 1
         log.info("aotc backend: %s runs as Dynamo's graph (inference mode set at %s)", name, switch)
-        return _with_mode_guards_released(gm.forward)
+        return _with_mode_guards_released(eager_graph(gm))
     fake_mode = detect_fake_mode(example_inputs)
     fakes = _fake_inputs(gm, example_inputs, fake_mode)
     floats = _dynamic_floats(fakes)
@@ -146,11 +147,13 @@ def compile_graph(
     eager_after_refusal = owner is not None  # aotc.compile's default mode, not torch.compile
     refused = False
 
+    eager: list[Callable[..., Any]] = []  # eager_graph(gm), made on the first refusal
+
     def run_lazily(*args: Any) -> Any:
         # See Note [Refused graphs run eagerly]
         nonlocal refused
         if refused:
-            return gm(*args)
+            return eager[0](*args)
         try:
             return compiled(*args)
         except UnsupportedError as e:
@@ -159,7 +162,8 @@ def compile_graph(
             refused = True
             stats["eager"] += 1
             log.warning("aotc: %s runs this graph eagerly: %s", name, str(e).splitlines()[0])
-            return gm(*args)
+            eager.append(eager_graph(gm))
+            return eager[0](*args)
 
     run_lazily.aotc_compiled = compiled  # type: ignore[attr-defined]
     return run_lazily
@@ -174,7 +178,9 @@ def compile_graph(
 # eager's. Every `UnsupportedError` a compiled call raises is raised before the graph runs
 # (argument checks, compilation), so nothing has happened twice. `torch.compile(backend="aotc")`
 # raises the refusal instead, as it does for the other graphs aotc refuses. The warning names
-# the reason once per graph; `aotc.backend.stats["eager"]` counts such graphs.
+# the reason once per graph; `aotc.backend.stats["eager"]` counts such graphs. Checkpointed
+# regions in it run eager's checkpoint, not Dynamo's operator (Note [Checkpointed regions of a
+# graph run eagerly] in aotc/eagergraph.py).
 
 
 # In-place ops that change a tensor's sizes or strides (not its data).

@@ -57,12 +57,61 @@ def functionalization() -> Iterator[None]:
     """C++ functionalization with the Python dispatcher on. The Python dispatcher routes ops
     whose schema hides a mutation (`native_batch_norm` updates running stats without declaring
     it) to correctly-schema'd variants, so functionalization sees every input mutation."""
-    with enable_python_dispatcher():
+    with enable_python_dispatcher(), _lenient_checkpoint_caches():
         torch._enable_functionalization(reapply_views=True)
         try:
             yield
         finally:
             torch._disable_functionalization()
+
+
+# Note [Checkpoint caches under functionalization]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Dynamo captures `torch.utils.checkpoint` as the `tag_activation_checkpoint` operator, which
+# runs the region under selective checkpointing: while a proxy mode traces, every op's output is
+# cached in the forward (below functionalization, so the plain fake tensor) and handed back when
+# the backward recomputes the region, after checking that the cached tensor's version did not
+# change since. A functional tensor shares its version counter with the plain tensor it wrapped
+# first, so `scores = q @ k; scores += bias` (T5's attention) bumps the cached matmul output's
+# version although the plain tensor itself never changes: under functionalization the in-place
+# add is an out-of-place add the wrapper switches to. The check then refused the trace ("Tensor
+# cached during selective activation checkpoint has been mutated") and the graph ran as Dynamo's
+# graph module, whose checkpoint recomputes dropout with new numbers (the operator turns
+# `preserve_rng_state` off, leaving RNG to the compiler): wrong gradients. While aotc's
+# functionalization is on, the cache hands back its value without that check; nothing below
+# functionalization mutates a cached tensor.
+_CACHE_PATCH = threading.Lock()
+_cache_users = 0
+
+
+@contextlib.contextmanager
+def _lenient_checkpoint_caches() -> Iterator[None]:
+    global _cache_users
+    from torch.utils import checkpoint
+
+    wrapper = getattr(checkpoint, "_VersionWrapper", None)
+    if wrapper is None or not hasattr(wrapper, "get_val"):
+        yield  # another torch: nothing to relax
+        return
+    with _CACHE_PATCH:
+        if _cache_users == 0:
+            _CACHE_SAVED[:] = [wrapper.get_val]
+            wrapper.get_val = _cached_value
+        _cache_users += 1
+    try:
+        yield
+    finally:
+        with _CACHE_PATCH:
+            _cache_users -= 1
+            if _cache_users == 0:
+                wrapper.get_val = _CACHE_SAVED.pop()
+
+
+_CACHE_SAVED: list[Any] = []
+
+
+def _cached_value(self: Any, allow_cache_entry_mutation: bool) -> Any:
+    return self.val
 
 
 def symbolic_dispatch(symbolic: bool) -> contextlib.AbstractContextManager[object]:

@@ -64,6 +64,9 @@ _MAX_DEPTH = 8  # how far the walk follows attributes, elements, globals and clo
 _HOOK_DICTS = frozenset(
     {"_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"}
 )
+# Forward (pre-)hooks of submodules run inside the trace like `forward` itself (Note [Strict
+# capture guards], hooks, in aotc/strict.py); backward hooks are refused.
+_TRACED_HOOK_DICTS = frozenset({"_forward_hooks", "_forward_pre_hooks"})
 _OPTIMIZER_HOOK_DICTS = frozenset({"_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"})
 # nn.Module bookkeeping the walk does not follow (parameters, buffers and submodules are reached
 # through named_modules and the lifting; hook dicts are checked when read).
@@ -438,16 +441,17 @@ class Recorder:
     def _refuse_hooks(self, module: object, name: str, hooks: object, label: str) -> None:
         from torch.nn.modules import module as nn_module
 
-        if module is not self.exempt_hooks and hooks:
+        if module is not self.exempt_hooks and hooks and name not in _TRACED_HOOK_DICTS:
             hook = next(iter(hooks.values()))  # type: ignore[attr-defined]
             kind = name.strip("_").replace("hooks", "hook").replace("_", " ")
             raise UnsupportedError(
                 f"{self.name}: module {label.rsplit('.', 1)[0]} ({type(module).__name__}) has a "
                 f"{kind} ({_describe(hook)}), reached at {user_line(4) or 'an unknown line'}. "
                 "Strict mode (capture='trace') runs the program only while tracing it, so a "
-                "hook inside it would run then and never again. Register the hook on the "
-                "module you pass to aotc.compile (its own hooks run eagerly around each "
-                "compiled call), remove it, or use the default capture mode."
+                "backward hook inside it would see fake tensors once and never the compiled "
+                "calls' gradients (forward hooks are traced like the forward). Register the "
+                "hook on the module you pass to aotc.compile (its own hooks run eagerly around "
+                "each compiled call), remove it, or use the default capture mode."
             )
         for glob in (
             "_global_forward_hooks",

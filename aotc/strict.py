@@ -50,9 +50,14 @@ property's own loads are recorded. Reads of state the program itself wrote earli
 are not guarded (they are the program's own doing), and the write itself is a side effect.
 
 Hooks are loads too: `nn.Module.__call__` loads the hook dicts of each submodule it calls (and
-the optimizer's `step` its step-hook dicts), so a module hook present while tracing is refused
-on that load, before it runs; an empty hook dict is guarded like any container, so a hook added
-after compiling recompiles, which then refuses it. The hooks of the module given to
+the optimizer's `step` its step-hook dicts). Forward pre-hooks and forward hooks of submodules
+run inside the trace as the forward does: their tensor work is traced, the hook functions are
+walked like any function the program reaches (their globals and cells guarded, their side
+effects refused), and each such dict is guarded as its (handle, hook identity) pairs in order, so
+adding, removing or replacing one recompiles. Backward hooks and optimizer step hooks present
+while tracing are refused on that load, before they run (a backward hook would see fake tensors
+once, never the compiled calls' gradients); their empty dicts are guarded like any container,
+so one added after compiling recompiles, which then refuses it. The hooks of the module given to
 `aotc.compile` itself are not inside the program: CompiledModule runs them eagerly around each
 compiled call (aotc/api.py), as `nn.Module.__call__` does.
 
@@ -82,7 +87,8 @@ the next one compiles (Note [State created on the first call] in aotc/recording.
 
 What is refused, with the value named: NumPy arrays the program reads (in-place changes to
 them cannot be seen), containers with more than `MAX_GUARDED_ELEMENTS` non-constant elements or
-nested deeper than `MAX_GUARD_DEPTH`, module and optimizer hooks inside the program, DDP and
+nested deeper than `MAX_GUARD_DEPTH`, backward module hooks, global module hooks and optimizer
+step hooks inside the program, DDP and
 FSDP2 modules inside it, random draws, tensor hooks and retain_grad() inside it.
 
 What is assumed, and documented (docs/guide.md): library code and library module state are
@@ -183,6 +189,7 @@ _MODULE_GLOBAL_HOOKS = (
     "_global_backward_pre_hooks",
 )
 _OPTIMIZER_GLOBAL_HOOKS = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+_TRACED_HOOK_DICTS = frozenset({"_forward_hooks", "_forward_pre_hooks"})  # as aotc/recording.py
 
 
 def _lifted_locations(lifted: Lifted) -> frozenset[tuple[int, object]]:
@@ -217,8 +224,14 @@ class _Builder:
             return
         self._guarded.add((id(obj), name))
         if name in _HOOK_DICTS and isinstance(value, dict):
-            # See Note [Strict capture guards], hooks: a hook added later recompiles.
-            self.add(partial(len, value), 0, Compare.VALUE, f"{read.label} (no hooks)", read.where)
+            # See Note [Strict capture guards], hooks: a hook added, removed or replaced later
+            # recompiles.
+            if value and name in _TRACED_HOOK_DICTS:
+                self.add(_HookIds(value), _HookIds(value)(), Compare.EQUAL,
+                         f"{read.label} (the same hooks)", read.where)  # fmt: skip
+            else:
+                self.add(partial(len, value), 0, Compare.VALUE, f"{read.label} (no hooks)",
+                         read.where)  # fmt: skip
             return
         readers = _readers(obj, name, value)
         if readers is None:  # from the class: guard only that the instance does not hide it
@@ -331,6 +344,18 @@ class _Builder:
             table = getattr(module, name, None)
             if isinstance(table, dict):
                 self.add(partial(len, table), 0, Compare.EQUAL, f"{module_name}.{name} (empty)", "")
+
+
+class _HookIds:
+    """Reads a hook dict as (handle id, id(hook)) pairs, in calling order."""
+
+    __slots__ = ("hooks",)
+
+    def __init__(self, hooks: dict[int, Any]) -> None:
+        self.hooks = hooks
+
+    def __call__(self) -> tuple[tuple[int, int], ...]:
+        return tuple((key, id(hook)) for key, hook in self.hooks.items())
 
 
 class _KeyIds:

@@ -67,8 +67,8 @@ from aotc.passes.descriptors import (
 )
 from aotc.passes.ir import JointGraph
 from aotc.provenance import Recorder, recording
+from aotc.rngreplay import RandomDraws
 from aotc.runtime.convention import apply_convention, expand_graph_args
-from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.schema import (
     CallingConvention,
     FwdOut,
@@ -176,12 +176,14 @@ def trace_joint(
             else []
         )
         # Saved values go through identity hooks: see Note [Traces under torch.func].
+        draws = RandomDraws()
         try:
             with (
                 _lstm_trainable(training),
                 transform_state(),
                 user_errors("joint trace", eager_ran=True),
                 recording(),
+                draws.tracking(),
                 torch.autograd.graph.saved_tensors_hooks(_identity, _identity),
             ):
                 module = make_fx(joint, record_stack_traces=True)(*primals, *tangents)
@@ -189,15 +191,18 @@ def trace_joint(
             if not refused_by_functorch(e):
                 raise
             hooked = False
+            draws = RandomDraws()
             with (
                 _lstm_trainable(training),
                 transform_state(),
                 user_errors("joint trace", eager_ran=True),
                 recording(),
+                draws.tracking(),
             ):
                 module = make_fx(joint, record_stack_traces=True)(*primals, *tangents)
         recorder.annotate(module)
-        _refuse_random_in_backward(module, recorder.forward_names)
+        # See Note [Random ops the traced backward draws again] in aotc/rngreplay.py
+        draws.pair(module, recorder.forward_names)
 
     inputs: tuple[InputDesc, ...] = tuple(PrimalInput(GraphArg(g)) for g in range(num_primals))
     inputs += tuple(TangentInput(k) for k in tangent_outs) if training else ()
@@ -211,29 +216,6 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _refuse_random_in_backward(
-    module: torch.fx.GraphModule, forward: frozenset[str] | None
-) -> None:
-    """Refuses a random op the traced backward runs (Note [State during the traced backward]):
-    nodes the backward added are those not in `forward` (the graph's names when it began)."""
-    if forward is None:
-        return
-    for node in module.graph.nodes:
-        target = node.target
-        if (
-            node.op == "call_function"
-            and node.name not in forward
-            and torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
-        ):
-            raise UnsupportedError(
-                f"joint trace: the backward runs the random op {target} again (activation "
-                "checkpointing around dropout or another random op). Eager's recomputation "
-                "restores the random generator's state to draw the same numbers; a compiled "
-                "backward cannot. Use the default capture mode (aotc.compile without "
-                "capture='trace'), or keep random ops outside the checkpointed function."
-            )
-
-
 # Note [State during the traced backward]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The program reads module parameters and other lifted state through their locations, which hold
@@ -242,9 +224,9 @@ def _refuse_random_in_backward(
 # the backward, where it read the user's real parameters instead and the trace refused them. A
 # program that lifts state sets `aotc_backward_state(leaves)`, a context that puts the same
 # values back for the traced backward (aotc/api.py), so the recomputation reads what the forward
-# read, as eager's does. A random op the backward runs (dropout inside a checkpointed function)
-# is refused: eager's recomputation restores the generator's state and draws the forward's
-# numbers again, the compiled backward would draw new ones (and move the generator).
+# read, as eager's does. A random op the backward runs again (dropout inside a checkpointed
+# function) uses the forward's draw, as eager's restored generator state makes it (Note [Random
+# ops the traced backward draws again] in aotc/rngreplay.py).
 
 
 def _lstm_trainable(training: bool) -> AbstractContextManager[object]:

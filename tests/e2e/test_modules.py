@@ -3,12 +3,14 @@ training loops against eager, lifted closures and globals, recompiles."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import aotc
 from tests.conftest import assert_matches_eager, assert_module_matches_eager
@@ -455,15 +457,159 @@ def test_activation_checkpointing_trains_like_eager(capture):
     )
 
 
-def test_checkpointed_dropout_replays_eager_in_default_mode_and_is_refused_in_strict():
-    """Eager's recomputation redraws the forward's dropout mask from a restored generator
-    state; a compiled backward cannot, so strict mode refuses (it gave other gradients)."""
+@pytest.mark.parametrize("capture", ["dynamo", "trace"])
+def test_checkpointed_dropout_replays_eager(capture):
+    """Note [Random ops the traced backward draws again]: eager's recomputation redraws the
+    forward's dropout mask from a restored generator state; the compiled backward reuses the
+    forward's draw (strict mode used to refuse it)."""
     assert_module_matches_eager(
-        lambda: CheckpointedBlocks(0.25), lambda: (torch.randn(5, 4, requires_grad=True),)
+        lambda: CheckpointedBlocks(0.25),
+        lambda: (torch.randn(5, 4, requires_grad=True),),
+        capture=capture,
     )
-    model = aotc.compile(CheckpointedBlocks(0.25), capture="trace")
-    with pytest.raises(aotc.UnsupportedError, match="random op .* again"):
-        model(torch.randn(5, 4, requires_grad=True)).sum().backward()
+
+
+class DropoutEverywhere(nn.Module):
+    """Draws before, inside (twice, with an in-place op on a cached value) and after two
+    checkpointed regions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+
+    def region(self, lin, x, bias):
+        scores = x @ lin.weight
+        scores += bias  # an in-place op on a value selective checkpointing caches
+        return F.dropout(scores.softmax(-1), 0.3) + torch.rand_like(x) * 0.1
+
+    def forward(self, x, bias):
+        x = F.dropout(x, 0.2)
+        x = checkpoint(self.region, self.a, x, bias, use_reentrant=False)
+        x = checkpoint(self.region, self.b, x, bias, use_reentrant=False)
+        return F.dropout(x, 0.1)
+
+
+@pytest.mark.parametrize("capture", ["dynamo", "trace"])
+def test_random_draws_around_checkpointed_regions_match_eager(capture):
+    """Outputs, gradients and the generator's state after the step all match eager's, over
+    several steps (Note [Checkpoint caches under functionalization] for the in-place op)."""
+    torch.manual_seed(0)
+    model = DropoutEverywhere()
+    twin = copy.deepcopy(model)
+    compiled = aotc.compile(twin, capture=capture)
+    for step in range(3):
+        x, bias = torch.randn(4, 6, requires_grad=True), torch.randn(6)
+        x2 = x.detach().clone().requires_grad_()
+        torch.manual_seed(10 + step)
+        want = model(x, bias)
+        want.sum().backward()
+        want_next = torch.rand(3)
+        torch.manual_seed(10 + step)
+        got = compiled(x2, bias)
+        got.sum().backward()
+        got_next = torch.rand(3)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got_next, want_next, msg="generator state after the step")
+        torch.testing.assert_close(x2.grad, x.grad)
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, msg=lambda m, n=name: f"{n}: {m}")
+            p.grad = q.grad = None
+
+
+def test_fork_rng_in_the_program_draws_the_same_numbers_again():
+    """A draw after `fork_rng` restores the state repeats the draw made inside it, in eager;
+    strict mode's graph reused a new draw (a silent difference before)."""
+
+    def f(x):
+        with torch.random.fork_rng():
+            a = torch.rand(3)
+        b = torch.rand(3)
+        return x + a, b, torch.randn(2)
+
+    compiled = aotc.compile(f, capture="trace")
+    x = torch.randn(3)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        want = f(x)
+        want_next = torch.rand(2)
+        torch.manual_seed(seed)
+        got = compiled(x)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(torch.rand(2), want_next)
+
+
+def test_checkpoint_without_preserved_rng_state_is_refused_in_strict_mode():
+    """The recomputation draws new numbers in eager (`preserve_rng_state=False`) from the
+    generator as the backward finds it; the compiled backward cannot follow that."""
+    model = CheckpointedBlocks(0.25)
+
+    def f(x):
+        return checkpoint(model.block, x, use_reentrant=False, preserve_rng_state=False).sum()
+
+    with pytest.raises(aotc.UnsupportedError, match="random op .*generator state"):
+        aotc.compile(f, capture="trace")(torch.randn(5, 4, requires_grad=True))
+
+
+def test_attention_without_dropout_in_a_checkpoint_is_not_a_random_draw():
+    """`scaled_dot_product_attention` is tagged random; with dropout_p=0 it draws nothing, so
+    recomputing it in the backward (Llama with gradient checkpointing) is not refused."""
+
+    def block(q):
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True).relu()
+
+    def f(q):
+        return checkpoint(block, q, use_reentrant=False).sum()
+
+    q = torch.randn(2, 2, 5, 8, requires_grad=True)
+    q2 = q.detach().clone().requires_grad_()
+    f(q).backward()
+    aotc.compile(f, capture="trace")(q2).backward()
+    torch.testing.assert_close(q2.grad, q.grad)
+
+
+def _region(x, w, bias):
+    scores = x @ w
+    scores += bias
+    return F.dropout(scores.softmax(-1), 0.3)
+
+
+def _two_regions(x, bias, wa, wb):
+    x = checkpoint(_region, x, wa, bias, use_reentrant=False)
+    return checkpoint(_region, x, wb, bias, use_reentrant=False)
+
+
+def test_checkpointed_regions_of_a_graph_run_eagerly_keep_eager_rng():
+    """Note [Checkpointed regions of a graph run eagerly]: Dynamo's checkpoint operator run as
+    is turns `preserve_rng_state` off (torch.compile(backend="eager") gets other gradients);
+    the graph aotc runs eagerly after a refusal uses eager's checkpoint."""
+    from aotc.eagergraph import eager_graph
+
+    graphs = []
+
+    def grab(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    x, bias = torch.randn(4, 6), torch.randn(6)
+    wa, wb = torch.randn(6, 6, requires_grad=True), torch.randn(6, 6, requires_grad=True)
+    torch._dynamo.reset()
+    torch.compile(_two_regions, backend=grab, fullgraph=True)(x, bias, wa, wb)
+    (gm,) = graphs
+    hop = torch.ops.higher_order.tag_activation_checkpoint
+    assert sum(n.target is hop for n in gm.graph.nodes) == 2
+    run = eager_graph(gm)
+    assert not any(n.target is hop for n in run.graph.nodes)
+    torch.manual_seed(3)
+    want = _two_regions(x, bias, wa, wb)
+    want_grads = torch.autograd.grad(want.sum(), [wa, wb])
+    torch.manual_seed(3)
+    given = {"x": x, "bias": bias, "wa": wa, "wb": wb}
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]  # e.g. L_wa_
+    (got,) = run(*(given[name[2:-1]] for name in names))
+    got_grads = torch.autograd.grad(got.sum(), [wa, wb])
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_grads, want_grads)
 
 
 @pytest.mark.parametrize("capture", ["dynamo", "trace"])
