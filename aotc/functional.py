@@ -329,6 +329,15 @@ def _program_error(what: str, e: Exception, where: str, eager_ran: bool = False)
             "new tensors (and write them back outside), or call the operator outside the "
             "compiled function."
         )
+    elif "mirrored meta" in text or ("use_reentrant=True" in text and "checkpoint" in text):
+        hint = (
+            "The program runs autograd inside a backward: a custom autograd.Function whose "
+            "backward calls .backward() or torch.autograd.grad (reversible layers do), or "
+            "reentrant checkpointing (use_reentrant=True). Strict mode traces the backward into "
+            "the graph and cannot trace such a nested backward into the tensors it lifted. Use "
+            "the default capture mode (aotc.compile without capture='trace'), or "
+            "use_reentrant=False."
+        )
     elif eager_ran:
         hint = (
             "The program runs in eager (aotc ran it on fake tensors first), but aotc's "

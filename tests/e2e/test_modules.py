@@ -637,3 +637,47 @@ def test_deepcopy_and_save_of_a_compiled_module(capture):
     torch.testing.assert_close(loaded(x), model(x))
     loaded(x).sum().backward()
     assert all(p.grad is not None for p in loaded.parameters())
+
+
+class _Reversible(torch.autograd.Function):
+    """A reversible layer's pattern: the backward recomputes and calls .backward() itself,
+    accumulating into the layer's parameters."""
+
+    @staticmethod
+    def forward(ctx, x, lin):
+        ctx.lin = lin
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return lin(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            ctx.lin(x).backward(grad)
+        return x.grad, None
+
+
+def test_a_backward_inside_the_backward_is_refused_in_strict_mode_with_the_reason():
+    lin = nn.Linear(3, 3)
+
+    def reentrant(x):
+        return checkpoint(lin, x, use_reentrant=True).sum()
+
+    def reversible(x):
+        return _Reversible.apply(x, lin).sum()
+
+    for fn in (reentrant, reversible):
+        x = torch.randn(2, 3, requires_grad=True)
+        with pytest.raises(aotc.UnsupportedError, match="runs autograd inside a backward"):
+            aotc.compile(fn, capture="trace")(x).backward()
+        want = fn(x)  # the default mode runs them as eager does
+        want.backward()
+        want_grad, x.grad = x.grad, None
+        want_w, lin.weight.grad = lin.weight.grad, None
+        torch._dynamo.reset()
+        aotc.compile(fn)(x).backward()
+        torch.testing.assert_close(x.grad, want_grad)
+        torch.testing.assert_close(lin.weight.grad, want_w)
+        lin.weight.grad = lin.bias.grad = None
