@@ -460,13 +460,16 @@ class Recorder:
             "_global_backward_pre_hooks",
         ):
             table = getattr(nn_module, glob, None)
-            if table:
+            if table and glob[7:] in _TRACED_HOOK_DICTS:  # traced, and guarded (aotc/strict.py)
+                self.track(table, f"torch.nn.modules.module.{glob}")
+            elif table:
                 raise UnsupportedError(
                     f"{self.name}: a global module hook is registered "
                     f"(torch.nn.modules.module.register_module_{glob[8:-1]}: "
-                    f"{_describe(next(iter(table.values())))}); it would run for every module "
-                    "call inside the program, only while aotc traces it. Remove it while "
-                    "using strict mode (capture='trace'), or use the default capture mode."
+                    f"{_describe(next(iter(table.values())))}); a backward hook would run for "
+                    "every module call inside the program, only while aotc traces it, on fake "
+                    "tensors (global forward hooks are traced like the forward). Remove it "
+                    "while using strict mode (capture='trace'), or use the default capture mode."
                 )
 
     def _refuse_optimizer_hooks(self, opt: object, hooks: object, label: str) -> None:

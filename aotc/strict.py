@@ -50,11 +50,12 @@ property's own loads are recorded. Reads of state the program itself wrote earli
 are not guarded (they are the program's own doing), and the write itself is a side effect.
 
 Hooks are loads too: `nn.Module.__call__` loads the hook dicts of each submodule it calls (and
-the optimizer's `step` its step-hook dicts). Forward pre-hooks and forward hooks of submodules
-run inside the trace as the forward does: their tensor work is traced, the hook functions are
-walked like any function the program reaches (their globals and cells guarded, their side
-effects refused), and each such dict is guarded as its (handle, hook identity) pairs in order, so
-adding, removing or replacing one recompiles. Backward hooks and optimizer step hooks present
+the optimizer's `step` its step-hook dicts). Forward pre-hooks and forward hooks of submodules,
+and global ones (`register_module_forward_hook`), run inside the trace as the forward does:
+their tensor work is traced, the hook functions are walked like any function the program
+reaches (their globals and cells guarded, their side effects refused), and each such dict is
+guarded as its (handle, hook identity) pairs in order, so adding, removing or replacing one
+recompiles. Backward hooks and optimizer step hooks present
 while tracing are refused on that load, before they run (a backward hook would see fake tensors
 once, never the compiled calls' gradients); their empty dicts are guarded like any container,
 so one added after compiling recompiles, which then refuses it. The hooks of the module given to
@@ -87,8 +88,8 @@ the next one compiles (Note [State created on the first call] in aotc/recording.
 
 What is refused, with the value named: NumPy arrays the program reads (in-place changes to
 them cannot be seen), containers with more than `MAX_GUARDED_ELEMENTS` non-constant elements or
-nested deeper than `MAX_GUARD_DEPTH`, backward module hooks, global module hooks and optimizer
-step hooks inside the program, DDP and
+nested deeper than `MAX_GUARD_DEPTH`, backward module hooks (of submodules or global) and
+optimizer step hooks inside the program, DDP and
 FSDP2 modules inside it, random draws, tensor hooks and retain_grad() inside it.
 
 What is assumed, and documented (docs/guide.md): library code and library module state are
@@ -342,7 +343,10 @@ class _Builder:
         module = sys.modules[module_name]
         for name in names:
             table = getattr(module, name, None)
-            if isinstance(table, dict):
+            if isinstance(table, dict) and table and name[7:] in _TRACED_HOOK_DICTS:
+                self.add(_HookIds(table), _HookIds(table)(), Compare.EQUAL,
+                         f"{module_name}.{name} (the same hooks)", "")  # fmt: skip
+            elif isinstance(table, dict):
                 self.add(partial(len, table), 0, Compare.EQUAL, f"{module_name}.{name} (empty)", "")
 
 

@@ -582,18 +582,34 @@ def test_backward_hook_added_after_compiling_is_refused_not_stale():
     close(compiled(x), model(x), "after removing the hook")
 
 
-def test_global_module_hook_is_refused():
+def test_global_backward_module_hook_is_refused():
     model = _mlp()
     compiled = strict(model)
     x = torch.randn(3, 4)
     compiled(x)
-    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    register = torch.nn.modules.module.register_module_full_backward_hook
+    handle = register(lambda m, gi, go: None)
     try:
         with pytest.raises(aotc.UnsupportedError, match="global module hook"):
             compiled(x)
     finally:
         handle.remove()
     close(compiled(x), model(x))
+
+
+def test_global_forward_module_hook_is_traced_and_guarded():
+    model = _mlp()
+    compiled = strict(model)
+    x = torch.randn(3, 4)
+    close(compiled(x), model(x))
+    register = torch.nn.modules.module.register_module_forward_hook
+    handle = register(lambda m, i, o: o * 2 if isinstance(m, nn.Linear) else None)
+    try:
+        want = model(x)  # the hook runs for the Sequential and each layer
+        close(compiled(x), want, "with the hook")
+    finally:
+        handle.remove()
+    close(compiled(x), model(x), "after removing it")
 
 
 def test_tensor_hooks_inside_the_program_are_refused():
