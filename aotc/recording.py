@@ -66,7 +66,7 @@ _HOOK_DICTS = frozenset(
 )
 # Forward (pre-)hooks of submodules run inside the trace like `forward` itself (Note [Strict
 # capture guards], hooks, in aotc/strict.py); backward hooks are refused.
-_TRACED_HOOK_DICTS = frozenset({"_forward_hooks", "_forward_pre_hooks"})
+TRACED_HOOK_DICTS = frozenset({"_forward_hooks", "_forward_pre_hooks"})
 _OPTIMIZER_HOOK_DICTS = frozenset({"_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"})
 # nn.Module bookkeeping the walk does not follow (parameters, buffers and submodules are reached
 # through named_modules and the lifting; hook dicts are checked when read).
@@ -441,7 +441,7 @@ class Recorder:
     def _refuse_hooks(self, module: object, name: str, hooks: object, label: str) -> None:
         from torch.nn.modules import module as nn_module
 
-        if module is not self.exempt_hooks and hooks and name not in _TRACED_HOOK_DICTS:
+        if module is not self.exempt_hooks and hooks and name not in TRACED_HOOK_DICTS:
             hook = next(iter(hooks.values()))  # type: ignore[attr-defined]
             kind = name.strip("_").replace("hooks", "hook").replace("_", " ")
             raise UnsupportedError(
@@ -460,7 +460,7 @@ class Recorder:
             "_global_backward_pre_hooks",
         ):
             table = getattr(nn_module, glob, None)
-            if table and glob[7:] in _TRACED_HOOK_DICTS:  # traced, and guarded (aotc/strict.py)
+            if table and glob[7:] in TRACED_HOOK_DICTS:  # traced, and guarded (aotc/strict.py)
                 self.track(table, f"torch.nn.modules.module.{glob}")
             elif table:
                 raise UnsupportedError(

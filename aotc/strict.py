@@ -54,11 +54,11 @@ the optimizer's `step` its step-hook dicts). Forward pre-hooks and forward hooks
 and global ones (`register_module_forward_hook`), run inside the trace as the forward does:
 their tensor work is traced, the hook functions are walked like any function the program
 reaches (their globals and cells guarded, their side effects refused), and each such dict is
-guarded as its (handle, hook identity) pairs in order, so adding, removing or replacing one
-recompiles. Backward hooks and optimizer step hooks present
-while tracing are refused on that load, before they run (a backward hook would see fake tensors
-once, never the compiled calls' gradients); their empty dicts are guarded like any container,
-so one added after compiling recompiles, which then refuses it. The hooks of the module given to
+guarded as its (handle, hook) pairs in order, so adding, removing or replacing one recompiles.
+Backward hooks and optimizer step hooks present while tracing are refused on that load, before
+they run (a backward hook would see fake tensors once, never the compiled calls' gradients);
+their empty dicts are guarded like any container, so one added after compiling recompiles,
+which then refuses it. The hooks of the module given to
 `aotc.compile` itself are not inside the program: CompiledModule runs them eagerly around each
 compiled call (aotc/api.py), as `nn.Module.__call__` does.
 
@@ -89,8 +89,8 @@ the next one compiles (Note [State created on the first call] in aotc/recording.
 What is refused, with the value named: NumPy arrays the program reads (in-place changes to
 them cannot be seen), containers with more than `MAX_GUARDED_ELEMENTS` non-constant elements or
 nested deeper than `MAX_GUARD_DEPTH`, backward module hooks (of submodules or global) and
-optimizer step hooks inside the program, DDP and
-FSDP2 modules inside it, random draws, tensor hooks and retain_grad() inside it.
+optimizer step hooks inside the program, DDP and FSDP2 modules inside it, random draws, tensor
+hooks and retain_grad() inside it.
 
 What is assumed, and documented (docs/guide.md): library code and library module state are
 constant (a custom attention function registered into a library's registry is library state);
@@ -117,7 +117,7 @@ from typing import Any, cast
 import torch
 
 from aotc.lifting import Lifted
-from aotc.recording import AttrRead, Recorder
+from aotc.recording import TRACED_HOOK_DICTS, AttrRead, Recorder
 from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.stateguard import Compare, GuardItem, StateGuard
 from aotc.usercode import MISSING, is_constant
@@ -190,7 +190,6 @@ _MODULE_GLOBAL_HOOKS = (
     "_global_backward_pre_hooks",
 )
 _OPTIMIZER_GLOBAL_HOOKS = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
-_TRACED_HOOK_DICTS = frozenset({"_forward_hooks", "_forward_pre_hooks"})  # as aotc/recording.py
 
 
 def _lifted_locations(lifted: Lifted) -> frozenset[tuple[int, object]]:
@@ -227,7 +226,7 @@ class _Builder:
         if name in _HOOK_DICTS and isinstance(value, dict):
             # See Note [Strict capture guards], hooks: a hook added, removed or replaced later
             # recompiles.
-            if value and name in _TRACED_HOOK_DICTS:
+            if value and name in TRACED_HOOK_DICTS:
                 self.add(_HookIds(value), _HookIds(value)(), Compare.EQUAL,
                          f"{read.label} (the same hooks)", read.where)  # fmt: skip
             else:
@@ -343,7 +342,7 @@ class _Builder:
         module = sys.modules[module_name]
         for name in names:
             table = getattr(module, name, None)
-            if isinstance(table, dict) and table and name[7:] in _TRACED_HOOK_DICTS:
+            if isinstance(table, dict) and table and name[7:] in TRACED_HOOK_DICTS:
                 self.add(_HookIds(table), _HookIds(table)(), Compare.EQUAL,
                          f"{module_name}.{name} (the same hooks)", "")  # fmt: skip
             elif isinstance(table, dict):
@@ -351,15 +350,17 @@ class _Builder:
 
 
 class _HookIds:
-    """Reads a hook dict as (handle id, id(hook)) pairs, in calling order."""
+    """Reads a hook dict as its (handle id, hook) pairs, in calling order. The expected pairs
+    hold the hooks themselves, so a replaced hook cannot pass as one at a reused address; hooks
+    compare by identity (functions) or as bound methods do."""
 
     __slots__ = ("hooks",)
 
     def __init__(self, hooks: dict[int, Any]) -> None:
         self.hooks = hooks
 
-    def __call__(self) -> tuple[tuple[int, int], ...]:
-        return tuple((key, id(hook)) for key, hook in self.hooks.items())
+    def __call__(self) -> tuple[tuple[int, Any], ...]:
+        return tuple(self.hooks.items())
 
 
 class _KeyIds:
