@@ -54,7 +54,9 @@ from aotc.runtime.errors import UnsupportedError
 # any draw after library code reseeded (`torch.manual_seed`, `torch.seed`; user code doing so is
 # refused earlier, aotc/interpose.py) or restored a state the trace did not read. Ops tagged
 # random whose probability is zero (`dropout_p=0.0`, `p=0.0`) or told not to train
-# (`train=False`) draw nothing and are not counted.
+# (`train=False`) draw nothing and are not counted. Only the CPU generator is followed (the one
+# `torch.get_rng_state` reads): a draw on another device that the backward runs again is
+# refused, as before.
 
 _PATCH_LOCK = threading.Lock()
 _ACTIVE: list[RandomDraws] = []  # the trackers in progress (one per joint trace), innermost last
@@ -187,7 +189,10 @@ class RandomDraws:
         apply(after.pop(None, []))
         replaced: list[tuple[fx.Node, fx.Node]] = []
         for node in list(graph.nodes):
-            if draws_random(node):
+            if draws_random(node) and not _on_cpu(node):  # another generator: not followed
+                if forward is not None and node.name not in forward:
+                    _refuse(node)
+            elif draws_random(node):
                 backward = forward is not None and node.name not in forward
                 if unknown or (backward and position == len(made)):
                     _refuse(node)
@@ -207,6 +212,13 @@ class RandomDraws:
             graph.erase_node(node)
         if replaced:
             module.recompile()
+
+
+def _on_cpu(node: fx.Node) -> bool:
+    """The draw uses the CPU generator (the one `torch.get_rng_state` reads)."""
+    val = node.meta.get("val")
+    first = val[0] if isinstance(val, (tuple, list)) and val else val
+    return isinstance(first, torch.Tensor) and first.device.type == "cpu"
 
 
 def _refuse_backward_draws(module: fx.GraphModule, forward: frozenset[str] | None) -> None:
