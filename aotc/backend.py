@@ -145,21 +145,17 @@ def compile_graph(
     if on_graph is not None:
         on_graph(compiled)
     eager_after_refusal = owner is not None  # aotc.compile's default mode, not torch.compile
-    refused = False
-
-    eager: list[Callable[..., Any]] = []  # eager_graph(gm), made on the first refusal
+    eager: list[Callable[..., Any]] = []  # eager_graph(gm), once the graph was refused
 
     def run_lazily(*args: Any) -> Any:
         # See Note [Refused graphs run eagerly]
-        nonlocal refused
-        if refused:
+        if eager:
             return eager[0](*args)
         try:
             return compiled(*args)
         except UnsupportedError as e:
             if not eager_after_refusal:
                 raise
-            refused = True
             stats["eager"] += 1
             log.warning("aotc: %s runs this graph eagerly: %s", name, str(e).splitlines()[0])
             eager.append(eager_graph(gm))

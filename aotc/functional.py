@@ -8,6 +8,7 @@ every in-place op becomes a functional op plus a record of the mutation.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import sys
@@ -33,6 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from aotc.runtime.errors import AotcError, UnsupportedError
 from aotc.runtime.viewreplay import ViewOp, plain_args
+from aotc.sharedpatch import SharedPatch
 
 # A user program after flattening: takes the user leaves, returns (output leaves, output spec).
 FlatProgram = Callable[[list[object]], tuple[list[object], object]]
@@ -80,34 +82,19 @@ def functionalization() -> Iterator[None]:
 # `preserve_rng_state` off, leaving RNG to the compiler): wrong gradients. While aotc's
 # functionalization is on, the cache hands back its value without that check; nothing below
 # functionalization mutates a cached tensor.
-_CACHE_PATCH = threading.Lock()
-_cache_users = 0
-
-
-@contextlib.contextmanager
-def _lenient_checkpoint_caches() -> Iterator[None]:
-    global _cache_users
+@functools.cache
+def _checkpoint_cache_patch() -> SharedPatch | None:
     from torch.utils import checkpoint
 
     wrapper = getattr(checkpoint, "_VersionWrapper", None)
     if wrapper is None or not hasattr(wrapper, "get_val"):
-        yield  # another torch: nothing to relax
-        return
-    with _CACHE_PATCH:
-        if _cache_users == 0:
-            _CACHE_SAVED[:] = [wrapper.get_val]
-            wrapper.get_val = _cached_value
-        _cache_users += 1
-    try:
-        yield
-    finally:
-        with _CACHE_PATCH:
-            _cache_users -= 1
-            if _cache_users == 0:
-                wrapper.get_val = _CACHE_SAVED.pop()
+        return None  # another torch: nothing to relax
+    return SharedPatch(wrapper, {"get_val": _cached_value})
 
 
-_CACHE_SAVED: list[Any] = []
+def _lenient_checkpoint_caches() -> contextlib.AbstractContextManager[object]:
+    patch = _checkpoint_cache_patch()
+    return contextlib.nullcontext() if patch is None else patch.held()
 
 
 def _cached_value(self: Any, allow_cache_entry_mutation: bool) -> Any:

@@ -21,7 +21,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from aotc.passes.recompute import is_random
 from aotc.runtime.errors import UnsupportedError
+from aotc.sharedpatch import SharedPatch
 
 # Note [Random ops the traced backward draws again]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -58,13 +60,11 @@ from aotc.runtime.errors import UnsupportedError
 # `torch.get_rng_state` reads): a draw on another device that the backward runs again is
 # refused, as before.
 
-_PATCH_LOCK = threading.Lock()
 _ACTIVE: list[RandomDraws] = []  # the trackers in progress (one per joint trace), innermost last
-_SAVED: dict[str, Any] = {}  # torch's functions the patches replaced, while any tracker is active
 
 
 def _patched_get() -> torch.Tensor:
-    state = _SAVED["get_rng_state"]()
+    state = _PATCH.saved["get_rng_state"]()
     draws = _ACTIVE[-1] if _ACTIVE else None
     if draws is not None and draws.thread == threading.get_ident():
         draws.note("get", state)
@@ -75,17 +75,17 @@ def _patched_set(new_state: torch.Tensor) -> None:
     draws = _ACTIVE[-1] if _ACTIVE else None
     if draws is not None and draws.thread == threading.get_ident():
         draws.note("set", new_state)
-    _SAVED["set_rng_state"](new_state)
+    _PATCH.saved["set_rng_state"](new_state)
 
 
 def _patched_manual_seed(seed: int) -> Any:
     _note_reseed()
-    return _SAVED["manual_seed"](seed)
+    return _PATCH.saved["manual_seed"](seed)
 
 
 def _patched_seed() -> int:
     _note_reseed()
-    return _SAVED["seed"]()
+    return _PATCH.saved["seed"]()
 
 
 def _note_reseed() -> None:
@@ -94,23 +94,23 @@ def _note_reseed() -> None:
         draws.note("set", None)
 
 
-_PATCHES = (
-    ("get_rng_state", _patched_get),
-    ("set_rng_state", _patched_set),
-    ("manual_seed", _patched_manual_seed),
-    ("seed", _patched_seed),
+_PATCH = SharedPatch(
+    torch,
+    {
+        "get_rng_state": _patched_get,
+        "set_rng_state": _patched_set,
+        "manual_seed": _patched_manual_seed,
+        "seed": _patched_seed,
+    },
 )
 
 
 def draws_random(node: fx.Node) -> bool:
     """A call of an op tagged random that draws: not one whose probability argument is zero
     (`dropout_p=0.0`, `p=0.0`) or that is told not to train (`train=False`)."""
-    target = node.target
-    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(
-        target, "tags", ()
-    ):
+    if not is_random(node):
         return False
-    schema = getattr(target, "_schema", None)
+    schema = getattr(node.target, "_schema", None)
     if schema is None:
         return True
     for k, arg in enumerate(schema.arguments):
@@ -147,20 +147,12 @@ class RandomDraws:
 
     @contextlib.contextmanager
     def tracking(self) -> Iterator[None]:
-        with _PATCH_LOCK:
-            if not _ACTIVE:
-                for name, patched in _PATCHES:
-                    _SAVED[name] = getattr(torch, name)
-                    setattr(torch, name, patched)
+        with _PATCH.held():
             _ACTIVE.append(self)
-        try:
-            yield
-        finally:
-            with _PATCH_LOCK:
+            try:
+                yield
+            finally:
                 _ACTIVE.remove(self)
-                if not _ACTIVE:
-                    for name, _ in _PATCHES:
-                        setattr(torch, name, _SAVED.pop(name))
 
     def pair(self, module: fx.GraphModule, forward: frozenset[str] | None) -> None:
         """Replace each draw that replays an earlier one by it; refuse the backward draws that
