@@ -7,7 +7,6 @@ entry for their signature. See aotc/pipeline.py for what a compilation does.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect as pyinspect
 import logging
@@ -22,6 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from aotc.dataclasstree import flatten_tree
 from aotc.functional import TRACING
 from aotc.hooks import call_with_hooks, forward_override, has_hooks
 from aotc.lifting import (
@@ -62,6 +62,7 @@ from aotc.wrapped_module import OriginalState
 
 Tensor = torch.Tensor
 _PLAIN_TENSOR = frozenset((Tensor,))
+_NO_OBJECTS: Any = object()  # `_objects_bound`: the call has no module or optimizer argument
 _transforms_active = torch._C._are_functorch_transforms_active
 
 # Note [Compiled functions under torch.func]
@@ -145,9 +146,9 @@ class CompiledFunction:
             spec: object = len(args)
         else:
             bound = self._objects_bound(args, kwargs)
-            if bound is not None:
+            if bound is not _NO_OBJECTS:
                 return bound
-            leaves, spec = pytree.tree_flatten((args, kwargs))
+            leaves, spec = _flatten_call(args, kwargs)
         gen = self._gen
         if gen.read is not None:
             try:
@@ -162,11 +163,12 @@ class CompiledFunction:
 
     def _objects_bound(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """See Note [Modules and optimizers as arguments]: the call's result through the compiled
-        function with this call's module and optimizer arguments bound, or None if it has none."""
+        function with this call's module and optimizer arguments bound, or `_NO_OBJECTS` if it
+        has none (the result itself may be None: an update function returning nothing)."""
         positions = tuple(i for i, a in enumerate(args) if isinstance(a, _BOUND_TYPES))
         names = tuple(k for k, v in kwargs.items() if isinstance(v, _BOUND_TYPES))
         if not positions and not names:
-            return None
+            return _NO_OBJECTS
         objects = tuple(args[i] for i in positions) + tuple(kwargs[k] for k in names)
         key = (positions, names, tuple(map(id, objects)))
         compiled = self._with_objects.get(key)
@@ -249,7 +251,7 @@ class CompiledFunction:
                 )
                 self._switch(self._relift())
         gen = self._gen
-        leaves, tree = pytree.tree_flatten((args, kwargs))
+        leaves, tree = _flatten_call(args, kwargs)
         # A flat call of plain tensors is keyed by its arity (no spec to compare).
         spec: pytree.TreeSpec | int = tree
         if not kwargs and {*map(type, args)} <= _PLAIN_TENSOR:
@@ -614,13 +616,16 @@ def _mark_user_code(fn: Callable[..., Any]) -> None:
         register(target)
 
 
+def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+    """The call's leaves and spec; dataclass arguments are containers (Note [Dataclasses as
+    pytree nodes] in aotc/dataclasstree.py)."""
+    return flatten_tree((args, kwargs))
+
+
 def _flatten_output(out: object) -> tuple[list[object], pytree.TreeSpec]:
-    leaves, spec = pytree.tree_flatten(out)
-    fresh = {type(x) for x in leaves if dataclasses.is_dataclass(x) and not isinstance(x, type)}
+    leaves, spec = flatten_tree(out)  # Note [Dataclasses as pytree nodes]
     caches = {type(x) for x in leaves if _is_hf_cache(x)}
-    if fresh or caches:
-        for cls in fresh:
-            pytree.register_dataclass(cls)
+    if caches:
         for cls in caches:  # a Hugging Face KV cache (use_cache=True): its tensors are outputs
             from transformers.exporters.exporter_dynamo import register_pytree_node
 

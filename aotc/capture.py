@@ -183,7 +183,9 @@ class _Capture:
 # would cost ~10 us a call.)
 _SOUND = {"skip_nnmodule_hook_guards": False, "skip_no_tensor_aliasing_guards_on_parameters": False}
 _saved_config: dict[str, object] | None = None
-_CALL_CODES: set[types.CodeType] = set()  # filled below with the call paths of this module
+# ids of the call paths of this module's objects (filled below): compared by identity, since
+# hashing a code object hashes its constants, and Dynamo's generated codes may hold a dict there
+_CALL_CODES: set[int] = set()
 
 
 def sound_guards_for_this_compile() -> None:
@@ -210,9 +212,10 @@ def install_callbacks() -> None:
 def _on_compile_start(_args: object = None) -> None:
     frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
-        if frame.f_code in _CALL_CODES:
+        if id(frame.f_code) in _CALL_CODES:
             sound_guards_for_this_compile()
             _run_unconvertible_frames_eagerly()
+            _keep_unmaterialized_functions_eager()
             return
         frame = frame.f_back
 
@@ -261,8 +264,49 @@ def _release_suppression() -> None:
         _SUPPRESS_ERRORS.set(torch.utils._config_module._UNSET_SENTINEL)
 
 
+# Note [Functions that leave gradients unmaterialized]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# An autograd.Function whose forward calls `ctx.set_materialize_grads(False)` gets None, not
+# zeros, for the gradient of an output the loss does not use, and may return None for an input
+# (`y.grad` stays None in eager). Dynamo traces the call as a store to the ctx it does not act on:
+# its graph materializes zeros, and `y.grad` becomes a zero tensor (`torch.compile(backend=
+# "eager")` does the same). For the frames converted inside a call of an aotc.compile object, the
+# compile-start callback swaps `FunctionCtx.set_materialize_grads` for a wrapper that calls the
+# original through `torch._dynamo.disable` when the value is False, so Dynamo cannot trace that
+# call: the Function's apply becomes a graph break and runs eagerly, with eager's None. The compile-end callback puts the original back. The wrapper
+# does the same as the original when called outside Dynamo (another thread running eager code
+# meanwhile sees no change). Strict mode traces the Function with eager's autograd and needs
+# nothing. Not covered: a forward assigning `ctx.materialize_grads = False` directly.
+_FunctionCtx = torch.autograd.function.FunctionCtx
+_MATERIALIZE = _FunctionCtx.__dict__.get("set_materialize_grads")
+_materialize_swapped = [False]
+
+
+def _keep_unmaterialized_functions_eager() -> None:
+    """See Note [Functions that leave gradients unmaterialized]. Called at a compile's start."""
+    if _MATERIALIZE is None or _materialize_swapped[0]:
+        return
+    install_callbacks()
+    _FunctionCtx.set_materialize_grads = _set_materialize_grads  # type: ignore[method-assign]
+    _materialize_swapped[0] = True
+
+
+def _set_materialize_grads(self: Any, value: bool) -> None:
+    # Dynamo inlines this and reads `value` as a constant: only False breaks the graph
+    if value:
+        _MATERIALIZE(self, value)
+    else:
+        _untraceable_materialize(self, value)
+
+
+_untraceable_materialize = torch._dynamo.disable(_MATERIALIZE)
+
+
 def _restore_config(_args: object = None) -> None:
     global _saved_config
+    if _materialize_swapped[0]:  # Note [Functions that leave gradients unmaterialized]
+        _FunctionCtx.set_materialize_grads = _MATERIALIZE  # type: ignore[method-assign]
+        _materialize_swapped[0] = False
     if _saved_config is not None:
         for k, v in _saved_config.items():
             setattr(torch._dynamo.config, k, v)
@@ -503,7 +547,12 @@ class DynamoModule(OriginalState):
 
 
 _CALL_CODES.update(
-    (DynamoFunction.__call__.__code__, DynamoModule.forward.__code__, _Capture.first_call.__code__)
+    id(code)
+    for code in (
+        DynamoFunction.__call__.__code__,
+        DynamoModule.forward.__code__,
+        _Capture.first_call.__code__,
+    )
 )
 
 

@@ -19,10 +19,10 @@ import os
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from aotc.api import CompiledFunction, CompiledModule, _qualname
 from aotc.api import compile as aotc_compile
+from aotc.dataclasstree import flatten_tree
 from aotc.lifting import StateCreated
 from aotc.options import Capture
 from aotc.pipeline import CompiledRecord
@@ -72,7 +72,7 @@ def export(
     is_module = isinstance(compiled, CompiledModule)
     cf: CompiledFunction = compiled._compiled if is_module else compiled
     name = _qualname(fn_or_module)
-    leaves, in_spec = pytree.tree_flatten((example_args, kwargs))
+    leaves, in_spec = flatten_tree((example_args, kwargs))
     num_user = len(leaves)
     gen = cf._gen
     foreign = [n for n in gen.names if not (is_module and n.startswith("self."))]

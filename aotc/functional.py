@@ -186,6 +186,14 @@ def user_errors(what: str, eager_ran: bool = False) -> Iterator[None]:
                 f"from a closure, global or module attribute aotc can lift (in {found}, at "
                 f"{where}). Pass it as an argument (or register it as a module buffer)."
             ) from e
+        if "data is not allocated yet" in text:
+            # a kernel reading an index tensor's values (`tensor_split(x, idx_tensor)` on CPU)
+            raise UnsupportedError(
+                f"{what}: the program's output shape depends on tensor values (a kernel reads "
+                f"the values of a tensor argument, at {where}). aotc compiles one graph per "
+                "input signature and cannot see values. Pass those values as Python ints, or "
+                "move that call outside the compiled function."
+            ) from e
         if where != "<unknown>":  # raised for a line of the user's program
             raise UnsupportedError(_program_error(what, e, where, eager_ran)) from e
         raise

@@ -251,6 +251,11 @@ class Recorder:
     def _walk_function(self, fn: types.FunctionType, label: str, depth: int) -> None:
         code = fn.__code__
         if not is_user_file(code.co_filename):
+            # A library decorator's wrapper (`contextlib.contextmanager`, `torch.no_grad()`,
+            # anything made with functools.wraps) runs the user function it names
+            inner = fn.__dict__.get("__wrapped__")
+            if inner is not None and inner is not fn:
+                self.track(inner, label, depth + 1)
             return
         self._codes.append((code, label))
         facts = code_facts(code)

@@ -156,14 +156,16 @@ class CodeFacts:
     mutations: dict[str, int]  # `name.append(...)`-like calls: the loaded name -> line
 
 
-_FACTS: dict[types.CodeType, CodeFacts] = {}
+# id(code) -> (code, facts): keyed by identity, since hashing a code object hashes its constants
+# (a generated code may hold an unhashable one); the code is kept so its id stays its own
+_FACTS: dict[int, tuple[types.CodeType, CodeFacts]] = {}
 
 
 def code_facts(code: types.CodeType) -> CodeFacts:
-    facts = _FACTS.get(code)
-    if facts is None:
-        facts = _FACTS[code] = _scan(code)
-    return facts
+    known = _FACTS.get(id(code))
+    if known is None:
+        known = _FACTS[id(code)] = (code, _scan(code))
+    return known[1]
 
 
 def _scan(code: types.CodeType) -> CodeFacts:

@@ -936,3 +936,44 @@ def test_enable_grad_region_in_a_call_under_inference_mode_matches_eager(capture
         want, got = f(*args), compiled(*args)
     assert got.is_inference() == want.is_inference() and not got.requires_grad
     torch.testing.assert_close(got, want)
+
+
+class _Unmaterialized(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y, materialize):  # type: ignore[no-untyped-def]
+        ctx.set_materialize_grads(materialize)
+        return x * 2, y * 3
+
+    @staticmethod
+    def backward(ctx, ga, gb):  # type: ignore[no-untyped-def]
+        return (None if ga is None else ga * 2), (None if gb is None else gb * 3), None
+
+
+@pytest.mark.parametrize("capture", ["dynamo", "trace"])
+@pytest.mark.parametrize("materialize", [False, True])
+def test_function_that_leaves_gradients_unmaterialized(capture, materialize):
+    """Note [Functions that leave gradients unmaterialized]: an unused output's gradient reaches
+    the backward as None, so the input behind it keeps `.grad` None as in eager (Dynamo alone
+    gives zeros); with materialize=True the zeros are eager's too."""
+
+    def f(x, y):
+        a, _ = _Unmaterialized.apply(x, y, materialize)
+        return a.sin().sum()
+
+    compiled = aotc.compile(f, capture=capture)
+    torch._dynamo.reset()
+    for _ in range(2):
+        x1 = torch.randn(3, requires_grad=True)
+        y1 = torch.randn(3, requires_grad=True)
+        x2 = x1.detach().clone().requires_grad_()
+        y2 = y1.detach().clone().requires_grad_()
+        f(x1, y1).backward()
+        compiled(x2, y2).backward()
+        torch.testing.assert_close(x2.grad, x1.grad)
+        if materialize:
+            torch.testing.assert_close(y2.grad, y1.grad)
+        else:
+            assert y1.grad is None and y2.grad is None
+    assert torch.autograd.function.FunctionCtx.set_materialize_grads.__name__ == (
+        "set_materialize_grads"
+    )

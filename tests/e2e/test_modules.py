@@ -143,6 +143,64 @@ def test_dataclass_model_output():
     torch.testing.assert_close(out.loss, want.loss)
 
 
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+    y: torch.Tensor
+    scale: float = 1.0
+    steps: int = dataclasses.field(init=False, default=3)
+
+    def __post_init__(self) -> None:
+        self.scale = self.scale * 2  # rebuilt through the constructor, it would double again
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    act: str = "tanh"
+    width: int = 2
+
+
+@dataclasses.dataclass
+class _Outer:
+    batch: _Batch
+    extra: list = dataclasses.field(default_factory=list)
+
+
+@pytest.mark.parametrize("capture", ["trace", "dynamo"])
+def test_dataclass_arguments_are_containers(capture):
+    """Note [Dataclasses as pytree nodes]: a dataclass argument's tensors are inputs and its
+    other attributes are keyed by value, including a field set after construction (init=False)
+    and one `__post_init__` changed; outputs come back with the same attributes."""
+
+    def f(outer, cfg):
+        b = outer.batch
+        h = getattr(torch, cfg.act)(b.x * b.scale) * b.steps + sum(t.sum() for t in outer.extra)
+        loss = ((h - b.y) ** 2).sum() * cfg.width
+        return _Batch(h, loss), loss
+
+    compiled = aotc.compile(f, capture=capture)
+    for scale, steps, cfg, extra in [
+        (1.0, 3, _Config(), 1),
+        (1.0, 5, _Config(), 1),
+        (2.5, 5, _Config("sin", 3), 2),
+    ]:
+        x1 = torch.randn(4, requires_grad=True)
+        x2 = x1.detach().clone().requires_grad_()
+        y = torch.randn(4)
+        extras = [torch.randn(2) for _ in range(extra)]
+        b1, b2 = _Batch(x1, y, scale), _Batch(x2, y, scale)
+        b1.steps = b2.steps = steps
+        want_b, want = f(_Outer(b1, extras), cfg)
+        got_b, got = compiled(_Outer(b2, extras), cfg)
+        assert type(got_b) is _Batch
+        assert (got_b.scale, got_b.steps) == (want_b.scale, want_b.steps)
+        torch.testing.assert_close(got_b.x, want_b.x)
+        torch.testing.assert_close(got, want)
+        want.backward()
+        got.backward()
+        torch.testing.assert_close(x2.grad, x1.grad)
+
+
 def test_plain_tensor_attribute_is_lifted():
     class M(nn.Module):
         def __init__(self) -> None:

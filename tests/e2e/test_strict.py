@@ -789,6 +789,79 @@ def test_python_side_effects_are_refused_with_the_line_and_undone(fn, line_text)
     assert not aotc.inspect(compiled)
 
 
+def test_side_effect_inside_a_library_decorated_user_function_is_refused():
+    """A user function behind a library decorator (`contextlib.contextmanager` wraps it with
+    functools.wraps) is walked like any function the program reaches: its closure's list is
+    guarded, and the append it makes on every call is refused, not made only while tracing."""
+    import contextlib
+
+    log: list[str] = []
+
+    @contextlib.contextmanager
+    def scope(tag):
+        log.append(tag)
+        yield
+
+    def f(x):
+        with scope("a"):
+            return x.sin()
+
+    compiled = strict(f)
+    with pytest.raises(aotc.UnsupportedError, match="changes Python state") as info:
+        compiled(torch.randn(3))
+    assert "log.append(tag)" in str(info.value) or "append" in str(info.value), info.value
+    assert log == []
+
+
+SCALE_BEHIND_DECORATOR = 2.0
+
+
+class _DecoratedMethod(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    @torch.no_grad()
+    def stats(self, x):
+        return x.mean() * SCALE_BEHIND_DECORATOR
+
+    def forward(self, x):
+        return self.lin(x).sum() + self.stats(x)
+
+
+def test_globals_of_a_method_behind_a_library_decorator_are_guarded():
+    """`@torch.no_grad()` wraps the method in torch's own wrapper: the walk follows its
+    `__wrapped__` to the user's function, so the global it reads is guarded (it was not: the
+    compiled calls kept the first value)."""
+    global SCALE_BEHIND_DECORATOR
+    model = _DecoratedMethod()
+    compiled = strict(model)
+    x = torch.randn(2, 3)
+    close(compiled(x), model(x))
+    try:
+        SCALE_BEHIND_DECORATOR = 7.0
+        close(compiled(x), model(x))
+    finally:
+        SCALE_BEHIND_DECORATOR = 2.0
+    close(compiled(x), model(x))
+
+
+def test_a_kernel_reading_index_values_is_refused_as_data_dependent():
+    """`tensor_split` with a tensor of indices reads its values in the kernel: strict mode says
+    so (the default mode runs that part eagerly and compiles the rest)."""
+
+    def f(x, idx):
+        return [t.sin().sum() for t in torch.tensor_split(x, idx)]
+
+    x, idx = torch.randn(5, 5), torch.tensor([1, 3])
+    with pytest.raises(aotc.UnsupportedError, match="depends on tensor values") as info:
+        strict(f)(x, idx)
+    assert "aotc bug" not in str(info.value)
+    default = aotc.compile(f)
+    close(default(x, idx), f(x, idx))
+    assert aotc.inspect(default), "the frame after the graph break compiles"
+
+
 def test_print_is_skipped_with_a_warning_at_its_line(capsys):
     compiled = strict(prints)
     x = torch.randn(3)
@@ -1046,6 +1119,38 @@ def test_another_module_argument_compiles_for_it():
     a.weight = nn.Parameter(torch.randn(2, 4))  # rebound: lifted again
     close(compiled(a, x, y), _loss(a, x, y))
     close(compiled(model=b, x=x, target=y), _loss(b, x, y))
+
+
+EMA_TARGET = nn.Linear(4, 4)
+
+
+@pytest.mark.parametrize("also_global", [False, True])
+def test_update_function_of_module_arguments_returning_none_runs_once(also_global):
+    """An EMA update `upd(ema, model, decay)` returns None: the call goes through the compiled
+    function bound to those modules once (a None result was taken for "no module arguments",
+    and the call compiled and ran a second time without them: refused, or, with the module also
+    reachable as a global, the update applied twice)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    eager_ema = copy.deepcopy(model)
+    ema = EMA_TARGET if also_global else copy.deepcopy(model)
+    with torch.no_grad():
+        for p, q in zip(ema.parameters(), eager_ema.parameters()):
+            p.copy_(q)
+
+    def upd(ema, model, decay):
+        if also_global:
+            _ = EMA_TARGET.weight  # reads the global, so the unbound program would lift it
+        with torch.no_grad():
+            torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1 - decay)
+
+    compiled = strict(upd)
+    for decay in (0.9, 0.9, 0.99):
+        with torch.no_grad():
+            model.weight.add_(0.1)
+        assert upd(eager_ema, model, decay) is None
+        assert compiled(ema, model, decay) is None
+        close(list(ema.parameters()), list(eager_ema.parameters()))
 
 
 def test_in_place_update_of_a_module_arguments_parameter():
