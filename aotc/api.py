@@ -160,6 +160,11 @@ class CompiledFunction:
             return gen.dispatch.run(leaves, extra)
         except (Retry, StateCreated) as e:
             return self._recover(e, args, kwargs, 0)
+        except RuntimeError:
+            lazy = _uninitialized(leaves, gen)
+            if lazy is None:
+                raise
+            return self._recover(lazy, args, kwargs, 0)
 
     def _objects_bound(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """See Note [Modules and optimizers as arguments]: the call's result through the compiled
@@ -266,6 +271,11 @@ class CompiledFunction:
             return gen.dispatch.run(leaves, extra)
         except (Retry, StateCreated) as e:
             return self._recover(e, args, kwargs, attempt + 1)
+        except RuntimeError:
+            lazy = _uninitialized(leaves, gen)
+            if lazy is None:
+                raise
+            return self._recover(lazy, args, kwargs, attempt + 1)
 
     def _generation(self, lifted: Lifted) -> _Generation:
         gen = _Generation(lifted)
@@ -614,6 +624,21 @@ def _mark_user_code(fn: Callable[..., Any]) -> None:
     target = getattr(fn, "__func__", fn)
     if register is not None and hasattr(target, "__code__"):
         register(target)
+
+
+def _uninitialized(leaves: list[object], gen: _Generation) -> StateCreated | None:
+    """A lazy module's parameter not yet initialized (`nn.LazyLinear` before its first
+    forward) among the call's tensors: state the call creates, so it runs eagerly (Note [State
+    created on the first call] in aotc/recording.py). Off the hot path: after a failed call."""
+    first_lifted = len(leaves) - len(gen.names)
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, Tensor) and torch.nn.parameter.is_lazy(leaf):
+            name = gen.names[i - first_lifted] if i >= first_lifted else f"argument {i}"
+            return StateCreated(
+                f"{name} is an uninitialized parameter of a lazy module; its first forward "
+                "initializes it"
+            )
+    return None
 
 
 def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:

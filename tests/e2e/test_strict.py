@@ -1153,6 +1153,26 @@ def test_update_function_of_module_arguments_returning_none_runs_once(also_globa
         close(list(ema.parameters()), list(eager_ema.parameters()))
 
 
+def test_lazy_module_runs_its_first_call_eagerly_then_compiles():
+    """`nn.LazyLinear` creates its parameters on the first forward: that call runs eagerly
+    (Note [State created on the first call]), the next ones compile and train like eager."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.LazyLinear(5), nn.ReLU(), nn.LazyLinear(2))
+    model = copy.deepcopy(eager)
+    compiled = strict(model)
+    for step in range(3):
+        x = torch.randn(3, 4)
+        torch.manual_seed(step)
+        want = eager(x)
+        torch.manual_seed(step)
+        got = compiled(x)
+        close(got, want)
+        want.pow(2).sum().backward()
+        got.pow(2).sum().backward()
+        close([p.grad for p in model.parameters()], [p.grad for p in eager.parameters()])
+    assert aotc.inspect(compiled), "compiled after the first call"
+
+
 def test_in_place_update_of_a_module_arguments_parameter():
     torch.manual_seed(0)
     eager_model = nn.Linear(4, 2)
