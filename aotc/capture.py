@@ -278,7 +278,7 @@ def _release_suppression() -> None:
 # meanwhile sees no change). Strict mode traces the Function with eager's autograd and needs
 # nothing. Not covered: a forward assigning `ctx.materialize_grads = False` directly.
 _FunctionCtx = torch.autograd.function.FunctionCtx
-_MATERIALIZE = _FunctionCtx.__dict__.get("set_materialize_grads")
+_MATERIALIZE: Any = _FunctionCtx.__dict__.get("set_materialize_grads")
 _materialize_swapped = [False]
 
 

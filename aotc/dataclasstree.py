@@ -54,7 +54,7 @@ def _flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], tuple[str, ...]
 
 def _unflatten(cls: type) -> Any:
     def rebuild(values: Iterable[Any], names: tuple[str, ...]) -> Any:
-        obj = object.__new__(cls)
+        obj: Any = object.__new__(cls)
         for name, value in zip(names, values, strict=True):
             object.__setattr__(obj, name, value)
         return obj

@@ -329,6 +329,10 @@ def find_free_tensors(
         except ValueError:
             continue
         _visit(value, f"closure {name}", CellSlot(cell), 0, walk)
+    for attr in ("__defaults__", "__kwdefaults__"):  # `def f(x, w=torch.ones(3), cache={})`
+        defaults = getattr(fn, attr, None)
+        if defaults:
+            _visit(defaults, f"{fn.__qualname__}.{attr}", _AttrSlot(fn, attr), 0, walk)
     globals_ = getattr(fn, "__globals__", {})
     for name in sorted(_global_names(code)):
         if name in globals_:
@@ -486,13 +490,33 @@ def _walkable(value: object) -> bool:
     return not module.startswith(("torch", "builtins", "typing", "enum", "logging", "threading"))
 
 
+class _AttrSlot(Slot):
+    """An attribute of an object that is not a tracked container: a function's `__defaults__`
+    (a tensor default argument, or a dict default used as a cache)."""
+
+    __slots__ = ("obj", "attr")
+
+    def __init__(self, obj: object, attr: str) -> None:
+        self.obj, self.attr = obj, attr
+
+    def where(self) -> tuple[object, ...]:
+        return ("attr", id(self.obj), self.attr)
+
+    def read(self) -> object:
+        return getattr(self.obj, self.attr)
+
+    def write(self, value: object) -> None:
+        setattr(self.obj, self.attr, value)
+
+
 class _TupleItemSlot(Slot):
     """An element of a tuple held in `parent`: writing rebuilds the tuple."""
 
-    __slots__ = ("parent", "index")
+    __slots__ = ("parent", "index", "original")
 
     def __init__(self, parent: Slot, index: int) -> None:
         self.parent, self.index = parent, index
+        self.original = parent.peek()  # the tuple as the walk found it
 
     def where(self) -> tuple[object, ...]:
         return ("tuple", self.parent.where(), self.index)
@@ -503,7 +527,17 @@ class _TupleItemSlot(Slot):
     def write(self, value: object) -> None:
         items = list(self.parent.read())  # type: ignore[call-overload]
         items[self.index] = value
-        self.parent.write(tuple(items))
+        original = self.original
+        if (
+            isinstance(original, tuple)
+            and len(original) == len(items)
+            and all(map(operator.is_, items, original))
+        ):
+            # putting back what the trace swapped out: the tuple itself, so that guards on
+            # its identity (a global, a function's defaults) still hold
+            self.parent.write(original)
+        else:
+            self.parent.write(tuple(items))
 
 
 def _visit_module(module: torch.nn.Module, prefix: str, walk: _Walk) -> None:

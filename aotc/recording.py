@@ -116,10 +116,13 @@ class SlotRead:
 # (new entries in `opt.state`, found by the lifting), a model sets `config.problem_type` or a
 # cached tensor attribute that was absent or None. A graph cannot replay creating state, and
 # undoing it after the trace would leave the program looking uninitialized forever. So a run that
-# adds dict entries the lifting reads tensors from, or sets an attribute of a tracked object that
-# was absent or None, raises `StateCreated`: the compiled function runs that call eagerly (the
-# state is created for real), and compiles on the next call, which then reads the state (lifted
-# if it holds tensors, guarded if not). A program that creates state again right after such an
+# adds dict entries the lifting reads tensors from, adds keys to any other dict it reaches while
+# leaving the entries it had as they were (a cache filled on first use, `register_buffer` in
+# `forward`), or sets an attribute of a tracked object that was absent or None, raises
+# `StateCreated`: the compiled function runs that call eagerly (the state is created for real),
+# and compiles on the next call, which then reads the state (lifted if it holds tensors, guarded
+# if not). A lazy module's uninitialized parameter among the call's tensors is the same case
+# (aotc/api.py, `_uninitialized`). A program that creates state again right after such an
 # eager call is refused (aotc/api.py). Changing an attribute that existed is a side effect
 # instead: undone, and the compilation refused (Note [Python side effects in strict mode]
 # in aotc/strict.py).
@@ -537,7 +540,13 @@ class Recorder:
                 refuse=not library,
             )
         for container, copy, label in self._snapshots.values():
+            added = _added_keys(container, copy)
             changed = self._restore_container(container, copy)
+            if changed and added and id(container) not in self._lifting:
+                # only new keys (a cache filled on first use, a buffer registered lazily):
+                # state created, as for an attribute that was absent
+                created.append(f"{label}[{added[0]!r}]")
+                continue
             if changed:
                 where = self._mutation_line(label)
                 self.side_effect(
@@ -641,6 +650,16 @@ def _current(obj: object, name: str) -> object:
         except AttributeError:
             return MISSING
     return MISSING
+
+
+def _added_keys(container: object, copy: list[Any]) -> list[object]:
+    """The keys a run added to a dict while leaving every entry it had as it was, or []."""
+    if not isinstance(container, dict) or len(container) <= len(copy):
+        return []
+    if any(container.get(k, MISSING) is not v for k, v in copy):
+        return []
+    old = {id(k) for k, _ in copy}
+    return [k for k in container if id(k) not in old]
 
 
 def _set_item(container: dict[Any, Any], key: object, value: object) -> None:

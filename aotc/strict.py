@@ -28,7 +28,9 @@ packages): their module globals, and objects they create. Each is covered:
       reachable from it through globals, closures, attributes, containers, default arguments,
       and methods of the classes of tracked objects), the globals its bytecode loads
       (LOAD_GLOBAL, found with `dis`, names absent from its globals included: a later global
-      would shadow the builtin), its closure cells and default arguments are guarded;
+      would shadow the builtin), its closure cells and default arguments are guarded; a library
+      function is not walked, but the user function a library decorator wraps is (its
+      `__wrapped__`: `@torch.no_grad()`, `contextlib.contextmanager`, `functools.wraps`);
   (e) every object reached by the walk from the roots (the module tree of a compiled module,
       the compiled function's globals and closure, and through those, attributes, elements,
       functions and classes, as above) is *tracked*: while the program runs, its class carries

@@ -563,11 +563,17 @@ def test_forward_hooks_on_submodules_are_traced_like_the_forward():
 
 
 def test_forward_hook_with_a_side_effect_is_refused():
+    """The hook stores each activation: the first store adds a key (state created, that call
+    runs eagerly, as eager would), the next call overwrites it, a side effect refused."""
     model = _mlp()
     seen = {}
     model[0].register_forward_hook(lambda m, i, o: seen.__setitem__("act", o))
+    compiled = strict(model)
+    x = torch.randn(3, 4)
+    compiled(x)
+    close(seen["act"], model[0](x))
     with pytest.raises(aotc.UnsupportedError, match="changes Python state"):
-        strict(model)(torch.randn(3, 4))
+        compiled(torch.randn(3, 4))
 
 
 def test_backward_hook_added_after_compiling_is_refused_not_stale():
@@ -1171,6 +1177,68 @@ def test_lazy_module_runs_its_first_call_eagerly_then_compiles():
         got.pow(2).sum().backward()
         close([p.grad for p in model.parameters()], [p.grad for p in eager.parameters()])
     assert aotc.inspect(compiled), "compiled after the first call"
+
+
+GLOBAL_PAIR = (torch.ones(3), 2.0)
+
+
+def test_tensors_in_default_arguments_and_global_tuples_are_lifted_once():
+    """A tensor default argument, a dict default filled on first use (state created: that call
+    runs eagerly) and a tensor inside a global tuple are lifted; putting the fakes back after a
+    trace restores the very tuple, so its guard holds and one entry serves every call."""
+
+    def cached(x, cache={}):  # noqa: B006 (the pattern under test)
+        if "w" not in cache:
+            cache["w"] = torch.full((3,), 1.5)
+        return (x * cache["w"]).sum()
+
+    def weighted(x, w=torch.full((3,), 2.0)):  # noqa: B008
+        return (x * w * GLOBAL_PAIR[0] * GLOBAL_PAIR[1]).sum()
+
+    for fn in (cached, weighted):
+        compiled = strict(fn)
+        for _ in range(3):
+            x1 = torch.randn(3, requires_grad=True)
+            x2 = x1.detach().clone().requires_grad_()
+            want, got = fn(x1), compiled(x2)
+            close(got, want)
+            want.backward()
+            got.backward()
+            close(x2.grad, x1.grad)
+        assert len(aotc.inspect(compiled)) == 1, aotc.inspect(compiled)
+    compiled = strict(weighted)
+    x = torch.randn(3)
+    close(compiled(x), weighted(x))
+    weighted.__defaults__[0].mul_(3)  # an in-place change of the default is read per call
+    GLOBAL_PAIR[0].add_(1)
+    try:
+        close(compiled(x), weighted(x))
+    finally:
+        weighted.__defaults__[0].div_(3)
+        GLOBAL_PAIR[0].sub_(1)
+
+
+def test_buffer_registered_in_the_first_forward_is_state_created():
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            if not hasattr(self, "count"):
+                self.register_buffer("count", torch.zeros(()))
+            self.count += 1
+            return self.lin(x) * self.count
+
+    torch.manual_seed(0)
+    eager = Counting()
+    model = copy.deepcopy(eager)
+    compiled = strict(model)
+    for _ in range(3):
+        x = torch.randn(2, 3)
+        close(compiled(x), eager(x))
+    close(model.count, eager.count)
+    assert aotc.inspect(compiled)
 
 
 def test_in_place_update_of_a_module_arguments_parameter():
