@@ -74,6 +74,7 @@ from aotc.runtime.viewreplay import ViewOp
 
 _MULTI_OUTPUT = torch._C._autograd.CreationMeta.MULTI_OUTPUT_NODE
 _DEFAULT = torch._C._autograd.CreationMeta.DEFAULT
+_IN_CUSTOM_FUNCTION = torch._C._autograd.CreationMeta.IN_CUSTOM_FUNCTION
 # Heuristic: the autograd walk that finds which aliased input a view output came from stops
 # after this many nodes (views of inputs sit a few nodes from the input).
 _MAX_WALK = 2000
@@ -211,6 +212,69 @@ def _own_leaf(view: torch.Tensor) -> bool:
         return False
 
 
+# Note [Views a custom Function returns]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A custom autograd.Function whose forward returns a view of its input (`x.view_as(x)`, a
+# gradient reversal layer) or the input itself gives a view of that input whose grad_fn is the
+# Function's own node: its gradient goes through the Function's backward (the reversal), not
+# through the view's. Regenerated outside the compiled node as a view of its base, like other
+# aliased outputs, the output's gradient would skip that backward: the reversal silently lost.
+# Such an output is therefore a FRESH graph output (the joint graph gives it its own gradient,
+# through the Function's backward), and the epilogue makes it the view eager returned again: a
+# small custom Function (`custom_view` in runtime/epilogue.py) takes the base (the input, or an
+# earlier output) and the graph's value, returns the base's view at the recorded geometry, and
+# sends the view's gradient to the graph's value. Autograd treats that view as it treats the
+# custom Function's output in eager: it shares the base's storage and version counter, its
+# gradient goes through the compiled backward (which holds the Function's backward), and an
+# in-place change of it raises eager's "view created inside a custom Function" error. A view of a
+# value the call does not return stays the graph's fresh tensor (its `_base` is not eager's).
+
+
+def _custom_view(
+    o: torch.Tensor,
+    j: int,
+    root: torch.Tensor,
+    storage: StorageWeakRef,
+    input_storage: dict[StorageWeakRef, list[UserArg]],
+    leaves: list[object],
+    primaries: dict[StorageWeakRef, tuple[torch.Tensor, ValueRef]],
+) -> OutputInfo:
+    """See Note [Views a custom Function returns]: a FRESH output the epilogue makes a view of
+    its input or returned base again; a view of a value the call does not return stays a fresh
+    tensor (only its `_base` differs from eager's)."""
+    rg, dtype = o.requires_grad, o.dtype
+    fresh = OutputInfo(OutputKind.FRESH, rg, dtype)
+    if any(isinstance(d, torch.SymInt) for d in (*o.shape, *o.stride(), o.storage_offset())):
+        return fresh
+    if storage in input_storage:
+        candidates = [a for a in input_storage[storage] if _root(leaves[a]) is root]  # type: ignore[arg-type]
+        if not candidates:
+            return fresh
+        leaf = _view_source(o, candidates, leaves)
+        base = leaves[leaf]
+        assert isinstance(base, torch.Tensor)
+        if base.dtype != o.dtype or not elements_within(o, base):
+            return fresh
+        return replace(fresh, base_arg=leaf, geometry=_geometry(o, base), custom_view=True)
+    primary, where = primaries[storage]
+    if root is not primary or o is primary or where.via_base or where.out >= j:
+        return fresh
+    if primary.dtype != o.dtype or not elements_within(o, primary):
+        return fresh
+    return replace(fresh, base_out=where.out, geometry=_geometry(o, primary), custom_view=True)
+
+
+def _made_by_custom_function(o: torch.Tensor) -> bool:
+    """`o`'s autograd node is a custom Function's (Note [Views a custom Function returns])."""
+    # the view's creation record, inherited by views of it (`GradReverse.apply(x)[0]`, whose
+    # own node is a select's), and read without regenerating a node
+    return (
+        o.requires_grad
+        and o._base is not None
+        and torch._C._autograd._get_creation_meta(o) == _IN_CUSTOM_FUNCTION
+    )
+
+
 def classify_outputs(
     outs: list[object],
     leaves: list[object],
@@ -260,7 +324,9 @@ def classify_outputs(
             out_of_id[id(o)] = UserOut(j)
             storage = StorageWeakRef(o.untyped_storage())
             root = _root(o)
-            if storage in input_storage:
+            if _made_by_custom_function(o):
+                info = _custom_view(o, j, root, storage, input_storage, leaves, primaries)
+            elif storage in input_storage:
                 candidates = [
                     a
                     for a in input_storage[storage]

@@ -98,6 +98,10 @@ class OutputStep:
     # eager's view ops from the base, and their grad mode (Note [Replayed views])
     replay: tuple[ViewOp, ...] | None = None
     replay_grad: bool = True
+    # FRESH: made a view of this UserArg / earlier UserOut at `geometry`, its gradient going to
+    # the graph's value (OutputInfo.custom_view)
+    custom_arg: int | None = None
+    custom_out: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,11 +237,17 @@ def plan_epilogue(
                 detach=out.kind is OutputKind.FRESH and source in fresh_views,
                 replay=out.replay,
                 replay_grad=out.replay_grad,
+                custom_arg=out.base_arg if out.custom_view else None,
+                custom_out=out.base_out if out.custom_view else None,
             )
         )
     late = (OutputKind.ALIAS_OF_OUTPUT, OutputKind.IS_OUTPUT)
-    order = tuple(UserOut(j) for j, s in enumerate(steps) if s.kind not in late)
-    order += tuple(UserOut(j) for j, s in enumerate(steps) if s.kind in late)
+
+    def is_late(s: OutputStep) -> bool:
+        return s.kind in late or s.custom_out is not None
+
+    order = tuple(UserOut(j) for j, s in enumerate(steps) if not is_late(s))
+    order += tuple(UserOut(j) for j, s in enumerate(steps) if is_late(s))
     return EpiloguePlan(
         mutations=tuple(mutations),
         outputs=tuple(steps),
@@ -327,7 +337,16 @@ def build_outputs(
         match s.kind:
             case OutputKind.FRESH:
                 fresh = fwd_outs[s.source]  # type: ignore[index]
-                result[j] = fresh.detach() if s.detach else fresh
+                if s.custom_arg is not None or s.custom_out is not None:
+                    if s.custom_arg is not None:
+                        base = leaves[s.custom_arg]
+                    else:
+                        assert s.custom_out is not None
+                        base = result[s.custom_out]
+                    assert isinstance(base, torch.Tensor) and s.geometry is not None
+                    result[j] = custom_view(base, fresh, s.geometry)
+                else:
+                    result[j] = fresh.detach() if s.detach else fresh
             case OutputKind.IS_INPUT:
                 result[j] = leaves[s.source]  # type: ignore[index]
             case OutputKind.ALIAS_OF_INPUT:
@@ -356,6 +375,23 @@ def build_outputs(
             case OutputKind.NOT_TENSOR:
                 result[j] = s.constant
     return result
+
+
+class _CustomView(torch.autograd.Function):
+    """The view of `base` at a geometry, whose gradient goes to `value` (the graph's copy of
+    it) and not to `base`: Note [Views a custom Function returns] in aotc/aliasing.py."""
+
+    @staticmethod
+    def forward(ctx, base, value, size, stride, offset):  # type: ignore[no-untyped-def]
+        return base.as_strided(size, stride, offset)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        return None, grad, None, None, None
+
+
+def custom_view(base: torch.Tensor, value: torch.Tensor, g: Geometry) -> torch.Tensor:
+    return _CustomView.apply(base, value, g.size, g.stride, base.storage_offset() + g.offset)  # type: ignore[no-any-return]
 
 
 def _stale_view_of_input_alias(root: torch.Tensor, g: Geometry, s: OutputStep) -> torch.Tensor:

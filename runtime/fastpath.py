@@ -68,6 +68,8 @@ def make_fast_call(
         return None
     if any(s.kind not in _DIRECT_OUTPUTS for s in epi.outputs):
         return None
+    if any(s.custom_arg is not None or s.custom_out is not None for s in epi.outputs):
+        return None  # made a view again in the epilogue (Note [Views a custom Function returns])
     namespace: dict[str, Any] = {
         "any_autocast": torch._C._is_any_autocast_enabled,
         "functorch_active": torch._C._are_functorch_transforms_active,

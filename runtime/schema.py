@@ -163,6 +163,11 @@ class OutputInfo:
     # in; None: rebuilt with as_strided (Note [Replayed views] in runtime/viewreplay.py)
     replay: tuple[ViewOp, ...] | None = None
     replay_grad: bool = True
+    # FRESH: eager's output is a view a custom autograd.Function returned (Note [Views a custom
+    # Function returns] in aotc/aliasing.py) of `base_arg` (an input) or `base_out` (an earlier
+    # output), at `geometry`: the epilogue makes it that view again, its gradient going to the
+    # graph's value
+    custom_view: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -739,3 +739,101 @@ def test_a_backward_inside_the_backward_is_refused_in_strict_mode_with_the_reaso
         torch.testing.assert_close(x.grad, want_grad)
         torch.testing.assert_close(lin.weight.grad, want_w)
         lin.weight.grad = lin.bias.grad = None
+
+
+class _GradReverse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, alpha):  # type: ignore[no-untyped-def]
+        ctx.alpha = alpha
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        return g.neg() * ctx.alpha, None
+
+
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        return g * 3
+
+
+def _grl_of_input(x):
+    return _GradReverse.apply(x, 0.5)
+
+
+def _identity_of_input(x):
+    return _Identity.apply(x), x.sin()
+
+
+def _grl_of_returned_intermediate(x, w):
+    f = x @ w
+    return f, _GradReverse.apply(f, 0.25)
+
+
+def _view_of_grl_output(x):
+    return _GradReverse.apply(x, 0.5)[1:]  # a select's node, the Function's creation record
+
+
+def _grl_of_hidden_intermediate(x, w):
+    return _GradReverse.apply((x @ w).tanh(), 2.0)
+
+
+@pytest.mark.parametrize("capture", ["dynamo", "trace"])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        _grl_of_input,
+        _identity_of_input,
+        _grl_of_returned_intermediate,
+        _view_of_grl_output,
+    ],
+)
+def test_views_a_custom_function_returns_keep_its_backward(fn, capture):
+    """Note [Views a custom Function returns]: a gradient reversal layer's output is a view of
+    its input whose gradient goes through the Function's backward. aotc regenerated it as a plain
+    view, and the reversal was lost (wrong gradients, silently); now the view shares the base's
+    storage as in eager and its gradient goes through the compiled backward."""
+    import inspect
+
+    n = len(inspect.signature(fn).parameters)
+
+    def make():
+        return (torch.randn(2, 3, requires_grad=True), torch.randn(3, 3, requires_grad=True))[:n]
+
+    assert_matches_eager(fn, make, capture=capture)
+
+
+@pytest.mark.parametrize("capture", ["dynamo", "trace"])
+def test_view_a_custom_function_returns_of_a_hidden_intermediate(capture):
+    """The base is an intermediate the call does not return: the output is the graph's own
+    tensor (its `_base` is not eager's), with the Function's gradient."""
+    compiled = aotc.compile(_grl_of_hidden_intermediate, capture=capture)
+    for _ in range(2):
+        x1, w1 = torch.randn(2, 3, requires_grad=True), torch.randn(3, 3, requires_grad=True)
+        x2, w2 = x1.detach().clone().requires_grad_(), w1.detach().clone().requires_grad_()
+        want, got = _grl_of_hidden_intermediate(x1, w1), compiled(x2, w2)
+        torch.testing.assert_close(got, want)
+        (want * torch.arange(3.0)).sum().backward()
+        (got * torch.arange(3.0)).sum().backward()
+        torch.testing.assert_close(x2.grad, x1.grad)
+        torch.testing.assert_close(w2.grad, w1.grad)
+
+
+@pytest.mark.parametrize("capture", ["dynamo", "trace"])
+def test_view_a_custom_function_returns_refuses_in_place_writes_as_in_eager(capture):
+    compiled = aotc.compile(_grl_of_input, capture=capture)
+    x = torch.randn(3, requires_grad=True)
+    y = compiled(x)
+    assert y._base is x and y.data_ptr() == x.data_ptr()
+    (y * torch.arange(3.0)).sum().backward()
+    torch.testing.assert_close(x.grad, -0.5 * torch.arange(3.0))
+    with pytest.raises(RuntimeError, match="custom Function"):
+        y.add_(1)
+    with torch.no_grad():
+        x.mul_(2)
+    torch.testing.assert_close(y.detach(), x.detach())
