@@ -57,6 +57,7 @@ from aotc.functional import (
     transform_state,
     user_errors,
 )
+from aotc.functionhop import checked_function_saves
 from aotc.runtime.autograd import STALE, SavedValues, autograd_nodes
 from aotc.runtime.convention import apply_convention, expand_graph_args
 from aotc.runtime.errors import UnsupportedError
@@ -176,6 +177,7 @@ def collect_metadata(
                     user_errors("metadata pass"),
                     torch.set_grad_enabled(grad_enabled),
                     saved.hooks() if saved is not None else NO_HOOKS,
+                    checked_function_saves(),  # Note [Saved values of Functions Dynamo captured]
                     checks,
                     overlaps,
                 ):

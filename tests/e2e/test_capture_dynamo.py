@@ -977,3 +977,56 @@ def test_function_that_leaves_gradients_unmaterialized(capture, materialize):
     assert torch.autograd.function.FunctionCtx.set_materialize_grads.__name__ == (
         "set_materialize_grads"
     )
+
+
+class _SavesInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(x)
+        ctx.stashed = x  # stashed on ctx: eager checks no version for it
+        return x.exp()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        (x,) = ctx.saved_tensors
+        return g * x.exp()
+
+
+class _StashesInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        ctx.stashed = x
+        return x.exp()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        return g * ctx.stashed.exp()
+
+
+@pytest.mark.parametrize("capture", ["dynamo", "trace"])
+@pytest.mark.parametrize("function", [_SavesInput, _StashesInput])
+def test_function_saved_value_changed_in_place_after(capture, function):
+    """Note [Saved values of Functions Dynamo captured]: a value given to save_for_backward and
+    changed in place afterwards makes eager's backward raise; Dynamo's operator kept it unchecked
+    (torch.compile returns a wrong gradient). A value stashed on ctx is unchecked in eager too."""
+
+    def f(x):
+        y = x * 1
+        z = function.apply(y)
+        y.add_(1)
+        return z
+
+    compiled = aotc.compile(f, capture=capture)
+    x1 = torch.randn(3, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_()
+    want, got = f(x1), compiled(x2)
+    torch.testing.assert_close(got, want)
+    if function is _SavesInput:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            want.sum().backward()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            got.sum().backward()
+    else:
+        want.sum().backward()
+        got.sum().backward()
+        torch.testing.assert_close(x2.grad, x1.grad)
