@@ -268,11 +268,20 @@ def _made_by_custom_function(o: torch.Tensor) -> bool:
     """`o`'s autograd node is a custom Function's (Note [Views a custom Function returns])."""
     # the view's creation record, inherited by views of it (`GradReverse.apply(x)[0]`, whose
     # own node is a select's), and read without regenerating a node
-    return (
-        o.requires_grad
-        and o._base is not None
-        and torch._C._autograd._get_creation_meta(o) == _IN_CUSTOM_FUNCTION
-    )
+    # (an output marked non-differentiable requires grad and has no node: not one of these).
+    # A Function returning several views (`return x[0], x[1]`) records them as a multi-output
+    # node's, as unbind does: there the node itself tells.
+    if not o.requires_grad or o._base is None or not _has_grad_fn(o):
+        return False
+    meta = torch._C._autograd._get_creation_meta(o)
+    if meta == _IN_CUSTOM_FUNCTION:
+        return True
+    if meta != _MULTI_OUTPUT:
+        return False
+    try:
+        return isinstance(_grad_fn(o), torch.autograd.function.BackwardCFunction)
+    except Exception:  # a stale view (its base written since): left to the other kinds
+        return False
 
 
 def classify_outputs(

@@ -130,7 +130,12 @@ class EpiloguePlan:
         lines += [f"new leaf: fwd_out{k}" for k in self.new_leaves]
         lines += [f"requires_grad_() before the call: user_arg{a}" for a in self.make_require_grad]
         for j, s in enumerate(self.outputs):
-            lines.append(f"output {j}: {s.kind.value} source={s.source} base={s.base}")
+            line = f"output {j}: {s.kind.value} source={s.source} base={s.base}"
+            if s.custom_arg is not None:
+                line += f" (made a custom Function's view of user_arg{s.custom_arg} again)"
+            elif s.custom_out is not None:
+                line += f" (made a custom Function's view of output {s.custom_out} again)"
+            lines.append(line)
         return "\n".join(lines)
 
 

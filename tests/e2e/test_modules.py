@@ -762,8 +762,39 @@ class _Identity(torch.autograd.Function):
         return g * 3
 
 
+class _TwoViews(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x[0], x[1]  # views recorded as a multi-output node's
+
+    @staticmethod
+    def backward(ctx, a, b):  # type: ignore[no-untyped-def]
+        return torch.stack([a * 2, b * 3])
+
+
+class _NonDifferentiableView(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        v = x.view(-1)
+        ctx.mark_non_differentiable(v)
+        return v, x * 2
+
+    @staticmethod
+    def backward(ctx, gv, g):  # type: ignore[no-untyped-def]
+        return g * 2
+
+
 def _grl_of_input(x):
     return _GradReverse.apply(x, 0.5)
+
+
+def _two_views_of_input(x):
+    return _TwoViews.apply(x)
+
+
+def _non_differentiable_view(x):
+    v, y = _NonDifferentiableView.apply(x)
+    return v.detach(), y
 
 
 def _identity_of_input(x):
@@ -791,6 +822,8 @@ def _grl_of_hidden_intermediate(x, w):
         _identity_of_input,
         _grl_of_returned_intermediate,
         _view_of_grl_output,
+        _two_views_of_input,
+        _non_differentiable_view,
     ],
 )
 def test_views_a_custom_function_returns_keep_its_backward(fn, capture):
@@ -837,3 +870,18 @@ def test_view_a_custom_function_returns_refuses_in_place_writes_as_in_eager(capt
     with torch.no_grad():
         x.mul_(2)
     torch.testing.assert_close(y.detach(), x.detach())
+
+
+@pytest.mark.parametrize("capture", ["dynamo", "trace"])
+def test_view_a_custom_function_marks_non_differentiable(capture):
+    """Eager's non-differentiable view of an input requires grad yet has no node: not a view to
+    make again with the Function's gradient (its trace failed when it was taken for one)."""
+    compiled = aotc.compile(_NonDifferentiableView.apply, capture=capture)
+    x1 = torch.randn(2, 3, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_()
+    (v1, y1), (v2, y2) = _NonDifferentiableView.apply(x1), compiled(x2)
+    torch.testing.assert_close(v2, v1)
+    assert (v2.requires_grad, v2.grad_fn is None) == (v1.requires_grad, v1.grad_fn is None)
+    y1.sum().backward()
+    y2.sum().backward()
+    torch.testing.assert_close(x2.grad, x1.grad)
