@@ -122,7 +122,11 @@ def compile_graph(
         fakes, problem = _pre_call_fakes(fakes, example_inputs, fake_mode)  # type: ignore[arg-type]
     if problem is None:
         try:
-            run = _compile_ahead(gm, fakes, fake_mode, opts, name, owner, reason)  # type: ignore[arg-type]
+            # See Note [Dynamic Python floats]: no disk cache for graphs with such floats
+            ahead = dataclasses.replace(opts, cache=False) if floats else opts
+            run = _compile_ahead(gm, fakes, fake_mode, ahead, name, owner, reason)  # type: ignore[arg-type]
+            if floats:
+                _check_floats_stayed_symbolic(floats, fake_mode)  # raises Dynamo's restart
             stats["ahead"] += 1
             if on_graph is not None:
                 on_graph(run.aotc_graph)  # type: ignore[attr-defined]
@@ -130,8 +134,8 @@ def compile_graph(
         except UnsupportedError as e:
             problem = str(e)
         except Exception as e:  # noqa: BLE001 see Note [Dynamic Python floats]
-            if not floats:
-                raise
+            if not floats or type(e).__module__.startswith("torch._dynamo"):
+                raise  # (Dynamo's restart is its control flow)
             problem = f"{type(e).__name__}: {e}"
     if floats and fake_mode is not None and fake_mode.shape_env is not None:
         # See Note [Dynamic Python floats]: the fallback runs on real tensors and cannot read
@@ -265,7 +269,13 @@ def _node_line(node: torch.fx.Node) -> str:
 # compiled graph serves every learning rate, as with Inductor. Where that path fails (a graph that
 # falls back, any error while compiling ahead with a dynamic float, or the Triton lowering, which
 # then runs the graph as ATen calls), aotc asks Dynamo to restart with the floats as constants
-# (`_specialize_float_inputs`): correct, one compilation per value.
+# (`_specialize_float_inputs`): correct, one compilation per value. So it does when the trace
+# itself specialized a float: an op whose schema takes a C++ `double` (`triplet_margin_loss`'s
+# margin) reads the value, and the ShapeEnv replaces the symbol by it
+# (`_check_floats_stayed_symbolic`). Such graphs skip the disk cache: a hit runs no trace, so
+# neither that specialization nor a guard the trace adds on the float would reach Dynamo's
+# guards, and the graph's text, the same for every value, would hand one value's graph to all
+# (the margin of the first call compiled, for every later margin).
 
 
 def _dynamic_floats(fakes: Sequence[object]) -> list[str]:
@@ -277,6 +287,19 @@ def _dynamic_floats(fakes: Sequence[object]) -> list[str]:
         if isinstance(memo, torch.SymFloat):
             out.append(str(memo.node.expr))
     return out
+
+
+def _check_floats_stayed_symbolic(floats: list[str], mode: FakeTensorMode | None) -> None:
+    """Ask Dynamo to restart with the floats as constants if aotc's trace specialized one (an op
+    taking a C++ `double` reads the float's value: `torch.triplet_margin_loss`'s margin). See
+    Note [Dynamic Python floats]."""
+    shape_env = mode.shape_env if mode is not None else None
+    if shape_env is None:
+        return
+    specialized = {str(k) for k in getattr(shape_env, "replacements", {})}
+    if specialized & set(floats):
+        log.info("aotc backend: the trace specialized Python floats %s", floats)
+        _specialize_float_inputs(shape_env)
 
 
 def _specialize_float_inputs(shape_env: Any) -> None:

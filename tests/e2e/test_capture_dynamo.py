@@ -1030,3 +1030,26 @@ def test_function_saved_value_changed_in_place_after(capture, function):
         want.sum().backward()
         got.sum().backward()
         torch.testing.assert_close(x2.grad, x1.grad)
+
+
+@pytest.mark.parametrize("entry", ["aotc", "torch.compile"])
+def test_float_an_op_reads_as_a_double_is_not_frozen(entry, tmp_path, monkeypatch):
+    """Note [Dynamic Python floats]: after the margin changes, Dynamo passes it as a dynamic
+    float; `triplet_margin_loss` takes it as a C++ double, so aotc's trace specialized it, and the
+    disk cache (keyed by the graph's text, the same for every margin) then returned the first
+    compiled margin's graph for later margins. Now the graph restarts with the float constant."""
+    monkeypatch.setenv("AOTC_CACHE_DIR", str(tmp_path))
+
+    def make():
+        def loss(a, p, n, **kw):
+            return F.triplet_margin_loss(a, p, n, **kw)
+
+        return loss
+
+    torch._dynamo.reset()
+    a, p, n = (torch.randn(5, 10, requires_grad=True) for _ in range(3))
+    for margin in (1e-6, 1.0, 10.0, 3.0, 1.0):
+        fn = make()  # a new compiled object each time: the code (and Dynamo's cache) is shared
+        compiled = aotc.compile(fn) if entry == "aotc" else torch.compile(fn, backend="aotc")
+        want, got = fn(a, p, n, margin=margin), compiled(a, p, n, margin=margin)
+        torch.testing.assert_close(got, want, msg=f"margin {margin}")
