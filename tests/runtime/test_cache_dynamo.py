@@ -73,7 +73,9 @@ def test_warm_process_skips_trace_for_static_and_symbolic_graphs(tmp_path):
     # model: static graph, then symbolic batch; optimizer: static lr, then the lr as a graph input
     assert cold["graphs"] == warm["graphs"] == 4
     assert not any(_hit(s) for s in cold["stages"])
-    assert all(_hit(s) for s in warm["stages"]), warm["stages"]
+    # The optimizer graph taking the lr as a dynamic float is not cached (Note [Dynamic Python
+    # floats] in aotc/backend.py: a hit would skip the trace that may specialize the float)
+    assert [_hit(s) for s in warm["stages"]] == [True, True, True, False], warm["stages"]
     assert warm["losses"] == cold["losses"]
 
 
