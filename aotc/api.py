@@ -148,7 +148,7 @@ class CompiledFunction:
             bound = self._objects_bound(args, kwargs)
             if bound is not _NO_OBJECTS:
                 return bound
-            leaves, spec = _flatten_call(args, kwargs)
+            leaves, spec = flatten_tree((args, kwargs))  # Note [Dataclasses as pytree nodes]
         gen = self._gen
         if gen.read is not None:
             try:
@@ -256,7 +256,7 @@ class CompiledFunction:
                 )
                 self._switch(self._relift())
         gen = self._gen
-        leaves, tree = _flatten_call(args, kwargs)
+        leaves, tree = flatten_tree((args, kwargs))  # Note [Dataclasses as pytree nodes]
         # A flat call of plain tensors is keyed by its arity (no spec to compare).
         spec: pytree.TreeSpec | int = tree
         if not kwargs and {*map(type, args)} <= _PLAIN_TENSOR:
@@ -639,12 +639,6 @@ def _uninitialized(leaves: list[object], gen: _Generation) -> StateCreated | Non
                 "initializes it"
             )
     return None
-
-
-def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
-    """The call's leaves and spec; dataclass arguments are containers (Note [Dataclasses as
-    pytree nodes] in aotc/dataclasstree.py)."""
-    return flatten_tree((args, kwargs))
 
 
 def _flatten_output(out: object) -> tuple[list[object], pytree.TreeSpec]:

@@ -122,9 +122,7 @@ def compile_graph(
         fakes, problem = _pre_call_fakes(fakes, example_inputs, fake_mode)  # type: ignore[arg-type]
     if problem is None:
         try:
-            # See Note [Dynamic Python floats]: no disk cache for graphs with such floats
-            ahead = dataclasses.replace(opts, cache=False) if floats else opts
-            run = _compile_ahead(gm, fakes, fake_mode, ahead, name, owner, reason)  # type: ignore[arg-type]
+            run = _compile_ahead(gm, fakes, fake_mode, opts, name, owner, reason)  # type: ignore[arg-type]
             if floats:
                 _check_floats_stayed_symbolic(floats, fake_mode)  # raises Dynamo's restart
             stats["ahead"] += 1
@@ -272,10 +270,12 @@ def _node_line(node: torch.fx.Node) -> str:
 # (`_specialize_float_inputs`): correct, one compilation per value. So it does when the trace
 # itself specialized a float: an op whose schema takes a C++ `double` (`triplet_margin_loss`'s
 # margin) reads the value, and the ShapeEnv replaces the symbol by it
-# (`_check_floats_stayed_symbolic`). Such graphs skip the disk cache: a hit runs no trace, so
-# neither that specialization nor a guard the trace adds on the float would reach Dynamo's
-# guards, and the graph's text, the same for every value, would hand one value's graph to all
-# (the margin of the first call compiled, for every later margin).
+# (`_check_floats_stayed_symbolic`). Graphs with a dynamic float skip the disk cache
+# (`_cache_facts` in aotc/pipeline.py): a hit runs no trace, so neither that specialization nor
+# a guard the trace adds on the float would reach Dynamo's guards, and the graph's text, the same
+# for every value, would hand one value's graph to all (the margin of the first call compiled,
+# for every later margin). Recording float specializations with the entry, as symbolic sizes'
+# guards are (Note [Symbolic cache entries]), would let an optimizer's lr graph hit again.
 
 
 def _dynamic_floats(fakes: Sequence[object]) -> list[str]:

@@ -286,7 +286,6 @@ def _keep_unmaterialized_functions_eager() -> None:
     """See Note [Functions that leave gradients unmaterialized]. Called at a compile's start."""
     if _MATERIALIZE is None or _materialize_swapped[0]:
         return
-    install_callbacks()
     _FunctionCtx.set_materialize_grads = _set_materialize_grads  # type: ignore[method-assign]
     _materialize_swapped[0] = True
 

@@ -83,8 +83,8 @@ def flatten_tree(value: Any) -> tuple[list[Any], pytree.TreeSpec]:
     """`pytree.tree_flatten(value)`, with dataclass instances (at any depth) as nodes."""
     leaves, spec = pytree.tree_flatten(value)
     while True:
-        fresh = {type(x) for x in leaves if _is_instance(x)} - _REGISTERED
-        fresh -= set(pytree.SUPPORTED_NODES)
+        # a registered class is never a leaf: any dataclass leaf is one met for the first time
+        fresh = {type(x) for x in leaves if _is_instance(x)}
         if not fresh:
             return leaves, spec
         for cls in fresh:

@@ -79,6 +79,7 @@ from aotc.runtime.schema import (
     UserArg,
     UserOut,
 )
+from aotc.symkey import is_symbolic
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +175,7 @@ def collect_metadata(
                     # Note [Symbolic sizes need the Python dispatcher]: only for sizes that
                     # are symbols; a Dynamo graph's fakes of static shapes dispatch as eager's
                     # tensors do (its C++ `matmul` returns no view where the Python one would)
-                    symbolic_dispatch(symbolic and _has_symbols(plain)),
+                    symbolic_dispatch(symbolic and is_symbolic(plain)),
                     transform_state(),
                     user_errors("metadata pass"),
                     torch.set_grad_enabled(grad_enabled),
@@ -378,15 +379,6 @@ def _leaf_changes(p_leaves: list[object], before: dict[int, _State]) -> tuple[Le
             with_grad = now.requires_grad and now.grad_fn is not old.grad_fn
             changes.append(LeafChange(UserArg(i), geometry, bumps, with_grad, made_to_require_grad))
     return tuple(changes)
-
-
-def _has_symbols(tensors: list[torch.Tensor]) -> bool:
-    return any(
-        isinstance(d, torch.SymInt) and not d.node.is_constant()
-        for t in tensors
-        if isinstance(t, torch.Tensor)
-        for d in (*t.shape, *t.stride(), t.storage_offset())
-    )
 
 
 def _plan_fwd_outputs(

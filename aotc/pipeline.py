@@ -816,6 +816,8 @@ def _cache_facts(
     (Note [Symbolic cache entries] in aotc/symkey.py)."""
     if not persist.is_enabled(options):
         return None, False
+    if any(isinstance(getattr(x, "item_memo", None), torch.SymFloat) for x in leaves):
+        return None, False  # a dynamic Python float: Note [Dynamic Python floats] in backend.py
     if given_mode is None or not is_symbolic(leaves):
         return None, True
     if given_mode.shape_env is None:
