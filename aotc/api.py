@@ -139,7 +139,9 @@ class CompiledFunction:
                 return out
         if _transforms_active():  # See Note [Compiled functions under torch.func]
             return self._under_transform(args, kwargs)
-        if TRACING.active:  # See Note [Compiled functions called while aotc traces]
+        if (
+            TRACING.anywhere and TRACING.active
+        ):  # Note [Compiled functions called while aotc traces]
             return self._fn(*args, **kwargs)
         if not kwargs and {*map(type, args)} <= _PLAIN_TENSOR:  # every arg a plain Tensor
             leaves: list[object] = list(args)

@@ -406,7 +406,7 @@ class DynamoFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Note [Compiled functions under torch.func] in aotc/api.py; Note [Compiled functions
         # called while aotc traces] in aotc/functional.py
-        if _transforms_active() or TRACING.active:
+        if _transforms_active() or (TRACING.anywhere and TRACING.active):
             return self._fn(*args, **kwargs)
         capture = self._capture
         if (capture.hooked or any(_GLOBAL_HOOKS)) and _hooks_moved(capture):
@@ -491,7 +491,7 @@ class DynamoModule(OriginalState):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Note [Compiled functions under torch.func] in aotc/api.py; Note [Compiled functions
         # called while aotc traces] in aotc/functional.py
-        if _transforms_active() or TRACING.active:
+        if _transforms_active() or (TRACING.anywhere and TRACING.active):
             return self._orig_mod(*args, **kwargs)
         capture = self._capture
         if (capture.hooked or any(_GLOBAL_HOOKS)) and _hooks_moved(capture, 4):

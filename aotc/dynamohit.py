@@ -37,14 +37,37 @@ recompile limit), when:
   globals are Dynamo's own (`__compiled_fn_*` graphs, `__import_*` modules) run here; a graph
   break's `__resume_at_*` function or a call to a user function goes through the normal path, so
   those frames are compiled as before.
-The entries are read again on every call (`_debug_get_cache_entry_list`, ~1 us), so a
-`torch._dynamo.reset()` or a recompilation is seen at once. Dynamo's guard managers include its
+The entries a call passed are remembered (Note [Entries a hit remembers]); the others are read
+from the code object when no remembered one passes. Dynamo's guard managers include its
 global-state guards (grad mode, autocast, default dtype, torch function modes, ...), so a hit
 here is a hit there. Without the eval-frame callback set, the graph's own call is unchanged: the
 backend's `run` closure never enters a Python frame Dynamo would compile. What is lost is only
 cosmetic: the profiler's "Torch-Compiled Region" range around the call. A torch without these
 internals (`CacheEntry.backend`, `guard_manager`) gets no hit caller; everything runs the normal
 path. tests/e2e/test_capture_dynamo.py (`test_guard_hit_*`) checks both branches against eager.
+
+Note [Entries a hit remembers]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Reading the entry list (`_debug_get_cache_entry_list`) and each entry's backend, recompile
+bucket, guard manager and code through pybind cost ~11K instructions per call, more than the rest
+of this path together, and are the same on every call of a compiled training step. So a
+HitCaller keeps, for up to `_RECENT` entries that passed, the entry's guard manager (a Python
+object), its root's bound `check` and the functions made from its code, and checks those first,
+most recently passed first; the entry list is read only when none passes. What makes this exact:
+- An entry Dynamo no longer runs is never run here. Dynamo drops an entry in two ways: it
+  invalidates it (an object a guard compares by id has died, so a new object could take that id)
+  or frees it (`torch._dynamo.reset()`, `reset_code`, a cache eviction). Both set the guard
+  manager's `cache_entry` attribute to None (CacheEntry::invalidate and ~CacheEntry in
+  torch/csrc/dynamo/cache_entry.cpp), and a remembered entry is used only while it is not None;
+  one that is None is forgotten. An entry whose manager had no `cache_entry` when it passed is
+  not remembered.
+- A recompilation adds an entry only after every entry failed on some call, and entries that
+  still pass stay valid for the calls they pass (that is what a guard states). Where two entries
+  pass, Dynamo runs the one it moved to the front last and this path the one it remembered last;
+  both compile the same frame for those inputs.
+- The stance, the compiling flag and the eval-frame callback are read on every call, as before.
+test_guard_hit_forgets_entries_dynamo_invalidated and test_guard_hit_remembers_several_entries
+(tests/e2e/test_capture_dynamo.py) check both.
 """
 
 from __future__ import annotations
@@ -80,6 +103,40 @@ def _stance() -> Any:
     return getattr(torch._dynamo.eval_frame, "_stance", None)
 
 
+_RECENT = 4  # entries a HitCaller remembers
+_Functions = tuple[types.FunctionType, types.FunctionType]  # a code unwrapped, as it is
+
+
+class _Hit:
+    """A cache entry a call passed: its guard manager (whose `cache_entry` Dynamo clears when the
+    entry is invalidated or freed), the bound guard check and the code as functions."""
+
+    __slots__ = ("manager", "check", "plain", "wrapped")
+
+    def __init__(
+        self,
+        manager: Any,
+        check: Callable[[dict[str, Any]], bool],
+        plain: types.FunctionType,
+        wrapped: types.FunctionType,
+    ) -> None:
+        self.manager, self.check, self.plain, self.wrapped = manager, check, plain, wrapped
+
+
+def _locals_builder(
+    names: tuple[str, ...], star: str | None, starstar: str | None
+) -> Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]]:
+    """`(args, kwargs) -> the frame's locals by name` as one dict display (`dict(zip(...))` costs
+    ~3.5K instructions per call, the display ~0.3K). The names are the code's own identifiers."""
+    items = [f"{name!r}: a[{i}]" for i, name in enumerate(names)]
+    if star is not None:
+        items.append(f"{star!r}: a[{len(names)}:]")
+    if starstar is not None:
+        items.append(f"{starstar!r}: dict(k)")
+    source = "lambda a, k: {" + ", ".join(items) + "}"
+    return eval(source, {"__builtins__": {}, "dict": dict})  # noqa: S307
+
+
 class HitCaller:
     """Runs a call of `fn` through the passing cache entry's transformed code, or says MISS."""
 
@@ -99,6 +156,8 @@ class HitCaller:
         "_runnable",
         "_callback",
         "_profiler",
+        "_recent",
+        "_locals",
     )
 
     def __init__(
@@ -130,7 +189,9 @@ class HitCaller:
         self._callback = _eval_frame_callback()
         self._profiler = torch.autograd.profiler  # its `_is_profiler_enabled` flag changes
         # id of a transformed code -> (the code, its functions or None where it must not run here)
-        self._runnable: dict[int, tuple[types.CodeType, tuple[types.FunctionType, ...] | None]] = {}
+        self._runnable: dict[int, tuple[types.CodeType, _Functions | None]] = {}
+        self._recent: list[_Hit] = []  # Note [Entries a hit remembers]
+        self._locals = _locals_builder(self._names, self._star, self._starstar)
 
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         names = self._names
@@ -141,27 +202,37 @@ class HitCaller:
             return MISS  # a keyword binding a parameter: the normal path binds it
         if self._frames._stance.stance != "default" or self._compiling._is_compiling_flag:
             return MISS
-        entries = self._read(self._code)
-        if not entries:
-            return MISS
-        frame_locals = dict(zip(names, args))
-        if self._star is not None:
-            frame_locals[self._star] = args[n:]
-        if self._starstar is not None:
-            frame_locals[self._starstar] = dict(kwargs)
+        frame_locals = self._locals(args, kwargs)
         for name, cell in self._cells:
             try:
                 frame_locals[name] = cell.cell_contents
             except ValueError:  # an empty cell: not in the frame's locals either
                 pass
-        for entry in entries:
+        # Note [Entries a hit remembers]
+        recent = self._recent
+        for hit in recent:
+            if hit.manager.cache_entry is None:  # invalidated or freed: forget it, start again
+                self._recent = [h for h in recent if h.manager.cache_entry is not None]
+                return self.call(args, kwargs)
+            if hit.check(frame_locals):
+                # Note [Dynamo's disable wrappers]
+                fn = (
+                    hit.plain
+                    if self._callback() is None and not self._profiler._is_profiler_enabled
+                    else hit.wrapped
+                )
+                return fn(*args, **kwargs) if kwargs else fn(*args)
+        for entry in self._read(self._code):
             if getattr(entry, "backend", None) != self._backend or (
                 self._bucket is not None
                 and getattr(entry, "isolate_recompiles_id", None) != self._bucket
             ):
                 continue
             manager = entry.guard_manager
-            if getattr(manager, "root", manager).check(frame_locals):
+            if any(h.manager is manager for h in recent):
+                continue  # checked above
+            check = getattr(manager, "root", manager).check
+            if check(frame_locals):
                 code = entry.code
                 # keyed by identity: hashing a code object hashes its bytecode (~10 us)
                 known = self._runnable.get(id(code))
@@ -170,7 +241,8 @@ class HitCaller:
                 fns = known[1]
                 if fns is None:
                     return MISS
-                del frame_locals
+                if getattr(manager, "cache_entry", None) is not None:
+                    self._recent = [_Hit(manager, check, *fns), *recent[: _RECENT - 1]]
                 # Note [Dynamo's disable wrappers]
                 fn = (
                     fns[0]
@@ -180,7 +252,7 @@ class HitCaller:
                 return fn(*args, **kwargs) if kwargs else fn(*args)
         return MISS
 
-    def _function(self, code: types.CodeType) -> tuple[types.FunctionType, ...] | None:
+    def _function(self, code: types.CodeType) -> _Functions | None:
         """`code` as functions over the original's closure, if it reads no global but Dynamo's
         own (see the Note); None otherwise. The first reads Dynamo's globals unwrapped, the
         second as they are (Note [Dynamo's disable wrappers])."""

@@ -424,8 +424,35 @@ def _empty_with_geometry(t: torch.Tensor) -> torch.Tensor:
     return empty.set_(storage, offset, t.shape, t.stride())
 
 
-class _Tracing(threading.local):
-    active = False
+class _Tracing:
+    """Which threads are inside an aotc trace. `active`: this thread's flag; `anywhere`: how many
+    traces run in the process. Every compiled call asks; a `threading.local` read costs ~2K
+    instructions, so the calls read `anywhere` first (a plain attribute, 0 unless some thread
+    traces) and the thread's flag only then."""
+
+    __slots__ = ("anywhere", "_local", "_lock")
+
+    def __init__(self) -> None:
+        self.anywhere = 0
+        self._local = threading.local()
+        self._lock = threading.Lock()
+
+    @property
+    def active(self) -> bool:
+        return self.anywhere > 0 and getattr(self._local, "active", False)
+
+    def enter(self) -> bool:
+        """Mark this thread as tracing; returns its flag before, for `leave`."""
+        with self._lock:
+            self.anywhere += 1
+        was = getattr(self._local, "active", False)
+        self._local.active = True
+        return was
+
+    def leave(self, was: bool) -> None:
+        self._local.active = was
+        with self._lock:
+            self.anywhere -= 1
 
 
 # Note [Compiled functions called while aotc traces]
@@ -447,8 +474,7 @@ def compiling() -> Iterator[None]:
     step count a tensor instead of calling `.item()` on it, and group tensors lazily. The flag is
     torch.compiler's own (set by Dynamo for the duration of its compilations). Also sets
     `TRACING.active` (Note [Compiled functions called while aotc traces])."""
-    tracing = TRACING.active
-    TRACING.active = True
+    tracing = TRACING.enter()
     try:
         session = getattr(torch.compiler, "_compile_session_context", None)
         if session is not None:
@@ -462,7 +488,7 @@ def compiling() -> Iterator[None]:
         finally:
             torch.compiler._is_compiling_flag = old
     finally:
-        TRACING.active = tracing
+        TRACING.leave(tracing)
 
 
 # Note [as_strided past its input view]

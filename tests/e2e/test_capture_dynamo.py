@@ -719,6 +719,60 @@ def test_guard_hit_misses_while_dynamo_compiles():
         torch.compiler._is_compiling_flag = old
 
 
+def _scale_by(k: float):  # type: ignore[no-untyped-def]
+    class Scale:  # a class of its own: Dynamo guards it by id and drops entries when it dies
+        def __call__(self, t):  # type: ignore[no-untyped-def]
+            return t * k
+
+    return Scale()
+
+
+_SCALE = _scale_by(2.0)
+
+
+def test_guard_hit_forgets_entries_dynamo_invalidated():
+    # Note [Entries a hit remembers]: a remembered entry is used only while Dynamo still has it.
+    global _SCALE
+
+    def f(x):  # type: ignore[no-untyped-def]
+        return _SCALE(x) + 1
+
+    compiled = aotc.compile(f)
+    x = torch.randn(3)
+    for k in (2.0, 3.0):
+        if k != 2.0:
+            remembered = list(compiled._hit._recent)
+            assert len(remembered) == 1
+            _SCALE = None
+            gc.collect()  # the old class dies: Dynamo invalidates the entries guarding it
+            _SCALE = _scale_by(k)
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), x * k + 1)
+        if k != 2.0:
+            assert remembered[0].manager.cache_entry is None  # invalidated ...
+            assert remembered[0] not in compiled._hit._recent  # ... and forgotten
+
+
+def test_guard_hit_remembers_several_entries():
+    def f(x, w):  # type: ignore[no-untyped-def]
+        return (x * w).sin()
+
+    compiled = aotc.compile(f)
+    caller = compiled._hit
+    hits = _Hits(compiled)
+    inputs = [
+        (torch.randn(3, dtype=dtype, requires_grad=grad), torch.randn(3, dtype=dtype))
+        for dtype in (torch.float32, torch.float64)
+        for grad in (False, True)
+    ]
+    for _ in range(3):
+        for x, w in inputs:  # four entries, each called in turn
+            torch.testing.assert_close(compiled(x, w), f(x, w))
+    assert hits.hits >= 8, hits.hits
+    assert len(caller._recent) == 4  # each entry remembered once, the last one hit first
+    assert caller._recent[0].manager.cache_entry is not None
+
+
 class _Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
