@@ -293,13 +293,14 @@ def _view_bases(meta: MutationAliasInfo, plan: FwdOutputPlan) -> dict[int, list[
 
 
 def _detached_fresh(meta: MutationAliasInfo, plan: FwdOutputPlan) -> set[int]:
-    """Fresh user outputs that need no gradient: the graph may return them as views (Note
-    [Forward outputs that are views])."""
+    """Fresh user outputs that need no gradient from the graph (none, or leaves the program made
+    with `requires_grad_()`): the graph may return them as views (Note [Forward outputs that are
+    views])."""
     return {
         k
         for k, j in enumerate(plan.user_outs)
         if meta.outputs[j].kind is OutputKind.FRESH
-        and not meta.outputs[j].requires_grad
+        and (not meta.outputs[j].requires_grad or meta.outputs[j].new_leaf)
         and not plan.needs_tangent[k]
     }
 
@@ -366,7 +367,10 @@ def _flatten_output(
 # A fresh output that needs no gradient and has no such views is not returned through autograd
 # at all: it stays the graph's view (`a.neg().diagonal().detach()` keeps eager's strides and
 # storage: a copy would come back contiguous), and the epilogue detaches it (`OutputStep.detach`),
-# since eager's fresh outputs are never views.
+# since eager's fresh outputs are never views. A leaf the program made (`requires_grad_()`) needs
+# no gradient from the graph either: it is detached the same way and made a leaf after
+# (`a.exp().expand(2, 3).detach().requires_grad_()` keeps its stride 0, which no copy can have;
+# fuzz seed 30738).
 
 
 def _is_static(node: torch.fx.Node) -> bool:

@@ -200,7 +200,7 @@ def plan_epilogue(
     new_leaves = [
         fwd_of_user[UserOut(j)]
         for j, o in enumerate(meta.outputs)
-        if o.new_leaf and UserOut(j) in fwd_of_user
+        if o.new_leaf and UserOut(j) in fwd_of_user and fwd_of_user[UserOut(j)] not in fresh_views
     ]
     new_leaves += [base0 + b for b in meta.new_leaf_bases]
     steps = []
@@ -235,7 +235,9 @@ def plan_epilogue(
                 lazy_conj=out.lazy_conj,
                 lazy_neg=out.lazy_neg,
                 multi_output_view=out.multi_output_view,
-                new_leaf=out.new_leaf and out.kind is not OutputKind.FRESH,
+                # a FRESH new leaf the graph returns as a view is made a leaf after its detach
+                new_leaf=out.new_leaf
+                and (out.kind is not OutputKind.FRESH or source in fresh_views),
                 stale_view=out.stale_view,
                 via_geometry=out.via_geometry,
                 narrowed_by=out.narrowed_by,
@@ -351,7 +353,10 @@ def build_outputs(
                     assert isinstance(base, torch.Tensor) and s.geometry is not None
                     result[j] = custom_view(base, fresh, s.geometry)
                 else:
-                    result[j] = fresh.detach() if s.detach else fresh
+                    out = fresh.detach() if s.detach else fresh
+                    if s.detach and s.new_leaf:
+                        out.requires_grad_()
+                    result[j] = out
             case OutputKind.IS_INPUT:
                 result[j] = leaves[s.source]  # type: ignore[index]
             case OutputKind.ALIAS_OF_INPUT:

@@ -107,7 +107,8 @@ def make_fast_call(
     exprs = []
     for j, s in enumerate(epi.outputs):
         if s.kind is OutputKind.FRESH:
-            exprs.append(fwd_out(s.source) + (".detach()" if s.detach else ""))
+            detach = ".detach().requires_grad_()" if s.new_leaf else ".detach()"
+            exprs.append(fwd_out(s.source) + (detach if s.detach else ""))
         elif s.kind is OutputKind.IS_INPUT:
             exprs.append(f"leaves[{s.source}]")
         else:

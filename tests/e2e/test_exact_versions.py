@@ -465,6 +465,11 @@ def _strided_view_made_a_new_leaf(a0):  # fuzz campaign 2026-11-27, 23840
     return (v1.detach().requires_grad_(),)
 
 
+def _expanded_value_made_a_new_leaf(a0):  # fuzz campaign 2026-11-27, 30738
+    v1 = a0.exp().expand(2, 3)  # stride 0: eager's leaf keeps it (no copy can: it overlaps)
+    return (v1.detach().requires_grad_(), a0 * 2)
+
+
 def _no_grad_view_of_a_leaf_made_a_leaf(a0):  # fuzz campaign 2026-11-27, 16082
     with torch.set_grad_enabled(False):
         v1 = a0.narrow(0, 1, 2)  # a0 requires grad; the view does not
@@ -643,6 +648,11 @@ PROGRAMS = {
     "strided_view_made_a_new_leaf": (
         _strided_view_made_a_new_leaf,
         lambda: [torch.randn((4, 3)).t()],
+        [],
+    ),
+    "expanded_value_made_a_new_leaf": (
+        _expanded_value_made_a_new_leaf,
+        lambda: [torch.randn((1, 3), requires_grad=True)],
         [],
     ),
     "fill_of_an_expanded_flat_view": (
