@@ -114,6 +114,12 @@ class MetadataResult:
     # Per saved_args entry: the forward outputs whose backward unpacks one of its saved values;
     # None: every differentiable output's (or unknown). See the same Note.
     saved_arg_outs: tuple[tuple[FwdOut, ...] | None, ...] = ()
+    # User outputs (positions in the flat outputs) whose version counter a value eager's
+    # autograd saved shares and no graph arg does (`amax`'s result, a view of `softmax`'s), with
+    # the same per-entry outputs as saved_arg_outs. See Note [Outputs changed after the call]
+    # in runtime/autograd.py.
+    saved_outs: tuple[int, ...] = ()
+    saved_out_outs: tuple[tuple[FwdOut, ...] | None, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +240,7 @@ def collect_metadata(
             saved, overlaps.refused_nodes, plain_values, fwd_plan.needs_tangent
         )
         # Without hooks (a torch.func retry) nothing was noted.
-        watched = _watched_args(saved, plain, plain_values, fwd_plan.needs_tangent)
+        watched = _watched_args(saved, plain, plain_values, fwd_plan.needs_tangent, p_outs)
     _check_detached_sources(roots, specs, plain_values)
     meta = MutationAliasInfo(
         inputs=inputs,
@@ -254,8 +260,10 @@ def collect_metadata(
         tuple(analysis.bases),
         root_values,
         refuses_saved_hooks=saved is None,
-        saved_args=tuple(g for g, _ in watched),
-        saved_arg_outs=tuple(outs for _, outs in watched),
+        saved_args=tuple(GraphArg(g) for g, _ in watched if g < len(plain)),
+        saved_arg_outs=tuple(outs for g, outs in watched if g < len(plain)),
+        saved_outs=tuple(g - len(plain) for g, _ in watched if g >= len(plain)),
+        saved_out_outs=tuple(outs for g, outs in watched if g >= len(plain)),
     )
 
 
@@ -489,16 +497,22 @@ def _watched_args(
     args: list[torch.Tensor],
     values: list[torch.Tensor],
     needs: tuple[bool, ...],
-) -> tuple[tuple[GraphArg, tuple[FwdOut, ...] | None], ...]:
-    """The graph args whose version counter a value eager saved shares, each with the forward
-    outputs whose backward unpacks such a value (None: all of them). With several
-    differentiable outputs, a fake backward from each notes what it unpacks; an arg whose saved
-    values no backward unpacks (their nodes are gone: they fed no output) is left out. See Note [Inputs changed after the call]."""
+    outputs: list[object],
+) -> tuple[tuple[int, tuple[FwdOut, ...] | None], ...]:
+    """The graph args, then the user outputs (numbered after the args), whose version counter a
+    value eager saved shares, each with the forward outputs whose backward unpacks such a value
+    (None: all of them). A value sharing an arg's counter is the arg's, never an output's. With
+    several differentiable outputs, a fake backward from each notes what it unpacks; an entry
+    whose saved values no backward unpacks (their nodes are gone: they fed no output) is left
+    out. See Notes [Inputs changed after the call] and [Outputs changed after the call] in
+    runtime/autograd.py."""
     if saved is None:
         return ()
+    # A non-tensor output stands in as an inference tensor: it shares no counter.
+    out_tensors = [o if isinstance(o, torch.Tensor) else _NO_COUNTER for o in outputs]
     sharing = [
-        (g, held)
-        for g, indices in saved.sharing_version(args)
+        (int(g), held)
+        for g, indices in saved.sharing_version([*args, *out_tensors])
         if (held := frozenset(i for i in indices if saved.held(i)))
     ]
     diff = [k for k, need in enumerate(needs) if need]
@@ -520,6 +534,10 @@ def _watched_args(
         if outs:
             watched.append((g, None if len(outs) == len(diff) else tuple(map(FwdOut, outs))))
     return tuple(watched)
+
+
+with torch.inference_mode():
+    _NO_COUNTER = torch.empty(0)  # has no version counter: sharing_version skips it
 
 
 _OVERLAP_BACKWARD = (

@@ -68,7 +68,14 @@ from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.kernels import CompiledGraph, KernelSource, KernelStep
 from aotc.runtime.launch import make_callable
 from aotc.runtime.lazy import Deferred
-from aotc.runtime.schema import CallingConvention, FwdOut, GraphArg, MutationAliasInfo, UserArg
+from aotc.runtime.schema import (
+    CallingConvention,
+    FwdOut,
+    GraphArg,
+    MutationAliasInfo,
+    OutputKind,
+    UserArg,
+)
 from aotc.runtime.steps import GraphProgram, build_compiled_graph, graph_program
 from aotc.runtime.wrappers import CompiledEntry, RuntimePlan
 from aotc.stages import Stage, StageRunner
@@ -539,6 +546,7 @@ def _runtime_plan(
             FwdOut(k) for k, needs in enumerate(metadata.fwd_plan.needs_tangent) if needs
         )
         watch, watch_outs = _watched_inputs(metadata, part, epilogue)
+        user_watch, user_watch_outs, user_unversioned = _watched_outputs(metadata, part, epilogue)
         autograd_plan = AutogradPlan(
             num_graph_args=len(convention.graph_sources),
             num_fwd_outs=metadata.fwd_plan.num_outputs,
@@ -557,11 +565,20 @@ def _runtime_plan(
             rng_device=random_device(part.forward.module, metadata.fwd_plan.num_outputs),
             watch=watch,
             watch_deps=_watch_dependencies(watch_outs, diff_outs),
-            unversioned_saved=_saved_aliases(
-                part.forward.module,
-                metadata.fwd_plan.num_outputs,
-                len(part.saved) - part.num_saved_symints,
-                {g for g, o in zip(watch, watch_outs) if o is not None},
+            watch_outputs=user_watch,
+            watch_output_deps=_watch_dependencies(user_watch_outs, diff_outs),
+            unversioned_saved=tuple(
+                sorted(
+                    {
+                        *_saved_aliases(
+                            part.forward.module,
+                            metadata.fwd_plan.num_outputs,
+                            len(part.saved) - part.num_saved_symints,
+                            {g for g, o in zip(watch, watch_outs) if o is not None},
+                        ),
+                        *user_unversioned,
+                    }
+                )
             ),
         )
         detach = _statically_no_grad(joint, leaves, convention)
@@ -596,6 +613,53 @@ def _watched_inputs(
         saved = saved_graph_args(part.forward.module, metadata.fwd_plan.num_outputs)
         pairs = tuple((g, o) for g, o in pairs if not (o is None and g in saved))
     return tuple(g for g, _ in pairs), tuple(o for _, o in pairs)
+
+
+def _watched_outputs(
+    metadata: MetadataResult, part: PartitionResult, epilogue: EpiloguePlan
+) -> tuple[tuple[int, ...], tuple[tuple[FwdOut, ...] | None, ...], tuple[int, ...]]:
+    """The user outputs whose versions the backward checks (AutogradPlan.watch_outputs), with
+    the diff outputs whose backward reads each, and the saved tensors (positions among them)
+    to save as aliases with a version counter of their own: those a value eager saved shares a
+    version counter with (Note [Outputs changed after the call] in runtime/autograd.py). An
+    output the compiled forward saves as it is and every output's backward reads is left to
+    autograd, which checks its version on unpack; one only some outputs' backwards read is
+    watched, and its saved value gets its own counter, so that a backward from another output
+    runs as in eager."""
+    if not metadata.saved_outs:
+        return (), (), ()
+    forward = part.forward.module
+    (out,) = [n for n in forward.graph.nodes if n.op == "output"]
+    values = list(out.args[0])
+    n_out = metadata.fwd_plan.num_outputs
+    saved = values[n_out : n_out + len(part.saved) - part.num_saved_symints]
+    roots = [_view_root(n) for n in saved]
+    kept: list[tuple[int, tuple[FwdOut, ...] | None]] = []
+    unversioned: set[int] = set()
+    for j, outs in zip(metadata.saved_outs, metadata.saved_out_outs):
+        step = epilogue.outputs[j]
+        sources = {values[k] for k in (step.source, step.base) if k is not None}
+        if step.kind not in (OutputKind.FRESH, OutputKind.ALIAS_OF_INTERMEDIATE):
+            sources = set()
+        at = [i for i, r in enumerate(roots) if r in sources]
+        if at and outs is None:
+            continue  # saved (or a view of it), shared counter: autograd's check is eager's
+        kept.append((j, outs))
+        if outs is not None:
+            unversioned.update(at)
+    return tuple(j for j, _ in kept), tuple(o for _, o in kept), tuple(sorted(unversioned))
+
+
+def _view_root(node: object) -> object:
+    """The node a chain of view ops starts from."""
+    while (
+        isinstance(node, fx.Node)
+        and node.op == "call_function"
+        and getattr(node.target, "is_view", False)
+        and node.args
+    ):
+        node = node.args[0]
+    return node
 
 
 Lowerings = tuple[CompiledGraph | None, CompiledGraph | None]

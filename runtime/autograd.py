@@ -24,7 +24,7 @@ import operator
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -67,6 +67,11 @@ class AutogradPlan:
     # as an alias with a version counter of its own: with watch_deps, the watch decides whether
     # their change refuses a backward, not save_for_backward's check on every unpack.
     unversioned_saved: tuple[int, ...] = ()
+    # User outputs (flat positions) whose versions the backward checks, and per entry the
+    # positions in diff_outs whose backward uses the saved value (None: every output's). See
+    # Note [Outputs changed after the call].
+    watch_outputs: tuple[int, ...] = ()
+    watch_output_deps: tuple[tuple[int, ...], ...] | None = None
 
 
 # Whether plans get the generated node of Note [Generated node] (tests compare it with the generic).
@@ -119,7 +124,14 @@ def make_autograd_function(
     # See Note [None gradients]: which grads arrived decides which gradients exist.
     watch = plan.watch
     watch_deps = plan.watch_deps
-    track = plan.grad_deps is not None or bool(plan.refused) or watch_deps is not None
+    watch_outs = plan.watch_outputs  # Note [Outputs changed after the call]
+    watch_out_deps = plan.watch_output_deps
+    track = (
+        plan.grad_deps is not None
+        or bool(plan.refused)
+        or watch_deps is not None
+        or watch_out_deps is not None
+    )
     # See Note [Absent gradients] in runtime/absent.py
     absent_run = _absent_runner(bwd_graph, len(diff)) if len(diff) > 1 else None
     n_bwd_outs = _num_outputs(bwd_graph) if absent_run is not None else 0
@@ -244,6 +256,8 @@ def make_autograd_function(
             return pruned(*saved, *grads)  # type: ignore[no-any-return]
 
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[no-untyped-def]
+        if watch_outs:
+            _check_watched_outputs(ctx, watch_out_deps, grads)
         if watch and watch_deps is None:
             _check_watched(ctx.aotc_watch)
         if not track:
@@ -289,6 +303,8 @@ def make_autograd_function(
                 "no_autocast": torch._C._DisableAutocast,
                 "watched": _watched,
                 "check_watched": _check_watched,
+                "check_watched_outputs": _check_watched_outputs,
+                "watch_output_deps": watch_out_deps,
                 "boxed": boxed,
                 "clear_saved": clear_saved,
                 "absent": (lambda ctx, grads: place(run_absent(ctx, grads)))
@@ -440,6 +456,8 @@ def _generate_node(
     grads = [f"g{p}" for p in range(len(plan.diff_outs))]
     gtuple = f"({''.join(g + ', ' for g in grads)})"
     bl = [f"def backward(ctx{''.join(', ' + g for g in grads)}):"]
+    if plan.watch_outputs:  # Note [Outputs changed after the call]
+        bl.append(f"    check_watched_outputs(ctx, watch_output_deps, {gtuple})")
     if plan.watch:
         bl.append("    check_watched(ctx.aotc_watch)")
     if namespace.get("absent") is not None:
@@ -590,6 +608,47 @@ def _check_watched(watched: list[_Watched]) -> None:
                 f"[{t.type()} {list(shape)}] is at version {t._version}; expected version "
                 f"{version} instead (changed after the aotc-compiled call that saved it)."
             )
+
+
+# Note [Outputs changed after the call]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Eager's autograd also saves some ops' results: `amax`, `exp`, `softmax`, `sigmoid`, `tanh`
+# keep their output. When the caller changes such an output in place (`out.unsqueeze_(0)`,
+# `out.mul_(2)` under no_grad, through a view), eager's backward through it raises "modified by
+# an inplace operation". The compiled backward saves what its partition chose (for `amax` a
+# mask of the input), so nothing would notice. The metadata pass finds the user outputs whose
+# version counter a value eager saved shares, once the args have taken theirs (a value sharing an
+# input's counter is Note [Inputs changed after the call]'s); an output the compiled forward
+# itself saves as it is is left out, since autograd checks its version when the backward unpacks
+# it. After the epilogue has built the outputs, the call notes each watched output's version on
+# the node (`ctx.aotc_watch_outs`, a non-leaf as an empty alias sharing the counter, as for
+# inputs), and the backward raises eager's error when one moved, only for the outputs whose
+# backward unpacks the value (`watch_output_deps`, found by the same fake backwards). A plan
+# with watched outputs takes the general call path, not the generated one (runtime/fastpath.py).
+def watch_outputs(
+    diff: tuple[torch.Tensor, ...], outputs: list[object], positions: tuple[int, ...]
+) -> None:
+    """After the epilogue: note the versions of the user outputs at `positions` on the node
+    (Note [Outputs changed after the call])."""
+    node = next((d.grad_fn for d in diff if d.grad_fn is not None), None)
+    if node is None:
+        return
+    try:  # Note [Version snapshots under inference mode]
+        watched = [_watched(cast(torch.Tensor, outputs[j])) for j in positions]
+    except RuntimeError:
+        return
+    node.aotc_watch_outs = watched  # type: ignore[attr-defined]
+
+
+def _check_watched_outputs(
+    ctx: Any, deps: tuple[tuple[int, ...], ...] | None, grads: tuple[object, ...]
+) -> None:
+    watched = getattr(ctx, "aotc_watch_outs", None)
+    if not watched:
+        return
+    if deps is not None:
+        watched = [w for w, dep in zip(watched, deps) if any(grads[p] is not None for p in dep)]
+    _check_watched(watched)
 
 
 def refresh_watched(diff: tuple[torch.Tensor, ...]) -> None:

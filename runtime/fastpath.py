@@ -64,7 +64,7 @@ def make_fast_call(
         return None
     if plan.enable_grad or plan.refuse_saved_hooks:
         return None
-    if plan.autograd is not None and plan.autograd.anchor:
+    if plan.autograd is not None and (plan.autograd.anchor or plan.autograd.watch_outputs):
         return None
     if any(s.kind not in _DIRECT_OUTPUTS for s in epi.outputs):
         return None

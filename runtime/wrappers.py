@@ -27,6 +27,7 @@ from aotc.runtime.autograd import (
     HigherOrder,
     make_autograd_function,
     refresh_watched,
+    watch_outputs,
 )
 from aotc.runtime.convention import apply_convention
 from aotc.runtime.epilogue import (
@@ -85,6 +86,7 @@ class CompiledEntry:
         "_fwd",
         "_fn",
         "_watch",
+        "_watch_outputs",
         "_apply",
         "_detach",
         "_diff",
@@ -137,6 +139,7 @@ class CompiledEntry:
         self._mutates = bool(epilogue.mutations or epilogue.versions or epilogue.make_require_grad)
         self._anchor = plan.autograd is not None and plan.autograd.anchor
         self._watch = plan.autograd is not None and bool(plan.autograd.watch)
+        self._watch_outputs = plan.autograd.watch_outputs if plan.autograd is not None else ()
         self._enable_grad = plan.enable_grad
         self._unflatten = _unflattener(plan.out_spec)
         self.call: Callable[[list[object]], object]
@@ -202,7 +205,10 @@ class CompiledEntry:
             apply_mutations(plan.epilogue, leaves, graph_args, fwd_outs)
             if self._watch:
                 refresh_watched(diff)
-        return self._unflatten(build_outputs(plan.epilogue, leaves, fwd_outs, early))
+        result = build_outputs(plan.epilogue, leaves, fwd_outs, early)
+        if self._fn is not None and self._watch_outputs:
+            watch_outputs(diff, result, self._watch_outputs)
+        return self._unflatten(result)
 
 
 _saved_hooks_active = torch._C._autograd._top_saved_tensors_default_hooks

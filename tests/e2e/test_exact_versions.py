@@ -212,6 +212,88 @@ def test_input_changed_after_the_call_refuses_only_the_backward_that_uses_it(nam
     assert kinds == {"ran", "raised"}  # each case has both kinds of backward
 
 
+def _amax_of_sin(x, w):
+    return x.sin().amax(0), x * w  # amax saves its result; the compiled backward saves a mask
+
+
+def _softmax_viewed(x, w):
+    return (x * w).softmax(-1).view(-1), w + 1  # softmax saves its result; the output views it
+
+
+def _exp_detached(x, w):
+    y = x.exp()  # saves its result
+    return y.detach(), y.sum() * w  # the detached alias shares y's version counter
+
+
+def _product(x, w):
+    return x * w, w * 2  # mul saves its inputs, not its output
+
+
+def _scale_output(j):
+    def between(outs):
+        with torch.no_grad():
+            outs[j].mul_(2.0)
+
+    return between
+
+
+def _unsqueeze_output(j):
+    def between(outs):
+        outs[j].unsqueeze_(0)
+
+    return between
+
+
+def _detached_add_to_output(j):
+    def between(outs):
+        outs[j].detach().add_(1.0)
+
+    return between
+
+
+OUTPUT_CHANGED_AFTER = {
+    "amax_result_scaled": (_amax_of_sin, _scale_output(0)),
+    "amax_result_unsqueezed": (_amax_of_sin, _unsqueeze_output(0)),
+    "softmax_view_written": (_softmax_viewed, _detached_add_to_output(0)),
+    "exp_result_through_its_detached_alias": (_exp_detached, _scale_output(0)),
+    "output_not_saved_written": (_product, _scale_output(0)),
+    "saved_output_unchanged": (_amax_of_sin, _nothing),
+}
+
+
+def _output_outcome(fn, between, chosen):
+    torch.manual_seed(0)
+    args = [torch.randn(2, 3, requires_grad=True), torch.randn(2, 3, requires_grad=True)]
+    outs = fn(*args)
+    between(outs)
+    try:
+        sum(outs[j].sum() for j in chosen).backward()
+    except RuntimeError as e:
+        return ("raised", "modified by an inplace operation" in str(e))
+    return ("ran", [None if a.grad is None else a.grad.clone() for a in args])
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("name", sorted(OUTPUT_CHANGED_AFTER))
+def test_output_changed_after_the_call(name, capture):
+    """An output whose value eager's autograd saved (amax's or softmax's result) and that the
+    caller changes in place: eager's backward through it raises, a backward through another
+    output runs (Note [Outputs changed after the call] in runtime/autograd.py)."""
+    fn, between = OUTPUT_CHANGED_AFTER[name]
+    compiled = _compile(fn, capture)
+    for chosen in ([0], [1], [0, 1]):
+        want = _output_outcome(fn, between, chosen)
+        got = _output_outcome(compiled, between, chosen)
+        assert got[0] == want[0], f"outputs {chosen}: eager {want[0]}, aotc {got[0]}: {got[1]}"
+        if want[0] == "raised":
+            assert got[1] == want[1]
+        else:
+            for g, w in zip(got[1], want[1], strict=True):
+                assert (g is None) == (w is None)
+                if w is not None:
+                    torch.testing.assert_close(g, w)
+
+
 def _written_then_saved(x, w):
     x.mul_(2.0)  # eager saves x after this write: its version at the end of the call
     return x.sin() * w
