@@ -511,18 +511,7 @@ def _saved_aliases(
     chosen = {inputs[g] for g in args if g < len(inputs)}
     (output,) = [n for n in forward.graph.nodes if n.op == "output"]
     saved = list(output.args[0])[num_fwd_outs : num_fwd_outs + num_tensors]
-    found = []
-    for i, node in enumerate(saved):
-        while (
-            isinstance(node, fx.Node)
-            and node.op == "call_function"
-            and getattr(node.target, "is_view", False)
-            and node.args
-        ):
-            node = node.args[0]
-        if node in chosen:
-            found.append(i)
-    return tuple(found)
+    return tuple(i for i, node in enumerate(saved) if _view_root(node) in chosen)
 
 
 def _runtime_plan(
