@@ -226,6 +226,7 @@ def collect_metadata(
         changes = _leaf_changes(p_leaves, leaves_before)
         _check_grad_of_merged_inputs(changes, convention)
         _check_grad_of_reshaped_leaves(changes, p_leaves)
+        _check_strided_outputs(p_outs)
         analysis = classify_outputs(
             p_outs, p_leaves, checks.narrowed, checks.views, checks.reshaped
         )
@@ -265,6 +266,18 @@ def collect_metadata(
         saved_outs=tuple(g - len(plain) for g, _ in watched if g >= len(plain)),
         saved_out_outs=tuple(outs for g, outs in watched if g >= len(plain)),
     )
+
+
+def _check_strided_outputs(outs: list[object]) -> None:
+    """aotc's graphs return dense tensors: a sparse (or other non-strided) output is refused by
+    name instead of failing inside the output analysis."""
+    for j, o in enumerate(outs):
+        if isinstance(o, torch.Tensor) and o.layout is not torch.strided:
+            raise UnsupportedError(
+                f"output {j} is a {o.layout} tensor; aotc compiles programs whose tensor outputs "
+                "are dense (torch.strided). Return `.to_dense()` of it, or make the sparse "
+                "tensor outside the compiled function."
+            )
 
 
 def _check_same_program(

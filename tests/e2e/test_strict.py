@@ -434,6 +434,17 @@ def test_numpy_array_read_is_refused():
         strict(f)(torch.randn(3))
 
 
+def test_sparse_output_is_refused_by_name():
+    def f(x):
+        return (x * 2).to_sparse(), x.sum()
+
+    with pytest.raises(aotc.UnsupportedError, match=r"output 0 is a torch.sparse_coo tensor"):
+        strict(f)(torch.randn(2, 3, requires_grad=True))
+    dense = strict(lambda x: (x * 2).to_sparse().to_dense() * 3)  # sparse inside: runs
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(dense(x), x * 6)
+
+
 def test_a_function_that_reads_no_state_has_a_small_guard():
     compiled = strict(lambda x, y: (x * y).sum())
     compiled(torch.randn(3), torch.randn(3))
