@@ -362,7 +362,12 @@ def build_outputs(
             case OutputKind.ALIAS_OF_INPUT:
                 base = leaves[s.source]  # type: ignore[index]
                 assert isinstance(base, torch.Tensor) and s.geometry is not None
-                result[j] = early[j] if early and j in early else _view(base, s.geometry, s)
+                if early and j in early:
+                    result[j] = early[j]
+                elif s.source in plan.make_require_grad and _view_before_grad(base, s):
+                    result[j] = _view_of_root(base, s.geometry, s)
+                else:
+                    result[j] = _view(base, s.geometry, s)
             case OutputKind.ALIAS_OF_INTERMEDIATE:
                 result[j] = _view_like(fwd_outs[s.base], fwd_outs[s.source], s)  # type: ignore[index]
             case OutputKind.ALIAS_OF_OUTPUT:
@@ -440,6 +445,33 @@ def _materialize(
             with torch.enable_grad(), _preserve_version(t):
                 t.copy_(fwd_outs[root.history])
     return t
+
+
+# Note [Views taken before their input required grad]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# `v = a.narrow(0, 1, 1); a.requires_grad_(); return v` with `a` an input that is itself a view
+# (`x.t()`) of a tensor that needs no grad: eager's `v` was taken before `a` required grad, and
+# a view's autograd follows its root base, which still needs none, so `v` is a plain view that
+# does not require grad. The epilogue runs after `requires_grad_()` was applied to the input
+# (`make_require_grad`, before the graph), so a view re-taken off `a` would require grad. For
+# such an output (eager's needs no grad, its input is one the program made require grad, and
+# that input is a view of a root that needs none) the view is taken off the root instead, with
+# the same geometry: the same `_base`, storage and flags as eager's (fuzz seed 31973).
+def _view_before_grad(base: torch.Tensor, s: OutputStep) -> bool:
+    root = base._base
+    return (
+        not s.requires_grad
+        and base.requires_grad
+        and root is not None
+        and not root.requires_grad
+        and not (s.lazy_conj or s.lazy_neg or s.narrowed_by or s.via_geometry is not None)
+    )
+
+
+def _view_of_root(base: torch.Tensor, g: Geometry, s: OutputStep) -> torch.Tensor:
+    root = base._base
+    assert root is not None
+    return _mark(root.as_strided(g.size, g.stride, base.storage_offset() + g.offset), s)
 
 
 def _view(base: torch.Tensor, g: Geometry, s: OutputStep, bump: bool = True) -> torch.Tensor:

@@ -552,6 +552,12 @@ def _expanded_value_made_a_new_leaf(a0):  # fuzz campaign 2026-11-27, 30738
     return (v1.detach().requires_grad_(), a0 * 2)
 
 
+def _view_taken_before_a_view_input_requires_grad(a0):  # fuzz 2026-11-28, 31973
+    v0 = a0.narrow(0, 1, 1)  # a0 is x.t(): v0's root needs no grad, so v0 never will
+    a0.requires_grad_()
+    return (v0, a0 * 2)
+
+
 def _no_grad_view_of_a_leaf_made_a_leaf(a0):  # fuzz campaign 2026-11-27, 16082
     with torch.set_grad_enabled(False):
         v1 = a0.narrow(0, 1, 2)  # a0 requires grad; the view does not
@@ -736,6 +742,11 @@ PROGRAMS = {
         _expanded_value_made_a_new_leaf,
         lambda: [torch.randn((1, 3), requires_grad=True)],
         [],
+    ),
+    "view_taken_before_a_view_input_requires_grad": (
+        _view_taken_before_a_view_input_requires_grad,
+        lambda: [torch.randn((4, 3)).t()],
+        [1],
     ),
     "fill_of_an_expanded_flat_view": (
         _fill_of_an_expanded_flat_view,
