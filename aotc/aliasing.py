@@ -290,10 +290,13 @@ def classify_outputs(
     narrowed: Mapping[torch.Tensor, Any] | None = None,
     views: Mapping[int, ViewRecord] | None = None,
     reshaped: Mapping[int, Any] | None = None,
+    view_versions: Mapping[int, int] | None = None,
 ) -> OutputAnalysis:
     """See Note [Output aliasing]. `narrowed`: `EagerChecks.narrowed` of the run that made
     `outs` (Note [as_strided past its input view] in aotc/functional.py); `views`: its
-    `EagerChecks.views` (Note [Replayed views] in runtime/viewreplay.py)."""
+    `EagerChecks.views` (Note [Replayed views] in runtime/viewreplay.py); `view_versions`: its
+    `EagerChecks.view_versions`."""
+    view_versions = view_versions if view_versions is not None else {}
     narrowed = narrowed if narrowed is not None else {}
     views = views if views is not None else {}
     reshaped = reshaped if reshaped is not None else {}
@@ -345,6 +348,8 @@ def classify_outputs(
                     info = _alias_of_input(o, j, candidates, leaves, narrowed.get(o, ()))
                     base = leaves[info.base_arg]  # type: ignore[index]
                     info = _with_replay(info, o, base, views, reshaped, j)  # type: ignore[arg-type]
+                    if _taken_before_write(info, o, view_versions):
+                        info = replace(info, taken_before_write=True)
                 else:
                     source = input_storage[storage][0]
                     k = _add_root(result, root_of_id, root, o, j, leaves[source], source_arg=source)  # type: ignore[arg-type]
@@ -624,6 +629,17 @@ def _with_replay(
     if info.requires_grad and grad != (not info.view_without_grad):
         return info
     return replace(info, replay=ops, replay_grad=grad)
+
+
+def _taken_before_write(
+    info: OutputInfo, o: torch.Tensor, view_versions: Mapping[int, int]
+) -> bool:
+    """A view of an input, needing no grad at the end of the call, that the call wrote (through
+    it or its base) after taking it (Note [Views taken before a write] in runtime/epilogue.py)."""
+    if info.requires_grad or info.stale_view or o.is_inference():
+        return False
+    made = view_versions.get(id(o))
+    return made is not None and o._version != made
 
 
 def _check_concrete_geometry(info: OutputInfo, j: int) -> None:

@@ -554,6 +554,8 @@ class EagerChecks(TorchDispatchMode):
         # both tensors' geometries then): every view op of the run, for Note [Replayed views]
         # in runtime/viewreplay.py
         self.views: dict[int, ViewRecord] = {}
+        # id(view) -> its version when made (Note [Views taken before a write])
+        self.view_versions: dict[int, int] = {}
         self.reshaped: dict[int, torch.Tensor] = {}  # tensors an in-place op gave new geometry
         # storages of inference tensors: fakes' views of them made outside inference mode are
         # not inference tensors, eager's are (Note [Views of inference tensors])
@@ -686,6 +688,8 @@ class EagerChecks(TorchDispatchMode):
         grad = torch.is_grad_enabled()
         for i, o in enumerate(outs):
             if isinstance(o, torch.Tensor):
+                if not o.is_inference():  # an inference tensor has no version counter
+                    self.view_versions[id(o)] = o._version
                 if rest is None or named is None:
                     self.views[id(o)] = (o, args[0], None, grad, None, None)
                     continue

@@ -228,12 +228,13 @@ def collect_metadata(
         _check_grad_of_reshaped_leaves(changes, p_leaves)
         _check_strided_outputs(p_outs)
         analysis = classify_outputs(
-            p_outs, p_leaves, checks.narrowed, checks.views, checks.reshaped
+            p_outs, p_leaves, checks.narrowed, checks.views, checks.reshaped, checks.view_versions
         )
         # The recorded views hold their tensors, and so the autograd graph behind them: released
         # before anything asks which saved values are still held (`_watched_args`).
         checks.views.clear()
         checks.reshaped.clear()
+        checks.view_versions.clear()
         fwd_plan, specs, plain_values, roots = _plan_fwd_outputs(
             analysis.infos, inputs, analysis.bases, analysis.roots, f_outs, p_outs, wrappers, plain
         )

@@ -91,6 +91,9 @@ class OutputStep:
     new_leaf: bool = False  # a view eager made a leaf with requires_grad_()
     stale_view: bool = False  # eager's no_grad view whose base was written after: reading its
     # grad_fn raises; one version bump after it is made gives it the same state
+    # ALIAS_OF_INPUT: made before the epilogue writes its input (Note [Views taken before a
+    # write])
+    taken_before_write: bool = False
     via_geometry: Geometry | None = None  # ALIAS_OF_INPUT: the no_grad view it was taken from
     # ALIAS_OF_INPUT: views an as_strided on the way reached past (OutputInfo.narrowed_by)
     narrowed_by: tuple[Geometry, ...] = ()
@@ -239,6 +242,7 @@ def plan_epilogue(
                 new_leaf=out.new_leaf
                 and (out.kind is not OutputKind.FRESH or source in fresh_views),
                 stale_view=out.stale_view,
+                taken_before_write=out.taken_before_write,
                 via_geometry=out.via_geometry,
                 narrowed_by=out.narrowed_by,
                 detach=out.kind is OutputKind.FRESH and source in fresh_views,
@@ -316,13 +320,25 @@ def _copy_back(target: torch.Tensor, value: torch.Tensor) -> None:
     target.copy_(value)
 
 
+# Note [Views taken before a write]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# `v = a.squeeze(); v.mul_(2); return v` with `a` an input that needs no grad: eager's `v` was
+# made before the write, so its version moved since. That is invisible until `a` is made to
+# require grad afterwards (`a.requires_grad_()` in Python between two Dynamo graphs): reading
+# `v.grad_fn` then regenerates a node for a view written since it was made, and `v` is no leaf.
+# A view the epilogue made after its copy-back into `a` would have its current version and stay
+# a leaf. So the metadata pass notes each view's version when it is made
+# (`EagerChecks.view_versions`); an output view of an input that needs no grad and whose version
+# moved since is made before the epilogue writes the inputs, as stale views are (fuzz seed
+# 32051). Values are the same either way: it shares the input's storage.
 def stale_input_views(plan: EpiloguePlan, leaves: list[object]) -> dict[int, torch.Tensor]:
     """Outputs that are views of inputs eager's call made before writing those inputs (reading
-    their grad_fn then raises): made before `apply_mutations` writes the inputs, so they end in
-    the same state. Empty for nearly every plan."""
+    their grad_fn then raises, or Note [Views taken before a write]): made before
+    `apply_mutations` writes the inputs, so they end in the same state. Empty for nearly every
+    plan."""
     views = {}
     for j, s in enumerate(plan.outputs):
-        if s.kind is OutputKind.ALIAS_OF_INPUT and s.stale_view:
+        if s.kind is OutputKind.ALIAS_OF_INPUT and (s.stale_view or s.taken_before_write):
             base = leaves[s.source]  # type: ignore[index]
             assert isinstance(base, torch.Tensor) and s.geometry is not None
             views[j] = _view(base, s.geometry, s, bump=False)

@@ -150,6 +150,9 @@ class OutputInfo:
     lazy_neg: bool = False  # the output carries the lazy negative bit
     multi_output_view: bool = False  # a view from unbind/split/chunk: eager forbids writing it
     new_leaf: bool = False  # a leaf created inside that requires grad (FRESH, or a view)
+    # a view of an input, needing no grad, that the call wrote after taking it (Note [Views
+    # taken before a write] in runtime/epilogue.py)
+    taken_before_write: bool = False
     stale_view: bool = False  # a no_grad or multi-output view whose base was written after
     base_root: int | None = None  # DETACHED: index into MutationAliasInfo.roots
     # ALIAS_OF_INPUT: eager derived the output, with grad, from a view of the input made under

@@ -558,6 +558,13 @@ def _view_taken_before_a_view_input_requires_grad(a0):  # fuzz 2026-11-28, 31973
     return (v0, a0 * 2)
 
 
+def _view_written_then_its_input_requires_grad(a0):  # fuzz 2026-11-28, 32051
+    v0 = a0.squeeze()
+    v0.mul_(2.0)  # written after it was made: once a0 requires grad, v0 gets a node
+    a0.requires_grad_()  # the default mode runs this in Python between two graphs
+    return (v0,)
+
+
 def _no_grad_view_of_a_leaf_made_a_leaf(a0):  # fuzz campaign 2026-11-27, 16082
     with torch.set_grad_enabled(False):
         v1 = a0.narrow(0, 1, 2)  # a0 requires grad; the view does not
@@ -747,6 +754,11 @@ PROGRAMS = {
         _view_taken_before_a_view_input_requires_grad,
         lambda: [torch.randn((4, 3)).t()],
         [1],
+    ),
+    "view_written_then_its_input_requires_grad": (
+        _view_written_then_its_input_requires_grad,
+        lambda: [torch.randn((3, 1, 2))],
+        [0],
     ),
     "fill_of_an_expanded_flat_view": (
         _fill_of_an_expanded_flat_view,
