@@ -37,12 +37,12 @@ backward would raise (Note [Backward eager would refuse] in runtime/autograd.py)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from aotc.aliasing import RootRef, ValueRef, classify_outputs
+from aotc.aliasing import OutputAnalysis, RootRef, ValueRef, classify_outputs
 from aotc.functional import (
     NO_HOOKS,
     EagerChecks,
@@ -230,6 +230,7 @@ def collect_metadata(
         analysis = classify_outputs(
             p_outs, p_leaves, checks.narrowed, checks.views, checks.reshaped, checks.view_versions
         )
+        _keep_written_after_views_on_data_writes(analysis, inputs, convention)
         # The recorded views hold their tensors, and so the autograd graph behind them: released
         # before anything asks which saved values are still held (`_watched_args`).
         checks.views.clear()
@@ -267,6 +268,21 @@ def collect_metadata(
         saved_outs=tuple(g - len(plain) for g, _ in watched if g >= len(plain)),
         saved_out_outs=tuple(outs for g, outs in watched if g >= len(plain)),
     )
+
+
+def _keep_written_after_views_on_data_writes(
+    analysis: OutputAnalysis, inputs: tuple[InputInfo, ...], convention: CallingConvention
+) -> None:
+    """Note [Views taken before a write] in runtime/epilogue.py: an output made before the
+    epilogue writes its input sees the input's geometry from before the call, so only an input
+    whose geometry the call leaves alone (data writes only) gets one."""
+    graph_of = dict(convention.leaf_to_graph)
+    for j, info in enumerate(analysis.infos):
+        if not info.taken_before_write:
+            continue
+        g = graph_of.get(info.base_arg)  # type: ignore[arg-type]
+        if g is None or g >= len(inputs) or inputs[g].mutation.has_metadata:
+            analysis.infos[j] = replace(info, taken_before_write=False)
 
 
 def _check_strided_outputs(outs: list[object]) -> None:

@@ -565,6 +565,12 @@ def _view_written_then_its_input_requires_grad(a0):  # fuzz 2026-11-28, 32051
     return (v0,)
 
 
+def _view_after_a_metadata_write_of_its_input(a0, a1):  # fuzz 2026-11-28, 32432
+    a1.unsqueeze_(1)  # a1's geometry changes before the view is taken: made after the epilogue
+    v0 = a1[1:]
+    return (v0.transpose(0, 2), a0 * 2)
+
+
 def _no_grad_view_of_a_leaf_made_a_leaf(a0):  # fuzz campaign 2026-11-27, 16082
     with torch.set_grad_enabled(False):
         v1 = a0.narrow(0, 1, 2)  # a0 requires grad; the view does not
@@ -759,6 +765,11 @@ PROGRAMS = {
         _view_written_then_its_input_requires_grad,
         lambda: [torch.randn((3, 1, 2))],
         [0],
+    ),
+    "view_after_a_metadata_write_of_its_input": (
+        _view_after_a_metadata_write_of_its_input,
+        lambda: [torch.randn((3,), requires_grad=True), torch.randn((4, 3)).t()],
+        [1],
     ),
     "fill_of_an_expanded_flat_view": (
         _fill_of_an_expanded_flat_view,
