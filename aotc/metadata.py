@@ -230,7 +230,7 @@ def collect_metadata(
         analysis = classify_outputs(
             p_outs, p_leaves, checks.narrowed, checks.views, checks.reshaped, checks.view_versions
         )
-        _keep_written_after_views_on_data_writes(analysis, inputs, convention)
+        _keep_written_after_views_on_data_writes(analysis, changes)
         # The recorded views hold their tensors, and so the autograd graph behind them: released
         # before anything asks which saved values are still held (`_watched_args`).
         checks.views.clear()
@@ -271,17 +271,16 @@ def collect_metadata(
 
 
 def _keep_written_after_views_on_data_writes(
-    analysis: OutputAnalysis, inputs: tuple[InputInfo, ...], convention: CallingConvention
+    analysis: OutputAnalysis, changes: tuple[LeafChange, ...]
 ) -> None:
     """Note [Views taken before a write] in runtime/epilogue.py: an output made before the
-    epilogue writes its input sees the input's geometry from before the call, so only an input
-    whose geometry the call leaves alone (data writes only) gets one."""
-    graph_of = dict(convention.leaf_to_graph)
+    epilogue writes its input sees the inputs' geometry from before the call, so only a call
+    that changes no input's geometry (data writes only; an input may share its storage with
+    others) gets one."""
+    if not any(c.geometry is not None for c in changes):
+        return
     for j, info in enumerate(analysis.infos):
-        if not info.taken_before_write:
-            continue
-        g = graph_of.get(info.base_arg)  # type: ignore[arg-type]
-        if g is None or g >= len(inputs) or inputs[g].mutation.has_metadata:
+        if info.taken_before_write:
             analysis.infos[j] = replace(info, taken_before_write=False)
 
 

@@ -571,6 +571,13 @@ def _view_after_a_metadata_write_of_its_input(a0, a1):  # fuzz 2026-11-28, 32432
     return (v0.transpose(0, 2), a0 * 2)
 
 
+def _view_of_a_transposed_input_written(a0, a1):  # fuzz 2026-11-28, 32837
+    a1.t_()  # a metadata write of an input sharing storage with a0: no early views
+    v0 = a1.squeeze()
+    v0.clamp_(min=-0.5)
+    return (v0,)
+
+
 def _no_grad_view_of_a_leaf_made_a_leaf(a0):  # fuzz campaign 2026-11-27, 16082
     with torch.set_grad_enabled(False):
         v1 = a0.narrow(0, 1, 2)  # a0 requires grad; the view does not
@@ -770,6 +777,11 @@ PROGRAMS = {
         _view_after_a_metadata_write_of_its_input,
         lambda: [torch.randn((3,), requires_grad=True), torch.randn((4, 3)).t()],
         [1],
+    ),
+    "view_of_a_transposed_input_written": (
+        _view_of_a_transposed_input_written,
+        lambda: (lambda x: [x[2], x[1]])(torch.randn((3, 2, 4))),
+        [],
     ),
     "fill_of_an_expanded_flat_view": (
         _fill_of_an_expanded_flat_view,
