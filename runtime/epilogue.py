@@ -330,7 +330,9 @@ def _copy_back(target: torch.Tensor, value: torch.Tensor) -> None:
 # a leaf. So the metadata pass notes each view's version when it is made
 # (`EagerChecks.view_versions`); an output view of an input that needs no grad and whose version
 # moved since is made before the epilogue writes the inputs, as stale views are (fuzz seed
-# 32051). Values are the same either way: it shares the input's storage.
+# 32051). Values are the same either way: it shares the input's storage. Only in a call that
+# changes no input's geometry: made early, a view would see an input's geometry from before an
+# in-place `t_()` or `unsqueeze_()` (fuzz seeds 32432, 32837).
 def stale_input_views(plan: EpiloguePlan, leaves: list[object]) -> dict[int, torch.Tensor]:
     """Outputs that are views of inputs eager's call made before writing those inputs (reading
     their grad_fn then raises, or Note [Views taken before a write]): made before
