@@ -37,12 +37,12 @@ backward would raise (Note [Backward eager would refuse] in runtime/autograd.py)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from aotc.aliasing import OutputAnalysis, RootRef, ValueRef, classify_outputs
+from aotc.aliasing import RootRef, ValueRef, classify_outputs
 from aotc.functional import (
     NO_HOOKS,
     EagerChecks,
@@ -227,10 +227,18 @@ def collect_metadata(
         _check_grad_of_merged_inputs(changes, convention)
         _check_grad_of_reshaped_leaves(changes, p_leaves)
         _check_strided_outputs(p_outs)
+        # Note [Views taken before a write] in runtime/epilogue.py: an output made before the
+        # epilogue writes its input sees the inputs' geometry from before the call, so only a
+        # call that changes no input's geometry gets one.
+        still = not any(c.geometry is not None for c in changes)
         analysis = classify_outputs(
-            p_outs, p_leaves, checks.narrowed, checks.views, checks.reshaped, checks.view_versions
+            p_outs,
+            p_leaves,
+            checks.narrowed,
+            checks.views,
+            checks.reshaped,
+            checks.view_versions if still else None,
         )
-        _keep_written_after_views_on_data_writes(analysis, changes)
         # The recorded views hold their tensors, and so the autograd graph behind them: released
         # before anything asks which saved values are still held (`_watched_args`).
         checks.views.clear()
@@ -268,20 +276,6 @@ def collect_metadata(
         saved_outs=tuple(g - len(plain) for g, _ in watched if g >= len(plain)),
         saved_out_outs=tuple(outs for g, outs in watched if g >= len(plain)),
     )
-
-
-def _keep_written_after_views_on_data_writes(
-    analysis: OutputAnalysis, changes: tuple[LeafChange, ...]
-) -> None:
-    """Note [Views taken before a write] in runtime/epilogue.py: an output made before the
-    epilogue writes its input sees the inputs' geometry from before the call, so only a call
-    that changes no input's geometry (data writes only; an input may share its storage with
-    others) gets one."""
-    if not any(c.geometry is not None for c in changes):
-        return
-    for j, info in enumerate(analysis.infos):
-        if info.taken_before_write:
-            analysis.infos[j] = replace(info, taken_before_write=False)
 
 
 def _check_strided_outputs(outs: list[object]) -> None:
