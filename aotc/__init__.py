@@ -154,3 +154,20 @@ def _skip_own_frames() -> None:
 
 
 _skip_own_frames()  # Note [aotc frames under Dynamo] in aotc/dynamo_skip.py
+
+
+def _register_backend_name() -> None:
+    """`torch.compile(model, backend="aotc")` where no entry point names the backend: a checkout
+    on PYTHONPATH (uninstalled, as on a lent GPU machine) or a vendored copy. An installed aotc's
+    entry point loads the same function; registering first leaves Dynamo nothing to load."""
+    try:
+        from torch._dynamo.backends import registry
+    except ImportError:  # a torch without Dynamo: the name has nothing to register with
+        return
+    if "aotc" not in getattr(registry, "_COMPILER_FNS", {"aotc": None}):
+        from aotc.backend import aotc_backend
+
+        registry.register_backend(compiler_fn=aotc_backend, name="aotc")
+
+
+_register_backend_name()

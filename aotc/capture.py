@@ -35,6 +35,7 @@ How options map (see docs/guide.md, "Capture modes"):
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -231,24 +232,38 @@ def _on_compile_start(_args: object = None) -> None:
 # frame's execution), with Dynamo's warning naming the frame and the error. The setting is a
 # ContextVar override set by the compile-start callback (only this thread, only while such a call
 # is on the stack) and reset when that call returns (one list check per call); setting the
-# global config around every call would cost ~10 us a call.
+# global config around every call would cost ~10 us a call. A torch whose config entries hold no
+# ContextVar (2.11) gets the global setting instead, on while any thread holds the suppression
+# and restored when the last releases it (other threads' compiles in that window suppress too).
 _SUPPRESS_ERRORS: Any = None
+_GLOBAL_SETTING = object()  # _SUPPRESS_ERRORS when this torch's config has no ContextVar override
+_global_saved: list[Any] = []  # the config value before the first thread's global override
 _suppress_state = threading.local()
 _suppressing = [0]  # threads holding an override: calls check this before looking further
+_suppress_lock = threading.Lock()
 
 
 def _run_unconvertible_frames_eagerly() -> None:
     """See Note [Frames Dynamo cannot convert]. Called inside a Dynamo compilation."""
     global _SUPPRESS_ERRORS
     if _SUPPRESS_ERRORS is None:
-        try:
-            _SUPPRESS_ERRORS = torch._dynamo.config._config["suppress_errors"].user_override
-        except (AttributeError, KeyError):  # another torch's config: leave Dynamo's default
-            _SUPPRESS_ERRORS = False
-    if _SUPPRESS_ERRORS is False or getattr(_suppress_state, "token", None) is not None:
+        entries = getattr(torch._dynamo.config, "_config", None)
+        entry = entries.get("suppress_errors") if isinstance(entries, dict) else None
+        override = getattr(entry, "user_override", None)
+        _SUPPRESS_ERRORS = (
+            override if isinstance(override, contextvars.ContextVar) else _GLOBAL_SETTING
+        )
+    if getattr(_suppress_state, "token", None) is not None:
         return
-    _suppress_state.token = _SUPPRESS_ERRORS.set(True)
-    _suppressing[0] += 1
+    with _suppress_lock:
+        if _SUPPRESS_ERRORS is _GLOBAL_SETTING:
+            if _suppressing[0] == 0:
+                _global_saved[:] = [torch._dynamo.config.suppress_errors]
+                torch._dynamo.config.suppress_errors = True
+            _suppress_state.token = _GLOBAL_SETTING
+        else:
+            _suppress_state.token = _SUPPRESS_ERRORS.set(True)
+        _suppressing[0] += 1
 
 
 def _release_suppression() -> None:
@@ -257,7 +272,12 @@ def _release_suppression() -> None:
     if token is None:
         return
     _suppress_state.token = None
-    _suppressing[0] -= 1
+    with _suppress_lock:
+        _suppressing[0] -= 1
+        if token is _GLOBAL_SETTING:
+            if _suppressing[0] == 0 and _global_saved:
+                torch._dynamo.config.suppress_errors = _global_saved.pop()
+            return
     try:
         _SUPPRESS_ERRORS.reset(token)
     except ValueError:  # set in another context (should not happen): clear the override

@@ -56,7 +56,8 @@ from aotc.sharedpatch import SharedPatch
 # any draw after library code reseeded (`torch.manual_seed`, `torch.seed`; user code doing so is
 # refused earlier, aotc/interpose.py) or restored a state the trace did not read. Ops tagged
 # random whose probability is zero (`dropout_p=0.0`, `p=0.0`) or told not to train
-# (`train=False`) draw nothing and are not counted. Only the CPU generator is followed (the one
+# (`train=False`) draw nothing and are not counted, nor do ops handed the seed a forward drew
+# (`philox_seed`: CUDA's efficient and cuDNN attention backwards). Only the CPU generator is followed (the one
 # `torch.get_rng_state` reads): a draw on another device that the backward runs again is
 # refused, as before.
 
@@ -107,12 +108,15 @@ _PATCH = SharedPatch(
 
 def draws_random(node: fx.Node) -> bool:
     """A call of an op tagged random that draws: not one whose probability argument is zero
-    (`dropout_p=0.0`, `p=0.0`) or that is told not to train (`train=False`)."""
+    (`dropout_p=0.0`, `p=0.0`), that is told not to train (`train=False`), or that is handed the
+    seed of an earlier draw (`philox_seed`)."""
     if not is_random(node):
         return False
     schema = getattr(node.target, "_schema", None)
     if schema is None:
         return True
+    if any(arg.name == "philox_seed" for arg in schema.arguments):
+        return False  # replays the seed its arguments carry (the attention backwards)
     for k, arg in enumerate(schema.arguments):
         if arg.name not in ("p", "dropout_p", "train"):
             continue

@@ -19,11 +19,13 @@ Measures, in one process and one run, against eager and Inductor (`torch.compile
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +85,37 @@ def first_call_seconds(fn: Callable[[], object], device: str) -> float:
     return time.perf_counter() - t0
 
 
+_SAVE: Callable[[], None] = lambda: None  # noqa: E731 set by main: writes what is measured so far
+
+
+@contextlib.contextmanager
+def _recorded(res: dict[str, Any], name: str) -> Iterator[None]:
+    """One case's failure is recorded in its results (the rest of the suite goes on), and the
+    results so far are written after every case (a run cut short still leaves its figures)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 a benchmark case, not the program: record and go on
+        res["error"] = f"{type(e).__name__}: {e}"[:2000]
+        res["traceback_tail"] = traceback.format_exc()[-3000:]
+        print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    finally:
+        res["case_seconds"] = round(time.perf_counter() - t0, 2)
+        torch._dynamo.reset()
+        _SAVE()
+
+
 # --- systems --------------------------------------------------------------------------------
+
+
+def _trace_fallback(res: dict[str, Any], error: Exception, make: Callable[[], Any]) -> Any:
+    """aotc's default capture failed on this machine's torch: record why, and compile `fn` with
+    the whole-program tracer instead (the generated kernels are the same)."""
+    res["aotc_default_capture_error"] = f"{type(error).__name__}: {error}"[:1000]
+    res["aotc_capture"] = "trace"
+    print(f"aotc default capture failed ({type(error).__name__}); measuring capture='trace'")
+    torch._dynamo.reset()
+    return make()
 
 
 def make_systems(fn: Callable[..., Any], backend: str) -> dict[str, Callable[..., Any]]:
@@ -122,7 +154,9 @@ def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tenso
     return F.layer_norm(x, (x.shape[-1],), w, b)
 
 
-def memory_bound(device: str, dtype: torch.dtype, smoke: bool, reps: int) -> dict[str, Any]:
+def memory_bound(
+    device: str, dtype: torch.dtype, smoke: bool, reps: int, out: dict[str, Any]
+) -> dict[str, Any]:
     n = 2**12 if smoke else 2**26
     rows, cols = (8, 96) if smoke else (16384, 4096)  # (batch*seq, hidden) of a transformer
     esize = torch.empty((), dtype=dtype).element_size()
@@ -130,9 +164,7 @@ def memory_bound(device: str, dtype: torch.dtype, smoke: bool, reps: int) -> dic
     dst = torch.empty_like(src)
     copy_s = time_call(lambda: dst.copy_(src), device, reps)
     copy_bw = 2 * n * esize / copy_s
-    out: dict[str, Any] = {
-        "copy": {"bytes": 2 * n * esize, "seconds": copy_s, "bw_GBps": copy_bw / 1e9}
-    }
+    out["copy"] = {"bytes": 2 * n * esize, "seconds": copy_s, "bw_GBps": copy_bw / 1e9}
 
     def case(
         name: str,
@@ -141,9 +173,6 @@ def memory_bound(device: str, dtype: torch.dtype, smoke: bool, reps: int) -> dic
         backward: bool,
         ideal_bytes: int,
     ) -> None:
-        systems = make_systems(fn, "triton")
-        grad = torch.randn_like(fn(*args)) if backward else None
-
         def runner(f: Callable[..., Any]) -> Callable[[], object]:
             if not backward:
                 return lambda: f(*args)
@@ -155,10 +184,23 @@ def memory_bound(device: str, dtype: torch.dtype, smoke: bool, reps: int) -> dic
 
             return step
 
-        with torch.set_grad_enabled(backward):
-            res: dict[str, Any] = {"ideal_bytes": ideal_bytes}
+        res: dict[str, Any] = {"ideal_bytes": ideal_bytes}
+        out[name] = res
+        with _recorded(res, name):
+            systems = make_systems(fn, "triton")
+            grad = torch.randn_like(fn(*args)) if backward else None
             for sys_name, f in systems.items():
-                secs = time_call(runner(f), device, reps)
+                with torch.set_grad_enabled(backward):
+                    try:
+                        secs = time_call(runner(f), device, reps)
+                    except Exception as e:
+                        if sys_name != "aotc":
+                            raise
+                        # the default capture failed: measure the kernels through the tracer
+                        systems["aotc"] = _trace_fallback(
+                            res, e, lambda: aotc.compile(fn, backend="triton", capture="trace")
+                        )
+                        secs = time_call(runner(systems["aotc"]), device, reps)
                 bw = ideal_bytes / secs
                 res[sys_name] = {
                     "seconds": secs,
@@ -170,7 +212,6 @@ def memory_bound(device: str, dtype: torch.dtype, smoke: bool, reps: int) -> dic
                 res["aotc"]["seconds"], res["inductor"]["seconds"]
             )
             res["meets_goal"] = res["aotc"]["fraction_of_copy_bw"] >= BW_GOAL
-            out[name] = res
 
     x = torch.randn(n, device=device, dtype=dtype)
     case("chain10_fwd", chain10, [x], False, 2 * n * esize)
@@ -197,7 +238,7 @@ def memory_bound(device: str, dtype: torch.dtype, smoke: bool, reps: int) -> dic
 # --- training steps -------------------------------------------------------------------------
 
 
-def training_steps(device: str, smoke: bool, reps: int) -> dict[str, Any]:
+def training_steps(device: str, smoke: bool, reps: int, out: dict[str, Any]) -> dict[str, Any]:
     from examples.gpt_block import Block
     from examples.mlp import MLP
 
@@ -211,7 +252,6 @@ def training_steps(device: str, smoke: bool, reps: int) -> dict[str, Any]:
             "mlp": (lambda: MLP(4096, 4096, 1000), lambda: torch.randn(8192, 4096), 1000),
             "gpt_block": (lambda: Block(768, 12), lambda: torch.randn(8, 1024, 768), None),
         }
-    out: dict[str, Any] = {}
     for name, (make_model, make_x, classes) in configs.items():
         torch.manual_seed(0)
         base = make_model().to(device)
@@ -233,43 +273,82 @@ def training_steps(device: str, smoke: bool, reps: int) -> dict[str, Any]:
             "aotc": aotc.compile(copy.deepcopy(base), backend="triton"),
         }
         res: dict[str, Any] = {"input_shape": list(x.shape)}
-        for sys_name, model in models.items():
-            params = list(model.parameters())
-
-            def step(model: Any = model, params: list[torch.Tensor] = params) -> None:
-                for p in params:
-                    p.grad = None
-                loss_of(model(x)).backward()
-
-            first = first_call_seconds(step, device)
-            secs = time_call(step, device, reps)
-            res[sys_name] = {
-                "step_seconds": secs,
-                "first_call_seconds": first,
-                "compile_seconds": max(first - secs, 0.0),
-            }
-        res["aotc_kernels"] = num_kernels(models["aotc"])
-        res["aotc_over_eager_step"] = ratio(
-            res["aotc"]["step_seconds"], res["eager"]["step_seconds"]
-        )
-        res["aotc_over_inductor_step"] = ratio(
-            res["aotc"]["step_seconds"], res["inductor"]["step_seconds"]
-        )
-        res["aotc_over_inductor_compile"] = ratio(
-            res["aotc"]["compile_seconds"], res["inductor"]["compile_seconds"]
-        )
-        res["meets_goal"] = (
-            res["aotc_over_inductor_step"] <= STEP_GOAL
-            and res["aotc_over_inductor_compile"] <= COMPILE_GOAL
-        )
         out[name] = res
+        with _recorded(res, name):
+            _train_case(
+                res,
+                models,
+                step_of=lambda model: _step(model, x, loss_of),
+                make_trace=lambda: aotc.compile(
+                    copy.deepcopy(base), backend="triton", capture="trace"
+                ),
+                device=device,
+                reps=reps,
+            )
     return out
+
+
+def _step(
+    model: Any, x: torch.Tensor, loss_of: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[[], None]:
+    params = list(model.parameters())
+
+    def step() -> None:
+        for p in params:
+            p.grad = None
+        loss_of(model(x)).backward()
+
+    return step
+
+
+def _train_case(
+    res: dict[str, Any],
+    models: dict[str, Any],
+    step_of: Callable[[Any], Callable[[], None]],
+    make_trace: Callable[[], Any],
+    device: str,
+    reps: int,
+) -> None:
+    for sys_name, model in models.items():
+        step = step_of(model)
+        try:
+            first = first_call_seconds(step, device)
+        except Exception as e:
+            if sys_name != "aotc":
+                raise
+            # the default capture failed: measure the kernels through the tracer
+            models["aotc"] = _trace_fallback(res, e, make_trace)
+            step = step_of(models["aotc"])
+            first = first_call_seconds(step, device)
+        secs = time_call(step, device, reps)
+        res[sys_name] = {
+            "step_seconds": secs,
+            "first_call_seconds": first,
+            "compile_seconds": max(first - secs, 0.0),
+        }
+    res["aotc_kernels"] = num_kernels(models["aotc"])
+    res["aotc_over_eager_step"] = ratio(res["aotc"]["step_seconds"], res["eager"]["step_seconds"])
+    res["aotc_over_inductor_step"] = ratio(
+        res["aotc"]["step_seconds"], res["inductor"]["step_seconds"]
+    )
+    res["aotc_over_inductor_compile"] = ratio(
+        res["aotc"]["compile_seconds"], res["inductor"]["compile_seconds"]
+    )
+    res["meets_goal"] = (
+        res["aotc_over_inductor_step"] <= STEP_GOAL
+        and res["aotc_over_inductor_compile"] <= COMPILE_GOAL
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny sizes; runs on CPU (interpreter)")
     p.add_argument("--reps", type=int, default=None)
+    p.add_argument(
+        "--sections",
+        default="memory_bound_fp32,memory_bound_bf16,training_steps_fp32",
+        help="comma-separated parts of the suite to run",
+    )
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.smoke:
@@ -283,53 +362,85 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         device_name = torch.cuda.get_device_name()
     else:
         device_name = "cpu (Triton interpreter)"
-    results = {
-        "memory_bound_fp32": memory_bound(device, torch.float32, args.smoke, reps),
-        "memory_bound_bf16": memory_bound(device, torch.bfloat16, args.smoke, reps),
-        "training_steps_fp32": training_steps(device, args.smoke, reps),
-    }
     name = "gpu_smoke" if args.smoke else "gpu"
-    path = write_results(
-        name,
-        results,
-        device=device_name,
-        smoke=args.smoke,
-        goal=(
-            f"memory-bound aotc >= {BW_GOAL} of copy bandwidth; training step aotc/inductor "
-            f"<= {STEP_GOAL}; compile aotc/inductor <= {COMPILE_GOAL}"
-        ),
+    results: dict[str, Any] = {}
+    goal = (
+        f"memory-bound aotc >= {BW_GOAL} of copy bandwidth; training step aotc/inductor "
+        f"<= {STEP_GOAL}; compile aotc/inductor <= {COMPILE_GOAL}"
     )
+
+    def save() -> Path:
+        return write_results(
+            name,
+            results,
+            device=device_name,
+            smoke=args.smoke,
+            triton_version=_triton_version(),
+            goal=goal,
+        )
+
+    global _SAVE
+    _SAVE = save  # noqa: F841
+    sections = {
+        "memory_bound_fp32": lambda: memory_bound(
+            device, torch.float32, args.smoke, reps, results.setdefault("memory_bound_fp32", {})
+        ),
+        "memory_bound_bf16": lambda: memory_bound(
+            device, torch.bfloat16, args.smoke, reps, results.setdefault("memory_bound_bf16", {})
+        ),
+        "training_steps_fp32": lambda: training_steps(
+            device, args.smoke, reps, results.setdefault("training_steps_fp32", {})
+        ),
+    }
+    for key in args.sections.split(","):
+        sections[key]()
+    path = save()
     print(table(results))
     print(f"wrote {path}")
     return results
 
 
+def _triton_version() -> str | None:
+    try:
+        import triton
+
+        return str(triton.__version__)
+    except ImportError:
+        return None
+
+
 def table(results: dict[str, Any]) -> str:
+    def get(r: dict[str, Any], *keys: str) -> str:
+        for k in keys:
+            if not isinstance(r, dict) or k not in r:
+                return "error" if "error" in r else "-"
+            r = r[k]
+        return f"{r:.2f}" if isinstance(r, float) else str(r)
+
     rows = []
     for dtype_key in ("memory_bound_fp32", "memory_bound_bf16"):
-        for case, r in results[dtype_key].items():
+        for case, r in results.get(dtype_key, {}).items():
             if case == "copy":
                 rows.append([f"{dtype_key}:copy", f"{r['bw_GBps']:.0f} GB/s", "", "", ""])
                 continue
             rows.append(
-                [
-                    f"{dtype_key}:{case}",
-                    f"{r['eager']['fraction_of_copy_bw']:.2f}",
-                    f"{r['inductor']['fraction_of_copy_bw']:.2f}",
-                    f"{r['aotc']['fraction_of_copy_bw']:.2f}",
-                    str(r["aotc_kernels"]),
-                ]
+                [f"{dtype_key}:{case}"]
+                + [get(r, s, "fraction_of_copy_bw") for s in ("eager", "inductor", "aotc")]
+                + [get(r, "aotc_kernels")]
             )
     out = fmt_table(["workload", "eager bw", "inductor bw", "aotc bw", "aotc kernels"], rows)
     rows = [
-        [
-            name,
-            r["aotc_over_eager_step"],
-            r["aotc_over_inductor_step"],
-            r["aotc_over_inductor_compile"],
-            str(r["aotc_kernels"]),
+        [name]
+        + [
+            get(r, k)
+            for k in (
+                "aotc_over_eager_step",
+                "aotc_over_inductor_step",
+                "aotc_over_inductor_compile",
+                "aotc_kernels",
+            )
         ]
-        for name, r in results["training_steps_fp32"].items()
+        for name, r in results.get("training_steps_fp32", {}).items()
     ]
     return (
         out

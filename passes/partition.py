@@ -225,13 +225,16 @@ def _roles(joint: JointGraph) -> _Roles:
         for v, d in zip(values, joint.outputs)
         if isinstance(d, GradOutput) and isinstance(v, fx.Node)
     )
-    random_nodes = frozenset(n for n in graph.nodes if is_random(n))
-    fwd_required = ancestors([*fwd_values, *random_nodes]) | set(primals)
     tangent_dependent: set[fx.Node] = set(tangents)
     for node in graph.nodes:
         if any(i in tangent_dependent for i in node.all_input_nodes):
             tangent_dependent.add(node)
     tangent_dependent.discard(next(n for n in reversed(graph.nodes) if n.op == "output"))
+    # Random ops of the forward run there, once. A backward op tagged random (the efficient and
+    # cuDNN attention backwards, which read the forward's saved seed) reads a tangent and runs
+    # in the backward: forcing it into the forward would pull the tangent in with it.
+    random_nodes = frozenset(n for n in graph.nodes if is_random(n) and n not in tangent_dependent)
+    fwd_required = ancestors([*fwd_values, *random_nodes]) | set(primals)
     bwd_required = tangent_dependent | {v for v, _ in grad_pairs}
     order = {n: i for i, n in enumerate(graph.nodes)}
     return _Roles(

@@ -142,7 +142,10 @@ def run_and_capture(
     diff = [o for o in flat_out if isinstance(o, torch.Tensor) and o.requires_grad]
     if backward and diff:
         gen = torch.Generator().manual_seed(cotangent_seed)
-        cts = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype) for o in diff]
+        cts = [
+            torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device, o.dtype)
+            for o in diff
+        ]
         torch.autograd.backward(diff, cts)
     result["grads"] = [r.grad for r in roots]
     result["arg_grads"] = [

@@ -51,7 +51,7 @@ def assert_closer(fn: Callable[..., Any], args: list[torch.Tensor], **options: A
         grads: list[torch.Tensor] = []
         if any(a.requires_grad for a in call_args):
             torch.manual_seed(5)
-            cot = torch.randn(out.shape, dtype=torch.float64).to(out.dtype)
+            cot = torch.randn(out.shape, dtype=torch.float64).to(out.device, out.dtype)
             grads = list(torch.autograd.grad(out, [a for a in call_args if a.requires_grad], cot))
         runs.append([out.detach(), *grads])
     eager, got, ref = runs

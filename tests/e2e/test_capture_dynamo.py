@@ -743,12 +743,13 @@ def test_guard_hit_forgets_entries_dynamo_invalidated():
         if k != 2.0:
             remembered = list(compiled._hit._recent)
             assert len(remembered) == 1
+            old = weakref.ref(_SCALE)
             _SCALE = None
             gc.collect()  # the old class dies: Dynamo invalidates the entries guarding it
             _SCALE = _scale_by(k)
         for _ in range(3):
             torch.testing.assert_close(compiled(x), x * k + 1)
-        if k != 2.0:
+        if k != 2.0 and old() is None:  # torch 2.11's guards keep the class alive
             assert remembered[0].manager.cache_entry is None  # invalidated ...
             assert remembered[0] not in compiled._hit._recent  # ... and forgotten
 
@@ -1107,3 +1108,62 @@ def test_float_an_op_reads_as_a_double_is_not_frozen(entry, tmp_path, monkeypatc
         compiled = aotc.compile(fn) if entry == "aotc" else torch.compile(fn, backend="aotc")
         want, got = fn(a, p, n, margin=margin), compiled(a, p, n, margin=margin)
         torch.testing.assert_close(got, want, msg=f"margin {margin}")
+
+
+_supp_lib = torch.library.Library("aotc_test_supp", "DEF")  # noqa: TOR901
+_supp_lib.define("bump(Tensor(a!) x) -> ()")
+
+
+def _bump(x: torch.Tensor) -> None:
+    x.add_(1)
+
+
+_supp_lib.impl("bump", _bump, "CompositeExplicitAutograd")
+
+
+@pytest.mark.parametrize("override", ["contextvar", "global"])
+def test_frame_aotc_refuses_runs_eagerly(monkeypatch, override):
+    """Note [Frames Dynamo cannot convert]: a frame whose backend compile aotc refuses runs
+    eagerly, on a torch whose config holds a ContextVar override (2.13) and on one where only the
+    global setting exists (2.11); the setting is back to what it was once the call returns."""
+    from aotc import capture as cap
+
+    torch._dynamo.reset()
+    if override == "global":
+        monkeypatch.setattr(cap, "_SUPPRESS_ERRORS", cap._GLOBAL_SETTING)
+    before = torch._dynamo.config.suppress_errors
+
+    def custom(x):
+        torch.ops.aotc_test_supp.bump(x)
+        return x * 2
+
+    x = torch.randn(3)
+    x2 = x.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = aotc.compile(custom)(x)
+    want = custom(x2)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(x, x2)
+    assert torch._dynamo.config.suppress_errors == before
+    assert cap._suppressing == [0]
+
+
+def test_backend_name_registered_on_import():
+    """`backend="aotc"` resolves once aotc is imported, with or without the installed entry
+    point (a checkout on PYTHONPATH has none): checked before Dynamo loads any entry point."""
+    import subprocess
+    import sys
+
+    code = (
+        "import aotc, torch\n"
+        "from torch._dynamo.backends import registry\n"
+        "from aotc.backend import aotc_backend\n"
+        "assert registry._COMPILER_FNS.get('aotc') is aotc_backend\n"
+        "f = torch.compile(lambda x: x.sin() * 2, backend='aotc')\n"
+        "x = torch.randn(3)\n"
+        "torch.testing.assert_close(f(x), x.sin() * 2)\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]

@@ -67,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", default="trace,default,dynamo,triton")
     parser.add_argument("--out", default="/tmp/aotc-fuzz")
+    parser.add_argument("--progress", type=int, default=50, help="print counts every n programs")
+    parser.add_argument(
+        "--device", default="cpu", help="the default device the programs' tensors are made on"
+    )
     parser.add_argument(
         "--every", type=int, default=5, help="run the modes other than trace every n-th program"
     )
@@ -75,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.simplefilter("ignore")
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     torch.set_num_threads(1)
+    if args.device != "cpu":
+        torch.set_default_device(args.device)
     modes = args.modes.split(",")
     counts: dict[str, collections.Counter[str]] = {m: collections.Counter() for m in modes}
     refusals: dict[str, collections.Counter[str]] = {m: collections.Counter() for m in modes}
@@ -102,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(small.source(mode))
                 differences.append({"seed": seed, "mode": mode, "detail": outcome.detail})
                 print(f"seed {seed} {mode}: DIFFERS {outcome.detail[:200]} -> {path}", flush=True)
-        if (seed - args.seed + 1) % 50 == 0:
+        if (seed - args.seed + 1) % args.progress == 0:
             print(
                 f"{seed - args.seed + 1} programs, {time.time() - start:.0f} s: "
                 f"{ {m: dict(c) for m, c in counts.items()} }",

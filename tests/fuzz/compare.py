@@ -290,7 +290,10 @@ def _observe_in_mode(
         if chosen and all(o.requires_grad for o in chosen):
             gen = torch.Generator().manual_seed(seed)
             cts = [
-                torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype) for o in chosen
+                torch.randn(o.shape, generator=gen, dtype=torch.float64, device="cpu").to(
+                    o.device, o.dtype
+                )
+                for o in chosen
             ]
             torch.autograd.backward(chosen, cts)
         result["grads"] = [None if r.grad is None else r.grad.detach().clone() for r in roots]

@@ -3,14 +3,15 @@ equals the joint graph, random ops stay in the forward, saved bytes are reported
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import aotc
 from aotc.passes.descriptors import SavedInput, TangentInput
 
 
-def _compile(fn, *args):
-    compiled = aotc.compile(fn, check_invariants=True)
+def _compile(fn, *args, **options):
+    compiled = aotc.compile(fn, check_invariants=True, **options)
     out = compiled(*args)
     (record,) = aotc.inspect(compiled)
     return record, out
@@ -68,3 +69,68 @@ def test_saved_values_report():
     assert "# stage: partition" in text and "saved" in text
     for s in part.saved:
         assert s.name in text
+
+
+_lib = torch.library.Library("aotc_test_seeded", "DEF")  # noqa: TOR901
+_seeded = (torch.Tag.nondeterministic_seeded,)
+_lib.define("attn(Tensor x) -> Tensor", tags=_seeded)
+_lib.define(
+    "attn_backward(Tensor grad, Tensor x, Tensor philox_seed, Tensor philox_offset) -> Tensor",
+    tags=_seeded,
+)
+
+
+def _attn(x: torch.Tensor) -> torch.Tensor:
+    return x * x.sigmoid()
+
+
+def _attn_backward(
+    grad: torch.Tensor, x: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor
+) -> torch.Tensor:
+    s = x.sigmoid()
+    return grad * (s + x * s * (1 - s))
+
+
+for _key in ("CPU", "Meta"):
+    _lib.impl("attn", _attn, _key)
+    _lib.impl("attn_backward", _attn_backward, _key)
+
+
+def _attn_setup(ctx, inputs, output):  # type: ignore[no-untyped-def]
+    ctx.save_for_backward(inputs[0])
+
+
+def _attn_grad(ctx, grad):  # type: ignore[no-untyped-def]
+    seed = torch.zeros((), dtype=torch.int64)
+    return torch.ops.aotc_test_seeded.attn_backward(grad, ctx.saved_tensors[0], seed, seed)
+
+
+torch.library.register_autograd("aotc_test_seeded::attn", _attn_grad, setup_context=_attn_setup)
+
+
+@pytest.mark.parametrize("capture", ["dynamo", "trace"])
+def test_random_backward_op_runs_in_backward(capture):
+    """A backward op tagged nondeterministic_seeded that is handed the forward's seed (CUDA's
+    efficient and cuDNN attention backwards) reads a tangent: it runs in the backward, and the
+    forward takes the graph args alone (it once pulled the op and the tangent into the forward,
+    and the strict trace refused it as a backward draw)."""
+
+    def f(x, w):
+        return torch.ops.aotc_test_seeded.attn(x @ w).sum(0)
+
+    x, w = torch.randn(5, 4), torch.randn(4, 3, requires_grad=True)
+    record, out = _compile(f, x, w, capture=capture)
+    part = record.partition
+    assert len(part.forward.placeholders()) == 2
+    assert not any(
+        n.target is torch.ops.aotc_test_seeded.attn_backward.default
+        for n in part.forward.module.graph.nodes
+    )
+    assert any(
+        n.target is torch.ops.aotc_test_seeded.attn_backward.default
+        for n in part.backward.module.graph.nodes
+    )
+    out.backward(torch.ones(3))
+    w2 = w.detach().clone().requires_grad_()
+    f(x, w2).backward(torch.ones(3))
+    torch.testing.assert_close(w.grad, w2.grad)
