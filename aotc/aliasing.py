@@ -675,12 +675,30 @@ def view_chain(
             return None
         if cur is o and not _unchanged(o, view_then, reshaped):
             return None
+        # A link in the middle must have kept its geometry from when it was made until the
+        # next view was taken of it (`v = a.squeeze(1); v.unsqueeze_(1); w = v.squeeze(0)`:
+        # replaying squeeze(1) then squeeze(0) on `a` would lose the unsqueezed dim).
+        if cur is not o and not _kept(cur, view_then, base_then, reshaped):
+            return None
         ops.append(op)
         modes.add(grad)
         cur, base_then = parent, parent_then
     if len(modes) != 1 or not _unchanged(base, base_then, reshaped):
         return None
     return tuple(reversed(ops)), modes.pop()
+
+
+def _kept(
+    t: torch.Tensor,
+    made: tuple[object, ...] | None,
+    viewed: tuple[object, ...] | None,
+    reshaped: Mapping[int, Any],
+) -> bool:
+    """Whether view `t` had the geometry it was made with when a view was taken of it: compared
+    where both were recorded (concrete sizes), else no in-place op reshaped it at all."""
+    if made is not None and viewed is not None:
+        return made == viewed
+    return reshaped.get(id(t)) is not t
 
 
 def _unchanged(

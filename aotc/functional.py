@@ -557,6 +557,9 @@ class EagerChecks(TorchDispatchMode):
         # id(view) -> its version when made (Note [Views taken before a write])
         self.view_versions: dict[int, int] = {}
         self.reshaped: dict[int, torch.Tensor] = {}  # tensors an in-place op gave new geometry
+        # storages reshaped in place under an earlier view (Note [Views of a tensor reshaped in
+        # place] in aotc/tracer.py)
+        self._reshaped_under_views: set[StorageWeakRef] = set()
         # storages of inference tensors: fakes' views of them made outside inference mode are
         # not inference tensors, eager's are (Note [Views of inference tensors])
         self._call_inference = torch.is_inference_mode_enabled()  # the call's mode
@@ -597,10 +600,16 @@ class EagerChecks(TorchDispatchMode):
             except Exception:  # noqa: BLE001 best effort: a failing check must not fail a compile
                 self.problem = None
         if func._schema.is_mutable:
+            reshape = func._schema.name in _VIEW_METADATA_IN_PLACE
             for arg, value in zip(func._schema.arguments, args):
                 if arg.alias_info is not None and arg.alias_info.is_write:
                     if isinstance(value, torch.Tensor) and value.layout is torch.strided:
-                        self._written.add(StorageWeakRef(value.untyped_storage()))
+                        ref = StorageWeakRef(value.untyped_storage())
+                        self._written.add(ref)
+                        if not reshape and ref in self._reshaped_under_views:
+                            self._refuse_write_after_reshape(func)
+            if reshape and isinstance(args[0], torch.Tensor):
+                self._note_reshaped_under_views(args[0])
             if func._schema.name in _RESHAPES_IN_PLACE and isinstance(args[0], torch.Tensor):
                 self.reshaped[id(args[0])] = args[0]
         out = func(*args, **kwargs)
@@ -618,6 +627,37 @@ class EagerChecks(TorchDispatchMode):
             ):
                 self._check_read_after_write(func, args[0], out)
         return out
+
+    def _note_reshaped_under_views(self, t: torch.Tensor) -> None:
+        """Note [Views of a tensor reshaped in place] in aotc/tracer.py: `t` is reshaped in place
+        while another view of its storage that requires grad, made earlier, is alive."""
+        if t.layout is not torch.strided:
+            return
+        ref = StorageWeakRef(t.untyped_storage())
+        for view, *_ in self.views.values():
+            if (
+                view is not t
+                and view.requires_grad
+                and view.layout is torch.strided
+                and StorageWeakRef(view.untyped_storage()) == ref
+            ):
+                self._reshaped_under_views.add(ref)
+                return
+
+    def _refuse_write_after_reshape(self, func: torch._ops.OpOverload) -> None:
+        """A write into a storage `_note_reshaped_under_views` noted: in the joint trace
+        autograd would rebuild the earlier views' nodes by replaying their view ops on the
+        reshaped tensor, not as eager's `as_strided` of the storage (a wrong gradient)."""
+        if self.problem is not None:
+            return
+        where = _user_frame(traceback.extract_stack())
+        self.problem = (
+            f"metadata pass: the program at {where}: {func} writes into a tensor whose sizes or "
+            "strides an earlier in-place op (`squeeze_`, `t_`, `transpose_`, ...) changed while "
+            "another view of it that requires grad was alive: aotc's strict trace cannot give "
+            "that view eager's gradient. Use the out-of-place op (`x = x.squeeze(0)`), or the "
+            "default capture mode (aotc.compile without capture='trace')."
+        )
 
     def _check_read_after_write(
         self, func: torch._ops.OpOverload, inp: torch.Tensor, out: torch.Tensor
@@ -902,6 +942,14 @@ _SQUEEZE_IN_PLACE = {
 
 def geometry_of(t: torch.Tensor) -> tuple[object, ...]:
     return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+
+# in-place ops that change only their tensor's sizes and strides (Note [Views of a tensor
+# reshaped in place] in aotc/tracer.py)
+VIEW_METADATA_IN_PLACE = (
+    "squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "as_strided_",
+)  # fmt: skip
+_VIEW_METADATA_IN_PLACE = frozenset(f"aten::{name}" for name in VIEW_METADATA_IN_PLACE)
 
 
 # in-place ops that change their tensor's sizes, strides or storage (not its values)

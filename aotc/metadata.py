@@ -120,6 +120,9 @@ class MetadataResult:
     # in runtime/autograd.py.
     saved_outs: tuple[int, ...] = ()
     saved_out_outs: tuple[tuple[FwdOut, ...] | None, ...] = ()
+    # The program changes a tensor's sizes or strides in place (`squeeze_`, `t_`, ...): see
+    # Note [Views of a tensor reshaped in place] in aotc/tracer.py.
+    reshapes_in_place: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +245,7 @@ def collect_metadata(
         # The recorded views hold their tensors, and so the autograd graph behind them: released
         # before anything asks which saved values are still held (`_watched_args`).
         checks.views.clear()
+        reshapes_in_place = bool(checks.reshaped)
         checks.reshaped.clear()
         checks.view_versions.clear()
         fwd_plan, specs, plain_values, roots = _plan_fwd_outputs(
@@ -275,6 +279,7 @@ def collect_metadata(
         saved_arg_outs=tuple(outs for g, outs in watched if g < len(plain)),
         saved_outs=tuple(g - len(plain) for g, _ in watched if g >= len(plain)),
         saved_out_outs=tuple(outs for g, outs in watched if g >= len(plain)),
+        reshapes_in_place=reshapes_in_place,
     )
 
 

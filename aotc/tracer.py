@@ -46,6 +46,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from aotc.functional import (
+    VIEW_METADATA_IN_PLACE,
     FlatProgram,
     OverlappingWrites,
     fakeify,
@@ -128,6 +129,8 @@ def trace_joint(
                 OverlappingWrites(),
                 # Without hooks (torch.func refused them) the refused outputs are left out.
                 _saved_geometry(metadata) if hooked else contextlib.nullcontext(),
+                # See Note [Views of a tensor reshaped in place]
+                _KeepVersions() if metadata.reshapes_in_place else contextlib.nullcontext(),
             ):
                 fwd = run_program(primals)
             grads: list[object] = [None] * num_primals
@@ -210,6 +213,38 @@ def trace_joint(
     outputs += tuple(GradOutput(GraphArg(g)) for g in range(num_primals)) if training else ()
     _flatten_output(module, _view_bases(meta, plan), _detached_fresh(meta, plan))
     return JointGraph(module=module, inputs=inputs, outputs=outputs)
+
+
+# Note [Views of a tensor reshaped in place]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# `v = a[0]; a.squeeze_(); return v.double()`: the in-place reshape bumps the version counter `a`
+# and `v` share, so autograd rebuilds `v`'s node when `v` is next used. Eager rebuilds it as an
+# `as_strided` of the base's storage, which gives `v`'s elements their gradient whatever `a`'s
+# new shape. In the joint trace the tensors are functional wrappers, which autograd cannot
+# `as_strided`: it replays `v`'s view ops (`select(0, 0)`) on `a` as it is now, a view of other
+# elements and another shape, whose gradient autograd then sums to `v`'s shape: a wrong gradient
+# (fuzz seed 32479), or a failing trace when the shapes do not broadcast. A reshape in place
+# changes no element, so `v`'s node as first recorded already routes the gradient as eager's
+# rebuilt one does: during the trace the reshape ops leave the version counter where it was (the
+# counter is not a graph value, and the entry restores eager's versions, Note [Exact versions]).
+# A later write into the storage still bumps it and makes autograd replay the views on the
+# reshaped tensor: the metadata pass refuses that (`EagerChecks._refuse_write_after_reshape`).
+_VIEW_METADATA_IN_PLACE = frozenset(VIEW_METADATA_IN_PLACE)
+
+
+class _KeepVersions(torch.overrides.TorchFunctionMode):
+    """See Note [Views of a tensor reshaped in place]."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) not in _VIEW_METADATA_IN_PLACE or not args:
+            return func(*args, **kwargs)
+        t = args[0]
+        before = t._version if isinstance(t, torch.Tensor) else None
+        out = func(*args, **kwargs)
+        if before is not None and t._version != before:
+            torch._C._autograd._unsafe_set_version_counter((t,), (before,))
+        return out
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:

@@ -419,6 +419,24 @@ def _dead_maximum_then_squeeze_of_an_alias(a0, a1, a2, a3):  # fuzz campaign 202
     return (v1,)
 
 
+def _squeeze_of_a_view_unsqueezed_in_place(a0):  # fuzz seed 32885
+    v0 = a0.squeeze(1)
+    v0.unsqueeze_(1)  # the view changed after it was made: its chain from a0 no longer holds
+    return v0.squeeze(0)  # a no-op squeeze: eager's output keeps the unsqueezed dim
+
+
+def _select_then_squeeze_in_place_of_the_base(a0):  # fuzz seed 32479
+    v1 = a0[0]
+    a0.squeeze_()  # v1's node is rebuilt on its next use; eager's routes by storage
+    return (v1.double(), a0)
+
+
+def _transpose_then_t_in_place_of_the_base(a0):
+    v1 = a0.t()
+    a0.t_()
+    return (v1 * 3, a0)
+
+
 def _inputs_dead_maximum():
     x1 = torch.randn((3, 2, 4), requires_grad=True) * 1.0
     return [torch.randn((4,), requires_grad=True), x1[:, 1], x1[0], x1[1]]
@@ -843,6 +861,21 @@ PROGRAMS = {
         _overlapping_a1_views,
         [0],
     ),
+    "squeeze_of_a_view_unsqueezed_in_place": (
+        _squeeze_of_a_view_unsqueezed_in_place,
+        lambda: [(torch.randn((3, 2, 4), requires_grad=True) * 1.0)[:, 1]],
+        [0],
+    ),
+    "select_then_squeeze_in_place_of_the_base": (
+        _select_then_squeeze_in_place_of_the_base,
+        lambda: [torch.randn((1, 3), requires_grad=True) * 1.0],
+        [0],
+    ),
+    "transpose_then_t_in_place_of_the_base": (
+        _transpose_then_t_in_place_of_the_base,
+        lambda: [torch.randn((2, 3), requires_grad=True) * 1.0],
+        [0],
+    ),
     "index_put_into_a_zero_dim_value": (
         _index_put_into_a_zero_dim_value,
         lambda: [torch.randn(4, requires_grad=True) * 1.0, torch.randn(2, 3)],
@@ -874,6 +907,24 @@ def test_view_replayed_from_a_base_of_another_rank_is_refused_with_the_line():
     assert f(x.clone()).shape == (1, 3, 1)
     with pytest.raises(aotc.UnsupportedError, match=r"v\.unsqueeze_\(0\).*IndexError"):
         aotc.compile(f, capture="trace")(x.clone())
+
+
+def test_write_after_reshaping_a_base_under_a_view_is_refused_with_the_line():
+    # Note [Views of a tensor reshaped in place]: after the write autograd would rebuild v's node
+    # by replaying `select` on the squeezed tensor (a wrong gradient, silently, before).
+    def f(a):
+        v = a[0]
+        a.squeeze_()
+        a.mul_(2)
+        return v.double()
+
+    x = torch.randn((1, 3), requires_grad=True) * 1.0
+    f(x.clone()).sum().backward()  # eager runs it
+    with pytest.raises(aotc.UnsupportedError, match=r"a\.mul_\(2\).*squeeze_") as info:
+        aotc.compile(f, capture="trace")(x.clone())
+    assert "default capture mode" in str(info.value)
+    got = aotc.compile(f)(x.clone())  # the default mode runs that frame as eager does
+    torch.testing.assert_close(got, f(x.clone()))
 
 
 def test_requires_grad_of_an_input_merged_into_a_base_is_refused():
