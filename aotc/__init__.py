@@ -156,18 +156,35 @@ def _skip_own_frames() -> None:
 _skip_own_frames()  # Note [aotc frames under Dynamo] in aotc/dynamo_skip.py
 
 
+class _BackendEntry:
+    """Stands in for the installed entry point: Dynamo calls `load()` the first time a
+    `torch.compile` asks for `backend="aotc"`, so `import aotc` alone loads no compiler."""
+
+    name = "aotc"
+    value = "aotc.backend:aotc_backend"
+    group = "torch_dynamo_backends"
+
+    def load(self) -> Any:
+        from aotc.backend import aotc_backend
+
+        return aotc_backend
+
+
 def _register_backend_name() -> None:
     """`torch.compile(model, backend="aotc")` where no entry point names the backend: a checkout
     on PYTHONPATH (uninstalled, as on a lent GPU machine) or a vendored copy. An installed aotc's
-    entry point loads the same function; registering first leaves Dynamo nothing to load."""
+    entry point, once Dynamo reads the installed ones, takes the place of this one (the same
+    function either way)."""
     try:
         from torch._dynamo.backends import registry
     except ImportError:  # a torch without Dynamo: the name has nothing to register with
         return
-    if "aotc" not in getattr(registry, "_COMPILER_FNS", {"aotc": None}):
-        from aotc.backend import aotc_backend
-
-        registry.register_backend(compiler_fn=aotc_backend, name="aotc")
+    backends = getattr(registry, "_BACKENDS", None)
+    compilers = getattr(registry, "_COMPILER_FNS", None)
+    if not isinstance(backends, dict) or not isinstance(compilers, dict):
+        return  # another registry layout: only the installed entry point names the backend
+    if "aotc" not in compilers and backends.get("aotc") is None:
+        backends["aotc"] = _BackendEntry()
 
 
 _register_backend_name()

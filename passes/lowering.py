@@ -113,6 +113,12 @@ class _Lowering:
         )
         positions = view_output_positions(module) if view_outputs is None else view_outputs
         self.view_outputs = {returned[i] for i in positions if isinstance(returned[i], fx.Node)}
+        # Graph outputs eager returns as tensors of their own (`_unsafe_view`, decomposed to a
+        # view: `reshape` of a non-contiguous tensor): never an ATen view of a kernel's buffer,
+        # which autograd would mark as a view made inside the autograd Function (fuzz seed 33425).
+        self.fresh_outputs = {
+            n for n in returned if isinstance(n, fx.Node) and n not in self.view_outputs
+        }
 
     # -- materialization --
     def buffer_value(self, name: str, val: torch.Tensor) -> _Value:
@@ -170,7 +176,7 @@ class _Lowering:
         for inp in node.all_input_nodes:
             value = self.env.get(inp)
             lazy = isinstance(value, tuple) or (isinstance(value, _Value) and value.buffer is None)
-            if lazy and is_view_node(inp):
+            if lazy and is_view_node(inp) and inp not in self.fresh_outputs:
                 self.extern(inp)  # a view feeding an ATen call stays an ATen view, no copy
                 reads.append(inp.name)
             elif isinstance(value, _Value):

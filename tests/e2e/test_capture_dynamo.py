@@ -1156,10 +1156,11 @@ def test_backend_name_registered_on_import():
     import sys
 
     code = (
-        "import aotc, torch\n"
+        "import sys, aotc, torch\n"
+        "assert 'aotc.backend' not in sys.modules  # nothing of the compiler loads yet\n"
         "from torch._dynamo.backends import registry\n"
         "from aotc.backend import aotc_backend\n"
-        "assert registry._COMPILER_FNS.get('aotc') is aotc_backend\n"
+        "assert registry.lookup_backend('aotc') is aotc_backend\n"
         "f = torch.compile(lambda x: x.sin() * 2, backend='aotc')\n"
         "x = torch.randn(3)\n"
         "torch.testing.assert_close(f(x), x.sin() * 2)\n"

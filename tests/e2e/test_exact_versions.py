@@ -437,6 +437,10 @@ def _transpose_then_t_in_place_of_the_base(a0):
     return (v1 * 3, a0)
 
 
+def _slice_of_a_flattened_strided_input(a0):  # fuzz seed 33425
+    return a0.flatten()[1:]  # a view of the reshape's copy: eager lets the caller write into it
+
+
 def _inputs_dead_maximum():
     x1 = torch.randn((3, 2, 4), requires_grad=True) * 1.0
     return [torch.randn((4,), requires_grad=True), x1[:, 1], x1[0], x1[1]]
@@ -874,6 +878,11 @@ PROGRAMS = {
     "transpose_then_t_in_place_of_the_base": (
         _transpose_then_t_in_place_of_the_base,
         lambda: [torch.randn((2, 3), requires_grad=True) * 1.0],
+        [0],
+    ),
+    "slice_of_a_flattened_strided_input": (
+        _slice_of_a_flattened_strided_input,
+        lambda: [(torch.randn((3, 2, 4), requires_grad=True) * 1.0)[:, 1]],
         [0],
     ),
     "index_put_into_a_zero_dim_value": (
