@@ -240,7 +240,9 @@ class _KeepVersions(torch.overrides.TorchFunctionMode):
         if getattr(func, "__name__", None) not in _VIEW_METADATA_IN_PLACE or not args:
             return func(*args, **kwargs)
         t = args[0]
-        before = t._version if isinstance(t, torch.Tensor) else None
+        # an inference tensor has no version counter (and no autograd to rebuild a node)
+        plain = isinstance(t, torch.Tensor) and not t.is_inference()
+        before = t._version if plain else None
         out = func(*args, **kwargs)
         if before is not None and t._version != before:
             torch._C._autograd._unsafe_set_version_counter((t,), (before,))

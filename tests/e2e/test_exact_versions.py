@@ -936,6 +936,26 @@ def test_write_after_reshaping_a_base_under_a_view_is_refused_with_the_line():
     torch.testing.assert_close(got, f(x.clone()))
 
 
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("mode", ["trace", "default"])
+def test_reshape_in_place_under_inference_mode(mode):
+    # fuzz seed 33460: the strict trace's version bookkeeping for in-place reshapes (Note [Views
+    # of a tensor reshaped in place]) must leave inference tensors alone (they have no counter)
+    from tests.fuzz.compare import Verdict, check
+
+    def f(a0, a1, a2):
+        a2.mul_(2.0)
+        v0 = a1[1:]
+        a2.t_()
+        return (a0, a2, v0)
+
+    def make():
+        return [torch.randn(3), torch.randn(4, 2), torch.randn(2, 3)]
+
+    outcome = check(f, make, backward=[], write_outputs=True, mode=f"{mode}_inference")
+    assert outcome.verdict is Verdict.MATCH, outcome.detail
+
+
 def test_requires_grad_of_an_input_merged_into_a_base_is_refused():
     # fuzz campaign 2026-11-23, 9181: the output came back without history in strict mode
     def f(a0, a1):
