@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import operator
 import os
 import threading
 import time
@@ -563,7 +564,14 @@ def _runtime_plan(
                             part.forward.module,
                             metadata.fwd_plan.num_outputs,
                             len(part.saved) - part.num_saved_symints,
-                            {g for g, o in zip(watch, watch_outs) if o is not None},
+                            # After an epilogue that moves versions, the refreshed watch
+                            # checks every watched arg: a saved alias keeping the input's
+                            # counter would fail autograd's own check (fuzz seed 34564).
+                            {
+                                g
+                                for g, o in zip(watch, watch_outs)
+                                if o is not None or epilogue.mutations or epilogue.versions
+                            },
                         ),
                         *user_unversioned,
                     }
@@ -640,13 +648,17 @@ def _watched_outputs(
 
 
 def _view_root(node: object) -> object:
-    """The node a chain of view ops starts from."""
-    while (
-        isinstance(node, fx.Node)
-        and node.op == "call_function"
-        and getattr(node.target, "is_view", False)
-        and node.args
-    ):
+    """The node a chain of view ops starts from (through `getitem` of a multi-output view op
+    such as `split`, fuzz seed 34564)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.args:
+        if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            parent = node.args[0]
+            if parent.op == "call_function" and getattr(parent.target, "is_view", False):
+                node = parent
+                continue
+            return node
+        if not getattr(node.target, "is_view", False):
+            return node
         node = node.args[0]
     return node
 

@@ -286,7 +286,9 @@ def make_autograd_function(
             )
         return place(computed)
 
-    generated = GENERATED_NODES and not (anchored or rng is not None or written or track)
+    generated = GENERATED_NODES and not (
+        anchored or rng is not None or written or track or unversioned
+    )
     if generated:  # Note [Generated node]
         forward, backward = _generate_node(
             plan,
@@ -344,7 +346,8 @@ def fills_holder(plan: AutogradPlan) -> bool:
 # Note [Generated node]
 # ~~~~~~~~~~~~~~~~~~~~~
 # The forward and backward above run once per training call each. For plans without an anchor,
-# random ops to replay, graph args the epilogue writes, or gradients to track (nearly all), they
+# random ops to replay, graph args the epilogue writes, gradients to track, or saved aliases
+# that need a version counter of their own (`unversioned_saved`: nearly all plans), they
 # are generated as straight-line source with every index inlined, like runtime/fastpath.py does
 # for calls: no per-call branches on the plan, no slicing of the output tuple, no picker or
 # placer frames, and the version snapshots the plan needs (`watch_args` for a double backward,

@@ -441,6 +441,13 @@ def _slice_of_a_flattened_strided_input(a0):  # fuzz seed 33425
     return a0.flatten()[1:]  # a view of the reshape's copy: eager lets the caller write into it
 
 
+def _chunk_saved_after_a_version_bump(a0, a1):  # fuzz seed 34564
+    v0 = a1.movedim(0, -1)
+    v0.squeeze_(1)  # a no-op squeeze: bumps a1's version, eager saves the chunk after it
+    v1 = a1.chunk(2, 0)[0]
+    return (v1 * (a0 * 2.0),)
+
+
 def _inputs_dead_maximum():
     x1 = torch.randn((3, 2, 4), requires_grad=True) * 1.0
     return [torch.randn((4,), requires_grad=True), x1[:, 1], x1[0], x1[1]]
@@ -883,6 +890,11 @@ PROGRAMS = {
     "slice_of_a_flattened_strided_input": (
         _slice_of_a_flattened_strided_input,
         lambda: [(torch.randn((3, 2, 4), requires_grad=True) * 1.0)[:, 1]],
+        [0],
+    ),
+    "chunk_saved_after_a_version_bump": (
+        _chunk_saved_after_a_version_bump,
+        lambda: [torch.randn((2, 3, 4), requires_grad=True), torch.randn((2, 3, 4))],
         [0],
     ),
     "index_put_into_a_zero_dim_value": (
