@@ -946,9 +946,9 @@ def geometry_of(t: torch.Tensor) -> tuple[object, ...]:
 
 # in-place ops that change only their tensor's sizes and strides (Note [Views of a tensor
 # reshaped in place] in aotc/tracer.py)
-VIEW_METADATA_IN_PLACE = (
-    "squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "as_strided_",
-)  # fmt: skip
+VIEW_METADATA_IN_PLACE = frozenset(
+    ("squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "as_strided_")
+)
 _VIEW_METADATA_IN_PLACE = frozenset(f"aten::{name}" for name in VIEW_METADATA_IN_PLACE)
 
 

@@ -229,7 +229,6 @@ def trace_joint(
 # counter is not a graph value, and the entry restores eager's versions, Note [Exact versions]).
 # A later write into the storage still bumps it and makes autograd replay the views on the
 # reshaped tensor: the metadata pass refuses that (`EagerChecks._refuse_write_after_reshape`).
-_VIEW_METADATA_IN_PLACE = frozenset(VIEW_METADATA_IN_PLACE)
 
 
 class _KeepVersions(torch.overrides.TorchFunctionMode):
@@ -237,7 +236,7 @@ class _KeepVersions(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if getattr(func, "__name__", None) not in _VIEW_METADATA_IN_PLACE or not args:
+        if getattr(func, "__name__", None) not in VIEW_METADATA_IN_PLACE or not args:
             return func(*args, **kwargs)
         t = args[0]
         # an inference tensor has no version counter (and no autograd to rebuild a node)
