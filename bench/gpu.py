@@ -309,8 +309,11 @@ def _train_case(
     device: str,
     reps: int,
 ) -> None:
+    from aotc.runtime import kernels as K
+
     for sys_name, model in models.items():
         step = step_of(model)
+        launches = dict(K.FIRST_LAUNCH)
         try:
             first = first_call_seconds(step, device)
         except Exception as e:
@@ -326,6 +329,13 @@ def _train_case(
             "first_call_seconds": first,
             "compile_seconds": max(first - secs, 0.0),
         }
+        if sys_name == "aotc":  # first kernel launches: waiting for warm compiles, and in all
+            res[sys_name]["first_launch_waited_seconds"] = (
+                K.FIRST_LAUNCH["waited"] - launches["waited"]
+            )
+            res[sys_name]["first_launch_total_seconds"] = (
+                K.FIRST_LAUNCH["total"] - launches["total"]
+            )
     res["aotc_kernels"] = num_kernels(models["aotc"])
     res["aotc_over_eager_step"] = ratio(res["aotc"]["step_seconds"], res["eager"]["step_seconds"])
     res["aotc_over_inductor_step"] = ratio(

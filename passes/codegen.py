@@ -53,6 +53,7 @@ from aotc.passes.loop_ir import (
     ModIdx,
     Op,
     is_static,
+    loads_of,
 )
 from aotc.passes.lowering_ir import Computed
 from aotc.runtime.kernels import KernelSource
@@ -60,6 +61,10 @@ from aotc.runtime.kernels import KernelSource
 # Heuristic: rows up to this many elements are reduced in registers in one pass (as in common
 # softmax/LayerNorm widths); longer rows loop over r.
 PERSISTENT_RNUMEL = 2048
+# Heuristic: a reduction whose loads are contiguous along x (a sum over rows: bias and weight
+# gradients) is persistent only for short rows; longer ones loop over r with wide x blocks
+# (runtime.kernels.candidate_configs), so each load is a contiguous run of columns.
+OUTER_PERSISTENT_RNUMEL = 64
 LOOP_RBLOCK = 256
 LAUNCH_RBLOCK = -1  # KernelSource.persistent_rblock: the next power of two of rnumel at launch
 
@@ -422,7 +427,13 @@ def generate_kernel(
     reduction = group.kind is GroupKind.REDUCTION
     # A symbolic row length: looped on CUDA (one compile for all sizes); in the interpreter
     # (which cannot loop to a runtime bound, and compiles nothing) persistent, RBLOCK at launch.
-    persistent = reduction and (r <= PERSISTENT_RNUMEL if is_static(r) else interpret)
+    exprs = {m.name: member_expr(m, members, x, r, cols) for m in members}
+    columns = reduction and not cols and is_static(x) and is_static(r) and outer_reduction(exprs)
+    persistent = reduction and (
+        (r <= (OUTER_PERSISTENT_RNUMEL if columns else PERSISTENT_RNUMEL))
+        if is_static(r)
+        else interpret
+    )
     if persistent and not is_static(r):
         rblock = LAUNCH_RBLOCK
     else:
@@ -456,7 +467,6 @@ def generate_kernel(
     if persistent:
         outer.lines += ["    rindex = rbase", "    rmask = rindex < rnumel"]
         outer.level = "r"
-    exprs = {m.name: member_expr(m, members, x, r, cols) for m in members}
     late: list[Computed] = []
     for m in members:
         e = exprs[m.name]
@@ -561,9 +571,30 @@ def generate_kernel(
         bytes_read=group.bytes_read,
         bytes_written=group.bytes_written,
         tiled=bool(cols),
+        outer=columns,
         symbols=symbols,
         arg_dtypes=tuple(plan.lowered.buffers[b][3] for b in (*group.reads, *group.stores)),
     )
+
+
+def outer_reduction(exprs: dict[str, Expr]) -> bool:
+    """Do the group's loads that move along both x and r have unit stride along x and a larger
+    one along r (a reduction over the rows of a row-major tensor)? Then an [XBLOCK, RBLOCK]
+    block reads XBLOCK-long contiguous runs, and wide x blocks are what coalesce."""
+    votes = 0
+    for e in exprs.values():
+        for load in loads_of(e):
+            index = load.index
+            if not isinstance(index, sympy.Expr) or not index.free_symbols <= {XINDEX, RINDEX}:
+                continue
+            index = index.replace(FloorDiv, lambda a, b: sympy.floor(a / b)).replace(
+                ModIdx, sympy.Mod
+            )
+            at = [int(index.subs({XINDEX: a, RINDEX: b})) for a, b in ((0, 0), (1, 0), (0, 1))]
+            dx, dr = abs(at[1] - at[0]), abs(at[2] - at[0])
+            if dx and dr:
+                votes += 1 if dx == 1 and dr > 1 else -1
+    return votes > 0
 
 
 def _reduce(em: _Emitter, m: Computed, e: Expr, outer: _Scope, persistent: bool) -> str:

@@ -5,8 +5,9 @@ needs decomposing; the input is never changed).
 Requires: a functional ATen fx graph whose placeholders carry fake tensors in `meta["val"]`.
 Ensures: every composite op with an entry in torch's public decomposition tables
 (`torch._decomp`) is replaced by its decomposition, except the ops in `EXTERN_OPS` (matmul,
-convolution, attention, RNG), which stay single ATen calls for cuBLAS/cuDNN/flash kernels. Every
-new node carries `meta["val"]`. Placeholders and the output keep their order.
+convolution, attention, RNG), which stay single ATen calls for cuBLAS/cuDNN/flash kernels; then
+large sums with few results are split in two (passes.split_reduction). Every new node carries
+`meta["val"]`. Placeholders and the output keep their order.
 
 Worked example:
 
@@ -26,6 +27,8 @@ from torch import fx
 from torch._decomp import core_aten_decompositions, get_decompositions
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+
+from aotc.passes.split_reduction import split_reductions
 
 aten = torch.ops.aten
 
@@ -147,7 +150,7 @@ def _var_mean(
 def decompose(module: fx.GraphModule) -> fx.GraphModule:
     table = decomposition_table()
     if not any(n.op == "call_function" and n.target in table for n in module.graph.nodes):
-        return module  # nothing to decompose; lowering does not modify it either
+        return split_reductions(module)  # nothing to decompose (and the input stays unchanged)
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     args = [_fresh(n.meta.get("val"), mode) for n in placeholders]
@@ -161,7 +164,7 @@ def decompose(module: fx.GraphModule) -> fx.GraphModule:
     # Random ops stay even if unused (fx treats them as pure inside a Dynamo compilation).
     traced.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure(impure_random=True))
     traced.recompile()
-    return traced
+    return split_reductions(traced)
 
 
 def _fresh(val: object, mode: FakeTensorMode) -> object:

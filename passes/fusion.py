@@ -17,6 +17,29 @@ A group iterates over rows `x < xnumel` and, for reductions, `r < rnumel` within
   when every reduction result they read is read at their own row `x` (see Note [Index
   simplification] in passes.loop_ir).
 
+Note [Epilogues join their reduction]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A pointwise node of size `x * r` fits any reduction group whose `xnumel * rnumel` equals its
+size, including one that reduces over the other dim (LayerNorm's backward: the weight and bias
+gradients sum over rows, the input gradient is a row epilogue of the per-row sums). Joined to the
+column reduction it is evaluated in that group's transposed iteration order, so it re-reads the
+inputs the row reduction already loaded and its stores are no better than strided; joined to the
+row reduction it reuses those loads. So a pointwise node tries the groups of the reductions it
+reads first (newest first), then every other group in the window, newest first.
+
+Note [Full-size members of row reductions]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A pointwise member of size `x * r` is evaluated at the flat index `x * rnumel + r`: in memory
+order when the group reduces the innermost dims (softmax), but not when it reduces over rows (a
+bias gradient `g.sum(0)`: x walks the columns, r the rows). Such a group would read its inputs in
+two orders, once for the member, once inlined into the sum, and its wide column blocks (see
+`KernelSource.outer`) would not suit the member's row-order loads and stores. A member that is
+fused (inlined) into the sum alone never appears as a group member: lowering inlines a pointwise
+producer with one consumer, so the members in question are values something else reads too
+(ReLU's gradient feeds the weight gradient's matmul as well). So a reduction over rows never
+shares a group with full-size pointwise members: those run in their own kernel, which stores the
+value once, and the sum reads it back in column blocks.
+
 Worked example, softmax over the last dim of a float[4, 5] `x`:
 
     group 0 REDUCTION x=4 r=5: amax, sum_1 (registers), div (stored)
@@ -261,11 +284,32 @@ def _space(comp: Computed) -> tuple[Size, Size]:
     return comp.numel, 1
 
 
+def reduces_rows(comp: Computed) -> bool:
+    """A reduction over dims that are not the innermost of its input (ignoring size-1 dims):
+    a sum over rows, like a bias gradient. See Note [Full-size members of row reductions]."""
+    red = comp.reduction
+    if red is None or red.is_scan:
+        return False
+    kept = [d for d, s in enumerate(red.src_size) if s != 1]
+    dims = [d for d in red.dims if red.src_size[d] != 1]
+    return dims != kept[len(kept) - len(dims) :]
+
+
 def _fits(group: _Group, comp: Computed) -> tuple[Size, Size] | None:
     """The group's iteration space with `comp` added, or None."""
     if group.externs or len(group.members) >= MAX_GROUP_MEMBERS:
         return None
     x, r = _space(comp)
+    if reduces_rows(comp) and any(
+        m.reduction is None and not _same(m.numel, x) for m in group.members
+    ):
+        return None  # Note [Full-size members of row reductions]
+    if (
+        comp.reduction is None
+        and any(reduces_rows(m) for m in group.members)
+        and not _same(x, group.xnumel)
+    ):
+        return None
     if comp.reduction is None:
         if group.rnumel == 1 and not group.is_reduction():
             return (group.xnumel, 1) if x == group.xnumel else None
@@ -297,7 +341,15 @@ def plan_fusion(lowered: LoweredGraph) -> FusionPlan:
         deps = {group_of[b] for b in item.reads if b in group_of}
         target = None
         if isinstance(item, Computed):
-            for g in range(len(groups) - 1, max(len(groups) - FUSION_WINDOW, 0) - 1, -1):
+            window = range(len(groups) - 1, max(len(groups) - FUSION_WINDOW, 0) - 1, -1)
+            # Note [Epilogues join their reduction]: a pointwise node that reads a reduction's
+            # result tries that reduction's group first, then the most recent group that fits.
+            producers = (
+                [g for g in window if g in deps and groups[g].is_reduction()]
+                if item.reduction is None
+                else []
+            )
+            for g in [*producers, *(g for g in window if g not in producers)]:
                 space = _fits(groups[g], item)
                 if space is None or _creates_cycle(groups, group_of, g, deps):
                     continue

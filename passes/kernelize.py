@@ -28,6 +28,7 @@ from aotc.passes.kernel_figures import kernel_figures
 from aotc.passes.loop_ir import is_static, static_or_expr
 from aotc.passes.lowering import _non_overlapping, lower, view_output_positions
 from aotc.passes.lowering_ir import Computed, Extern
+from aotc.runtime import precompile
 from aotc.runtime.kernels import (
     AtenStep,
     BufferSpec,
@@ -107,6 +108,8 @@ def generate_graph(plan: FusionPlan, decomposed: fx.GraphModule, interpret: bool
             if interpret:  # the kernel a GPU would run for this group (see KernelSource.cuda)
                 kernel = replace(kernel, cuda=generate_kernel(plan, group, "cuda", False))
             load_kernel(kernel)
+            if not interpret and device.startswith("cuda"):
+                precompile.warm([kernel], device)  # Note [Warm compiles] in runtime/precompile.py
         except Exception as e:  # noqa: BLE001 - a group that cannot compile runs as ATen calls
             log.warning(
                 "could not generate a kernel for %s (%s: %s); running its ops as ATen calls",

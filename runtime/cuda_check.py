@@ -381,8 +381,9 @@ def _write_disk(cache_dir: str, key: str, answer: dict[str, Any]) -> None:
 class _Pool:
     """Worker processes (runtime/cuda_worker.py), one thread each feeding it requests."""
 
-    def __init__(self, jobs: int, nice: int) -> None:
+    def __init__(self, jobs: int, nice: int, cache_dir: str | None = None) -> None:
         self.nice = nice
+        self.cache_dir = cache_dir  # the workers' Triton cache: None, a private one
         self.procs: dict[int, subprocess.Popen[str]] = {}  # thread index -> its live worker
         # (priority, order, request, future); priority 2 with no request stops a thread
         self.requests: queue.PriorityQueue[
@@ -427,7 +428,7 @@ class _Pool:
                 if request is None or fut is None:
                     break
                 if proc is None or proc.poll() is not None:
-                    proc = _start_worker(self.nice)
+                    proc = _start_worker(self.nice, self.cache_dir)
                     self.procs[slot] = proc
                 try:
                     assert proc.stdin is not None and proc.stdout is not None
@@ -447,12 +448,16 @@ class _Pool:
                 proc.wait(timeout=30)
 
 
-def _start_worker(nice: int) -> subprocess.Popen[str]:
-    # The child compiles for real: no interpreter switch. Its Triton cache is private (its
-    # results are cached here, and a cache hit would skip the ptxas log the resources come from).
+def _start_worker(nice: int, cache_dir: str | None = None) -> subprocess.Popen[str]:
+    # The child compiles for real: no interpreter switch. For the check its Triton cache is
+    # private (its results are cached here, and a cache hit would skip the ptxas log the
+    # resources come from); a precompile pool (`cache_dir`) shares the parent's.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = os.path.join(_worker_dir(), "triton-cache")
-    env["TRITON_ALWAYS_COMPILE"] = "1"
+    if cache_dir is None:
+        env["TRITON_CACHE_DIR"] = os.path.join(_worker_dir(), "triton-cache")
+        env["TRITON_ALWAYS_COMPILE"] = "1"
+    else:
+        env["TRITON_CACHE_DIR"] = cache_dir
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_worker.py")
     return subprocess.Popen(
         [sys.executable, script, str(nice)],

@@ -16,6 +16,9 @@ attributes), then `triton.compile(..., target=GPUTarget("cuda", capability, 32))
 TTIR -> TTGIR -> LLVM IR -> PTX -> cubin (with the `ptxas` the triton wheel ships). The answer
 carries the signature Triton used and, from the `ptxas -v` log and the kernel metadata, the
 registers per thread, spill stores/loads, stack frame, shared memory, warps and stages.
+
+A request with `"warm": true` (runtime/precompile.py) only compiles: into the Triton cache the
+parent names, where the parent's own `JITFunction` launch finds it, and answers `{}`.
 """
 
 from __future__ import annotations
@@ -109,6 +112,11 @@ def compile_one(request: dict[str, Any]) -> dict[str, Any]:
     options, signature, constexprs, attrs = fn._pack_args(
         backend, kwargs, bound, specialization, options
     )
+    if request.get("warm"):  # runtime.precompile: the compile lands in Triton's cache, that is all
+        triton.compile(
+            ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__
+        )
+        return {}
     knobs.nvidia.dump_ptxas_log = True  # printed to stdout by make_cubin: captured below
     log = io.StringIO()
     with contextlib.redirect_stdout(log):

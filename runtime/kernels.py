@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -58,6 +59,8 @@ class KernelSource:
     bytes_read: Any
     bytes_written: Any
     tiled: bool = False  # 2-D tiled pointwise: xnumel = columns, rnumel = rows
+    # a reduction whose loads are contiguous along x, not r (a sum over rows): wide x blocks
+    outer: bool = False
     symbols: tuple[str, ...] = ()  # size parameters after xnumel, rnumel (symbolic sizes)
     # len == len(inputs) + len(outputs): the element type of each pointer parameter, in order
     arg_dtypes: tuple[torch.dtype, ...] = ()
@@ -178,6 +181,11 @@ class CompiledGraph:
 _KERNELS: dict[tuple[str, str], Any] = {}  # (source hash, device) -> jit function
 _FAILED: set[tuple[str, str]] = set()
 _BEST: dict[tuple[str, str, int, int], tuple[int, int, int]] = {}  # tuned config per shape
+# (source hash, device, config) -> its compile in a worker (runtime.precompile, Note [Warm
+# compiles]); the first launch with that config waits for it, then finds it in Triton's cache
+WARMING: dict[tuple[str, str, tuple[int, int, int]], Any] = {}
+# where first launches on CUDA spend their time (seconds; bench/gpu.py reports it)
+FIRST_LAUNCH = {"waited": 0.0, "total": 0.0, "launches": 0}
 _DIR: list[str] = []
 
 
@@ -262,12 +270,19 @@ def candidate_configs(
         cap = max(1, (4096 if on_cuda else 16384) // r)
         first = min(cap, _next_pow2(x))
         # Heuristic: at most three row blocks, so cold compiles stay few (each config is a compile)
+        smaller = {first // 2, first // 4} if kernel.outer else {max(1, first // 4), 1}
         xb = [first] + (
-            [b for b in sorted({max(1, first // 4), 1}) if b < first] if on_cuda else []
+            [b for b in sorted(smaller) if b < first and (b >= 16 or not kernel.outer)]
+            if on_cuda
+            else []
         )
         return [(b, r, _persistent_warps(b * r)) for b in xb]
     if not on_cuda:
         return [(min(8, _next_pow2(x)), 256, 4)]
+    if kernel.outer:
+        # Heuristic: contiguous runs of 32-128 columns (128-512 bytes of fp32) per row step
+        cap = max(_next_pow2(x), 16)
+        return [(min(b, cap), rb, w) for b, rb, w in ((64, 8, 4), (32, 32, 4), (128, 8, 8))]
     return [(1, 1024, 8), (4, 256, 4), (8, 128, 4)]
 
 
@@ -312,11 +327,21 @@ def launch(
     if best is None:
         on_cuda = kernel.device.startswith("cuda")
         configs = candidate_configs(kernel, on_cuda, xnumel, rnumel)
+        if on_cuda:
+            start = time.perf_counter()
+            warming = [WARMING.pop((kernel.key, kernel.device, c), None) for c in configs]
+            if any(f is not None for f in warming):
+                from aotc.runtime.precompile import wait
+
+                FIRST_LAUNCH["waited"] += wait(f for f in warming if f is not None)
         best = (
             _autotune(fn, kernel, args, configs, (xnumel, rnumel, extra))
             if on_cuda and len(configs) > 1
             else configs[0]
         )
+        if on_cuda:
+            FIRST_LAUNCH["total"] += time.perf_counter() - start
+            FIRST_LAUNCH["launches"] += 1
         _BEST[shape_key] = best
     _run(fn, kernel, args, best, xnumel, rnumel, extra)
 

@@ -164,9 +164,10 @@ def assert_matches_eager(
     rtol: float = 1.3e-6,
     atol: float = 1e-5,
     compiled: Callable[..., Any] | None = None,
+    grad_tol: tuple[float, float] = (1e-5, 1e-5),
     **options: Any,
 ) -> Callable[..., Any]:
-    """Compare `fn` under eager and under aotc. `make_args()` returns `args` or `(args, kwargs)`
+    """Compare `fn` under eager and under aotc (gradients to `grad_tol`: rtol, atol). `make_args()` returns `args` or `(args, kwargs)`
     when it returns a dict as the last element; it is called under the same seed for both sides."""
     compiled = compiled or aotc.compile(fn, check_invariants=True, **options)
     for run in range(runs):
@@ -208,7 +209,7 @@ def assert_matches_eager(
             for i, (g, w) in enumerate(zip(got[kind], want[kind])):
                 assert (g is None) == (w is None), f"run {run} {kind} {i}: {g} vs eager {w}"
                 if w is not None:
-                    _assert_tensor_equal(g, w, f"run {run} {kind} {i}", 1e-5, 1e-5)
+                    _assert_tensor_equal(g, w, f"run {run} {kind} {i}", *grad_tol)
     return compiled
 
 

@@ -1,0 +1,246 @@
+"""Measure the GPU heuristics behind aotc's Triton kernels against their alternatives, one run.
+
+    PYTHONPATH=. python bench/gpu_variants.py      # on a GPU machine -> bench/results/gpu_variants.json
+
+Parts (each alternative in the same process, or in fresh processes where caches would mix):
+- `warm_compile`: cold compile + first step of the examples' GPT block and MLP with warm
+  compiles (runtime/precompile.py) on and off, each in a fresh process with an empty Triton cache;
+  with the seconds first launches spent waiting for warm compiles and in total.
+- `persistent_rnumel`: softmax and LayerNorm forward+backward over rows of 4096 with rows up to
+  2048 (today's `PERSISTENT_RNUMEL`) or 4096 elements reduced in registers.
+- `pointwise_blocks`: the 10-op pointwise chain's forward with each pointwise block
+  configuration alone (no autotuning), as a fraction of the copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _child_compile(model: str, warm: bool) -> dict[str, Any]:
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    import aotc
+    from aotc.runtime import kernels as K
+    from aotc.runtime import precompile
+
+    if not warm:
+        precompile.warm = lambda kernels, device: 0  # type: ignore[assignment]
+    from examples.gpt_block import Block
+    from examples.mlp import MLP
+
+    torch.manual_seed(0)
+    if model == "gpt_block":
+        base, x = Block(768, 12).cuda(), torch.randn(8, 1024, 768, device="cuda")
+        target = torch.randn_like(x)
+
+        def loss_of(y: torch.Tensor) -> torch.Tensor:
+            return F.mse_loss(y, target)
+    else:
+        base, x = MLP(4096, 4096, 1000).cuda(), torch.randn(8192, 4096, device="cuda")
+        labels = torch.randint(0, 1000, (8192,), device="cuda")
+
+        def loss_of(y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(y, labels)
+
+    m = aotc.compile(copy.deepcopy(base), backend="triton")
+    params = list(m.parameters())
+
+    def step() -> None:
+        for p in params:
+            p.grad = None
+        loss_of(m(x)).backward()
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    steady = (time.perf_counter() - t0) / 10
+    return {
+        "first_call_seconds": first,
+        "step_seconds": steady,
+        "compile_seconds": first - steady,
+        "first_launch_waited_seconds": K.FIRST_LAUNCH["waited"],
+        "first_launch_total_seconds": K.FIRST_LAUNCH["total"],
+        "first_launches": K.FIRST_LAUNCH["launches"],
+    }
+
+
+def warm_compile() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for model in ("gpt_block", "mlp"):
+        for warm in (True, False):
+            env = {**os.environ, "TRITON_CACHE_DIR": tempfile.mkdtemp(prefix="aotc-var-")}
+            env["AOTC_CACHE"] = "0"
+            proc = subprocess.run(
+                [sys.executable, __file__, "--child", f"compile:{model}:{int(warm)}"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=240,
+            )
+            key = f"{model}_{'warm' if warm else 'cold'}"
+            try:
+                out[key] = json.loads(proc.stdout.strip().splitlines()[-1])
+            except (IndexError, json.JSONDecodeError):
+                out[key] = {"error": proc.stderr[-2000:]}
+            print(key, out[key], flush=True)
+    return out
+
+
+def _bench(fn: Any, reps: int = 50) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _copy_bw(dtype: Any) -> float:
+    import torch
+
+    src = torch.randn(2**26, device="cuda", dtype=dtype)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / _bench(lambda: dst.copy_(src))
+
+
+def persistent_rnumel() -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    import aotc
+    from aotc.passes import codegen
+
+    out: dict[str, Any] = {}
+    rows, cols = 16384, 4096
+    for dtype in (torch.float32, torch.bfloat16):
+        bw = _copy_bw(dtype)
+        esize = torch.empty((), dtype=dtype).element_size()
+        m = rows * cols
+        x = torch.randn(rows, cols, device="cuda", dtype=dtype, requires_grad=True)
+        w = torch.randn(cols, device="cuda", dtype=dtype, requires_grad=True)
+        b = torch.randn(cols, device="cuda", dtype=dtype, requires_grad=True)
+        g = torch.randn(rows, cols, device="cuda", dtype=dtype)
+        cases = {
+            "softmax": (lambda t: torch.softmax(t, -1), [x], 5 * m * esize),
+            "layer_norm": (
+                lambda t, w, b: F.layer_norm(t, (cols,), w, b),
+                [x, w, b],
+                5 * m * esize + 2 * rows * 4 + 4 * cols * esize,
+            ),
+        }
+        for limit in (2048, 4096):
+            codegen.PERSISTENT_RNUMEL = limit
+            for name, (fn, args, ideal) in cases.items():
+                f = aotc.compile(fn, backend="triton", capture="trace")
+
+                def step(f: Any = f, args: list[Any] = args) -> None:
+                    for a in args:
+                        a.grad = None
+                    f(*args).backward(g)
+
+                key = f"{name}_{str(dtype).split('.')[-1]}_persistent{limit}"
+                try:
+                    secs = _bench(step)
+                    out[key] = {"seconds": secs, "fraction_of_copy_bw": ideal / secs / bw}
+                except Exception as e:  # noqa: BLE001 - recorded, the next variant runs
+                    out[key] = {"error": f"{type(e).__name__}: {e}"[:500]}
+                print(key, out[key], flush=True)
+    codegen.PERSISTENT_RNUMEL = 2048
+    return out
+
+
+def pointwise_blocks() -> dict[str, Any]:
+    import torch
+    from gpu import chain10
+
+    import aotc
+    from aotc.runtime import kernels as K
+
+    out: dict[str, Any] = {}
+    original = K.candidate_configs
+    for dtype in (torch.float32, torch.bfloat16):
+        bw = _copy_bw(dtype)
+        x = torch.randn(2**26, device="cuda", dtype=dtype)
+        ideal = 2 * x.numel() * x.element_size()
+        for cfg in (
+            (1024, 1, 4),
+            (512, 1, 4),
+            (2048, 1, 8),
+            (2048, 1, 4),
+            (4096, 1, 8),
+            (4096, 1, 16),
+        ):
+            K.candidate_configs = lambda *a, cfg=cfg, **k: [cfg]  # type: ignore[assignment]
+            K._BEST.clear()
+            f = aotc.compile(chain10, backend="triton", capture="trace")
+            with torch.no_grad():
+                secs = _bench(lambda f=f: f(x))
+            key = f"{str(dtype).split('.')[-1]}_{cfg[0]}x{cfg[2]}w"
+            out[key] = {"seconds": secs, "fraction_of_copy_bw": ideal / secs / bw}
+            print(key, out[key], flush=True)
+    K.candidate_configs = original
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--child", default=None)
+    p.add_argument("--parts", default="warm_compile,persistent_rnumel,pointwise_blocks")
+    args = p.parse_args()
+    if args.child:
+        _, model, warm = args.child.split(":")
+        print(json.dumps(_child_compile(model, bool(int(warm)))))
+        return
+    import torch
+    from common import write_results
+
+    parts = {
+        "warm_compile": warm_compile,
+        "persistent_rnumel": persistent_rnumel,
+        "pointwise_blocks": pointwise_blocks,
+    }
+    results: dict[str, Any] = {}
+    for name in args.parts.split(","):
+        try:
+            results[name] = parts[name]()
+        except Exception as e:  # noqa: BLE001 - recorded, the next part runs
+            results[name] = {"error": f"{type(e).__name__}: {e}"[:1000]}
+        write_results("gpu_variants", results, device=torch.cuda.get_device_name())
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
