@@ -55,12 +55,13 @@ from aotc.passes.decompose import decompose
 from aotc.passes.descriptors import GradOutput, TangentInput
 from aotc.passes.fusion import plan_fusion
 from aotc.passes.ir import JointGraph, StageGraph, primal_names
-from aotc.passes.kernelize import KERNEL_LISTENERS, generate_graph
+from aotc.passes.kernelize import KERNEL_LISTENERS, generate_graph, graph_device
 from aotc.passes.lowering import lower, view_output_positions
 from aotc.passes.partition import PartitionResult, partition
 from aotc.passes.recompute import executor_for
 from aotc.passes.select import triton_target
 from aotc.persist import Inspection
+from aotc.runtime import precompile
 from aotc.runtime.artifact import KERNEL_DIR, CompiledProgram, assemble
 from aotc.runtime.autograd import AutogradPlan
 from aotc.runtime.convention import alias_groups, apply_convention, plan_convention
@@ -681,6 +682,12 @@ def _lower(
     if target is None:
         return None
     try:
+        if (
+            not target.interpret
+            and (dev := graph_device(module)) is not None
+            and dev.type == "cuda"
+        ):
+            precompile.start()  # Note [Warm compiles] in runtime/precompile.py
         if decomposed is None:
             decomposed = stages.labeled(Stage.DECOMPOSE, label, decompose, module)
         ir = stages.labeled(Stage.LOWER, label, lower, decomposed, view_output_positions(module))

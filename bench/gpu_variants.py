@@ -10,6 +10,12 @@ Parts (each alternative in the same process, or in fresh processes where caches 
   2048 (today's `PERSISTENT_RNUMEL`) or 4096 elements reduced in registers.
 - `pointwise_blocks`: the 10-op pointwise chain's forward with each pointwise block
   configuration alone (no autotuning), as a fraction of the copy bandwidth.
+- `gpt_kernels`: the costliest GPU kernels of a GPT block training step, aotc and Inductor.
+- `split_target`: LayerNorm forward+backward with its weight and bias gradients' sums split
+  for 16384, 65536 or 262144 partial results.
+
+`--parts` picks parts (default: warm_compile,split_target,gpt_kernels); a run keeps the parts of the
+results file it does not run, so results from several runs sit side by side.
 """
 
 from __future__ import annotations
@@ -82,7 +88,7 @@ def _child_compile(model: str, warm: bool) -> dict[str, Any]:
         "first_call_seconds": first,
         "step_seconds": steady,
         "compile_seconds": first - steady,
-        "first_launch_waited_seconds": K.FIRST_LAUNCH["waited"],
+        "first_launch_warm_configs": K.FIRST_LAUNCH["warm"],
         "first_launch_total_seconds": K.FIRST_LAUNCH["total"],
         "first_launches": K.FIRST_LAUNCH["launches"],
     }
@@ -215,10 +221,103 @@ def pointwise_blocks() -> dict[str, Any]:
     return out
 
 
+def split_target() -> dict[str, Any]:
+    """LayerNorm forward+backward (rows of 4096) with the split of its weight and bias gradient
+    sums aiming at 16384, 65536 or 262144 partial results (passes.split_reduction)."""
+    import torch
+    import torch.nn.functional as F
+
+    import aotc
+    from aotc.passes import split_reduction
+
+    out: dict[str, Any] = {}
+    rows, cols = 16384, 4096
+    for dtype in (torch.float32, torch.bfloat16):
+        bw = _copy_bw(dtype)
+        esize = torch.empty((), dtype=dtype).element_size()
+        m = rows * cols
+        x = torch.randn(rows, cols, device="cuda", dtype=dtype, requires_grad=True)
+        w = torch.randn(cols, device="cuda", dtype=dtype, requires_grad=True)
+        b = torch.randn(cols, device="cuda", dtype=dtype, requires_grad=True)
+        g = torch.randn(rows, cols, device="cuda", dtype=dtype)
+        ideal = 5 * m * esize + 2 * rows * 4 + 4 * cols * esize
+        for target in (16384, 65536, 262144):
+            split_reduction.TARGET_RESULTS = target
+            f = aotc.compile(
+                lambda t, w, b: F.layer_norm(t, (cols,), w, b), backend="triton", capture="trace"
+            )
+
+            def step(f: Any = f) -> None:
+                for a in (x, w, b):
+                    a.grad = None
+                f(x, w, b).backward(g)
+
+            key = f"layer_norm_{str(dtype).split('.')[-1]}_target{target}"
+            try:
+                secs = _bench(step)
+                out[key] = {"seconds": secs, "fraction_of_copy_bw": ideal / secs / bw}
+            except Exception as e:  # noqa: BLE001 - recorded, the next variant runs
+                out[key] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            print(key, out[key], flush=True)
+    split_reduction.TARGET_RESULTS = 65536
+    return out
+
+
+def gpt_kernels() -> dict[str, Any]:
+    """Where a GPT block training step spends GPU time: the 15 costliest kernels of aotc's and
+    Inductor's step (torch.profiler, 5 steps), with each system's total kernel time."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    import aotc
+    from examples.gpt_block import Block
+
+    torch.manual_seed(0)
+    base, x = Block(768, 12).cuda(), torch.randn(8, 1024, 768, device="cuda")
+    target = torch.randn_like(x)
+    out: dict[str, Any] = {}
+    for name, model in (
+        ("aotc", aotc.compile(copy.deepcopy(base), backend="triton")),
+        ("inductor", torch.compile(copy.deepcopy(base))),
+    ):
+        params = list(model.parameters())
+
+        def step(model: Any = model, params: list[Any] = params) -> None:
+            for p in params:
+                p.grad = None
+            F.mse_loss(model(x), target).backward()
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+        rows = []
+        total = 0.0
+        for evt in prof.key_averages():
+            us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+            if us <= 0:
+                continue
+            total += us / 5
+            rows.append((us / 5, evt.key[:90], evt.count // 5))
+        rows.sort(reverse=True)
+        out[name] = {
+            "kernel_us_per_step": total,
+            "top": [{"us": round(us, 1), "kernel": k, "calls": c} for us, k, c in rows[:15]],
+        }
+        print(name, json.dumps(out[name], indent=1), flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--child", default=None)
-    p.add_argument("--parts", default="warm_compile,persistent_rnumel,pointwise_blocks")
+    p.add_argument("--parts", default="warm_compile,split_target,gpt_kernels")
     args = p.parse_args()
     if args.child:
         _, model, warm = args.child.split(":")
@@ -231,8 +330,11 @@ def main() -> None:
         "warm_compile": warm_compile,
         "persistent_rnumel": persistent_rnumel,
         "pointwise_blocks": pointwise_blocks,
+        "split_target": split_target,
+        "gpt_kernels": gpt_kernels,
     }
-    results: dict[str, Any] = {}
+    path = Path(__file__).resolve().parent / "results" / "gpu_variants.json"
+    results: dict[str, Any] = json.loads(path.read_text())["results"] if path.exists() else {}
     for name in args.parts.split(","):
         try:
             results[name] = parts[name]()

@@ -27,6 +27,15 @@ inputs the row reduction already loaded and its stores are no better than stride
 row reduction it reuses those loads. So a pointwise node tries the groups of the reductions it
 reads first (newest first), then every other group in the window, newest first.
 
+Note [Random ops keep their order]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Random ops (ATen calls tagged `nondeterministic_seeded`: dropout, randn, bernoulli) draw from
+the generator in the order they run, so they must run in graph order: grouping only orders
+groups by data dependencies, and a random op no value depends on (dropout whose output is
+unused, or that only later groups read) could otherwise move past the next one and swap their
+draws. Each random op's group depends on the previous random op's group, in joining (cycle
+checks) as in ordering.
+
 Note [Full-size members of row reductions]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A pointwise member of size `x * r` is evaluated at the flat index `x * rnumel + r`: in memory
@@ -53,6 +62,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import sympy
+import torch
 
 from aotc.passes.loop_ir import (
     Expr,
@@ -334,11 +344,21 @@ def _valid(members: Sequence[Computed], xnumel: Size, rnumel: Size) -> bool:
     return True
 
 
+def _draws_random(item: Item) -> bool:
+    target = getattr(item.node, "target", None) if isinstance(item, Extern) else None
+    return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+
+
 def plan_fusion(lowered: LoweredGraph) -> FusionPlan:
     groups: list[_Group] = []
     group_of: dict[str, int] = {}  # buffer name -> group position
+    # Note [Random ops keep their order]: each random op's group runs after the previous one's
+    after: dict[int, set[int]] = {}
+    last_random: int | None = None
     for pos, item in enumerate(lowered.items):
         deps = {group_of[b] for b in item.reads if b in group_of}
+        if _draws_random(item) and last_random is not None:
+            deps.add(last_random)
         target = None
         if isinstance(item, Computed):
             window = range(len(groups) - 1, max(len(groups) - FUSION_WINDOW, 0) - 1, -1)
@@ -351,7 +371,7 @@ def plan_fusion(lowered: LoweredGraph) -> FusionPlan:
             )
             for g in [*producers, *(g for g in window if g not in producers)]:
                 space = _fits(groups[g], item)
-                if space is None or _creates_cycle(groups, group_of, g, deps):
+                if space is None or _creates_cycle(groups, group_of, g, deps, after):
                     continue
                 if _valid([*groups[g].members, item], *space):
                     target = g
@@ -366,7 +386,11 @@ def plan_fusion(lowered: LoweredGraph) -> FusionPlan:
         else:
             groups[target].externs.append(item)
         group_of[item.name] = target
-    order = _toposort(groups, group_of)
+        if _draws_random(item):
+            if last_random is not None and last_random != target:
+                after.setdefault(target, set()).add(last_random)
+            last_random = target
+    order = _toposort(groups, group_of, after)
     outputs = {o for o in lowered.outputs if isinstance(o, str)}
     readers: dict[str, set[int]] = {}
     for gi, grp in enumerate(groups):
@@ -379,8 +403,10 @@ def plan_fusion(lowered: LoweredGraph) -> FusionPlan:
     return FusionPlan(lowered, tuple(records))
 
 
-def _deps_of(group: _Group, group_of: dict[str, int], self_pos: int) -> set[int]:
-    out = set()
+def _deps_of(
+    group: _Group, group_of: dict[str, int], self_pos: int, after: dict[int, set[int]]
+) -> set[int]:
+    out = set(after.get(self_pos, ())) - {self_pos}
     for item in group.items():
         for b in item.reads:
             if b in group_of and group_of[b] != self_pos:
@@ -389,7 +415,11 @@ def _deps_of(group: _Group, group_of: dict[str, int], self_pos: int) -> set[int]
 
 
 def _creates_cycle(
-    groups: list[_Group], group_of: dict[str, int], target: int, deps: set[int]
+    groups: list[_Group],
+    group_of: dict[str, int],
+    target: int,
+    deps: set[int],
+    after: dict[int, set[int]],
 ) -> bool:
     """Would a node depending on `deps` joining `target` make `target` depend on itself?"""
     stack = [d for d in deps if d != target]
@@ -401,12 +431,14 @@ def _creates_cycle(
         if g in seen:
             continue
         seen.add(g)
-        stack.extend(_deps_of(groups[g], group_of, g))
+        stack.extend(_deps_of(groups[g], group_of, g, after))
     return False
 
 
-def _toposort(groups: list[_Group], group_of: dict[str, int]) -> list[int]:
-    deps = [_deps_of(g, group_of, i) for i, g in enumerate(groups)]
+def _toposort(
+    groups: list[_Group], group_of: dict[str, int], after: dict[int, set[int]]
+) -> list[int]:
+    deps = [_deps_of(g, group_of, i, after) for i, g in enumerate(groups)]
     done: set[int] = set()
     order: list[int] = []
     remaining = sorted(range(len(groups)), key=lambda i: groups[i].first)

@@ -468,6 +468,20 @@ def with_mask(e: Expr, cond: sympy.Basic) -> Expr:
     return e
 
 
+def map_indices(e: Expr, f: Callable[[sympy.Basic], sympy.Basic]) -> Expr:
+    """`e` with `f` applied to every index expression and index condition in it (load
+    indices and masks, index values, the index of an `Indirect` and its body)."""
+    if isinstance(e, Load):
+        return Load(e.buf, f(e.index), None if e.mask is None else f(e.mask))
+    if isinstance(e, IndexValue):
+        return IndexValue(f(e.index), e.dtype)
+    if isinstance(e, Op):
+        return Op(e.name, tuple(map_indices(a, f) for a in e.args), e.dtype)
+    if isinstance(e, Indirect):
+        return Indirect(e.symbol, map_indices(e.index, f), e.size, map_indices(e.body, f))
+    return e
+
+
 def expr_size(e: Expr, limit: int = 10_000) -> int:
     """Number of nodes of an expression tree (shared subtrees counted each time)."""
     if isinstance(e, Op):

@@ -26,12 +26,19 @@ turns it into `s` times as many results of `1/s` the work, then a small second s
 The partial sums are float32 for half types (eager accumulates half sums in float32 and rounds
 once), so the split only changes the order of additions, as eager's own reduction trees do.
 
-Heuristic (what Inductor's split reductions aim at too; not measured against alternatives):
-split when the sum reduces at least `MIN_REDUCED` elements into fewer than `TARGET_RESULTS`
-results; `s` is the smallest power of two giving `TARGET_RESULTS` partial results, capped so
-that each partial still sums at least `MIN_PER_PARTIAL` elements, and must divide the size of
-the reduced dim split (the one with the largest stride among those it divides). No split when
-that leaves `s < 4`, for symbolic sizes, or for integer and complex sums (exact or rare).
+Heuristic: ~1024 programs (8 per multiprocessor of an H100/H200) in the first kernel. A sum
+over the innermost dims gives each program about one result (a whole row: softmax's, a
+LayerNorm's statistics), so it splits with fewer than `TARGET_ROWS` results; a sum over rows
+(the reduced dims are not the innermost, `reduces_rows` in passes.fusion) gives each program a
+block of ~64 contiguous results (runtime.kernels.candidate_configs), so it splits with fewer
+than `TARGET_RESULTS`. A split needs at least `MIN_REDUCED` elements reduced; `s` is the
+smallest power of two reaching the target, capped so that each partial still sums at least
+`MIN_PER_PARTIAL` elements, and must divide the size of the reduced dim split (the one with
+the largest stride among those it divides). No split when that leaves `s < 4`, for symbolic
+sizes, or for integer and complex sums (exact or rare). Measured on an H200: splitting softmax's
+row sums too (16384 rows of 4096, when every sum with fewer than 65536 results split) took its
+forward+backward from 0.59 to 0.36 of the copy bandwidth (bench/results/gpu.json history in
+docs/figures.md); the target for sums over rows is not yet measured against alternatives.
 """
 
 from __future__ import annotations
@@ -45,7 +52,8 @@ from torch import fx
 aten = torch.ops.aten
 
 MIN_REDUCED = 4096
-TARGET_RESULTS = 16384
+TARGET_RESULTS = 65536  # a sum over rows (the reduced dims are not the innermost)
+TARGET_ROWS = 1024  # a sum over the innermost dims (a row per result)
 MIN_PER_PARTIAL = 256
 MIN_SPLIT = 4
 
@@ -83,9 +91,12 @@ def _plan(node: fx.Node) -> tuple[list[int], list[int], int] | None:
     dims = sorted({d % val.dim() for d in dims_arg}) if dims_arg else list(range(val.dim()))
     reduced = math.prod(val.shape[d] for d in dims)
     results = val.numel() // max(reduced, 1)
-    if reduced < MIN_REDUCED or results >= TARGET_RESULTS or results == 0:
+    kept = [d for d in range(val.dim()) if val.shape[d] != 1]
+    rows = [d for d in dims if val.shape[d] != 1]
+    target = TARGET_RESULTS if rows != kept[len(kept) - len(rows) :] else TARGET_ROWS
+    if reduced < MIN_REDUCED or results >= target or results == 0:
         return None
-    want = 1 << max(0, math.ceil(math.log2(TARGET_RESULTS / results)))
+    want = 1 << max(0, math.ceil(math.log2(target / results)))
     cap = reduced // MIN_PER_PARTIAL
     s = min(want, 1 << max(0, cap.bit_length() - 1))
     candidates = sorted(dims, key=lambda d: -val.stride()[d])

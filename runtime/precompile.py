@@ -1,16 +1,22 @@
 """Compile a CUDA graph's kernels ahead of their first launch, in parallel, into Triton's cache.
 
-`warm(kernels, device)` submits one compile per (kernel, launch configuration the autotuner may
-try) to a pool of worker processes (runtime/cuda_worker.py) and returns at once;
-`runtime.kernels.launch` waits for a configuration's compile (`wait`) before its first launch,
-where Triton's `JITFunction` then finds the binary in its on-disk cache instead of compiling it.
+`start()` starts a pool of worker processes (runtime/cuda_worker.py); `warm(kernels, device)`
+submits one compile per (kernel, launch configuration the autotuner may try) to it and returns
+at once. A kernel's first launch (`runtime.kernels.launch`) does not wait: a configuration whose
+compile has finished is found by Triton's `JITFunction` in its on-disk cache, one still compiling
+is compiled by the launch itself, as without warm compiles, so a cold compile is never slower
+than without them for want of a worker (only for want of a core).
 
 Note [Warm compiles]
 ~~~~~~~~~~~~~~~~~~~~
 Triton compiles a kernel on its first launch with each configuration, one at a time, holding
-the GIL (TTIR to cubin, ~0.1-0.3 s each); a GPT block's backward has a dozen kernels of three
-configurations each, most of a cold compile on a GPU (measured on an H200: 8.5 s, against 2.4
-s for Inductor, which compiles in a process pool). The worker runs the steps `JITFunction.run`
+the GIL (TTIR to cubin, ~0.1-0.3 s each), and builds a C launcher stub for each new signature
+(a C compile); a GPT block has 17 kernels, most with three configurations, most of a cold
+compile on a GPU (measured on an H200, bench/results/gpu_variants.json: first launches 7.9 s of
+a 10.9 s cold compile; 2.4 s for Inductor's whole compile, which compiles in a process pool).
+Measured there too: waiting for the workers instead cut that to 8.6 s for the GPT block but
+took the MLP (6 kernels) from 4.5 to 7.2 s, the workers' start-up (~5 s) dominating; hence
+`start` as soon as a CUDA graph is lowered, and launches that never wait. The worker runs the steps `JITFunction.run`
 runs up to the compile (Triton's binder on stand-ins of the launch's arguments: aligned
 pointers of each buffer's element type, the static sizes, the block sizes as constexprs, the
 warps; see Note [Launch signatures] in runtime/cuda_check.py), so its `triton.compile` has the
@@ -60,6 +66,16 @@ def _pool() -> _Pool:
     return pool
 
 
+def start() -> None:
+    """Start the worker processes now (each imports Triton, ~1-5 s on a loaded machine), so
+    they are ready when the first kernels are generated; a no-op once started."""
+    if "pool" in _STATE:
+        return
+    pool = _pool()
+    for _ in pool.threads:
+        pool.submit({"ping": True})
+
+
 def warm(kernels: Iterable[KernelSource], device: str | torch.device) -> int:
     """Start compiling every configuration of each static-size CUDA kernel in `kernels` for
     `device`'s architecture; returns how many compiles were submitted."""
@@ -97,6 +113,11 @@ def warm(kernels: Iterable[KernelSource], device: str | torch.device) -> int:
             WARMING[key] = _pool().submit(request)
             submitted += 1
     return submitted
+
+
+def finished(futures: Iterable[Future[dict[str, Any]]]) -> bool:
+    """Have all of these warm compiles finished (so their launches will find them cached)?"""
+    return all(f.done() for f in futures)
 
 
 def wait(futures: Iterable[Future[dict[str, Any]]], timeout: float = 60.0) -> float:
