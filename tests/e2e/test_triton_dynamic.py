@@ -49,8 +49,7 @@ def _check_kernels(
     # symbolic sizes reach the kernels: as size parameters of their indices, or as their
     # (symbolic) xnumel / rnumel
     assert any(
-        k.symbols or not isinstance(k.xnumel, int) or not isinstance(k.rnumel, int)
-        for k in kernels
+        k.symbols or not isinstance(k.xnumel, int) or not isinstance(k.rnumel, int) for k in kernels
     ), "symbolic sizes are kernel parameters"
     keys = {k.key for k in kernels}
     assert set(compiles) == keys and all(n == 1 for n in compiles.values()), compiles
