@@ -84,9 +84,14 @@ def _cat(ctx: _Lowering, node: fx.Node, tensors: Sequence[Any], dim: int = 0) ->
             if first < len(pieces) - 1:
                 conds.append(idx[dim] < begin + n)
             cond = sympy.And(*conds)
-            if bound[first] is not None:
+            simplified = bound[first]
+            if simplified is not None:
                 at = dict(zip(syms, local, strict=True))
-                value = map_indices(bound[first], lambda ix, at=at: ix.subs(at, simultaneous=True))
+
+                def put(ix: Any, at: dict[sympy.Symbol, sympy.Expr] = at) -> Any:
+                    return ix.subs(at, simultaneous=True)
+
+                value = map_indices(simplified, put)
             else:
                 value = read(local)
             value = with_mask(value, cond)

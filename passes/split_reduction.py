@@ -88,7 +88,13 @@ def _plan(node: fx.Node) -> tuple[list[int], list[int], int] | None:
     if not all(isinstance(s, int) for s in (*val.shape, *val.stride())):
         return None  # symbolic sizes: one kernel serves every size, no split is fixed
     dims_arg = node.args[1] if node.target is aten.sum.dim_IntList and len(node.args) > 1 else None
-    dims = sorted({d % val.dim() for d in dims_arg}) if dims_arg else list(range(val.dim()))
+    if dims_arg is not None and not (
+        isinstance(dims_arg, (list, tuple)) and all(isinstance(d, int) for d in dims_arg)
+    ):
+        return None
+    dims: list[int] = (
+        sorted({int(d) % val.dim() for d in dims_arg}) if dims_arg else list(range(val.dim()))
+    )
     reduced = math.prod(val.shape[d] for d in dims)
     results = val.numel() // max(reduced, 1)
     kept = [d for d in range(val.dim()) if val.shape[d] != 1]
