@@ -1036,10 +1036,18 @@ class OverlappingWrites(TorchFunctionMode):
         self.rewrite = rewrite
         self.count = 0
         self.refused_nodes: set[int] = set()
+        # expand results -> what they expand, for tensors with no `_base` (views made in
+        # inference mode do not record one; see `_unexpanded`)
+        self.expanded = WeakIdKeyDictionary()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        if name in _EXPANDS and args and isinstance(args[0], torch.Tensor):
+            result = func(*args, **kwargs)
+            if isinstance(result, torch.Tensor) and result._base is None:
+                self.expanded[result] = args[0]
+            return result
         if (
             not name.endswith("_")
             or name.startswith("_")
@@ -1083,19 +1091,25 @@ class OverlappingWrites(TorchFunctionMode):
         dest = target
         for d in dims:
             dest = dest.narrow(d, 0, 1)
-        dest = _unexpanded(target, dest)
+        dest = _unexpanded(target, dest, cast("torch.Tensor | None", self.expanded.get(target)))
         dest.copy_(value)
         return target
 
 
-def _unexpanded(target: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+_EXPANDS = frozenset({"expand", "expand_as", "broadcast_to"})
+
+
+def _unexpanded(
+    target: torch.Tensor, dest: torch.Tensor, source: torch.Tensor | None = None
+) -> torch.Tensor:
     """`dest` (the expanded `target` narrowed to one element along its stride-0 dims) as a view
     of target's base without the expand, when target is its base expanded (new leading dims,
     size-1 dims broadcast): functionalization replays a write through an expand as base +
     sum(new - old) over the expanded dims, which cancels (1e35 + (2 - 1e35) is 0; fuzz seed
     19294); through `unsqueeze` (or, for a contiguous block of a contiguous base, a flat slice)
-    it is exact. Else `dest` itself."""
-    root = target._base
+    it is exact. Else `dest` itself. `source`: what `target` expands, for a target with no
+    `_base` (made in inference mode, which records none; fuzz seed 35956)."""
+    root = target._base if target._base is not None else source
     if root is None:
         return dest
 

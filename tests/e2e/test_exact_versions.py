@@ -968,6 +968,26 @@ def test_reshape_in_place_under_inference_mode(mode):
     assert outcome.verdict is Verdict.MATCH, outcome.detail
 
 
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("mode", ["trace", "default"])
+def test_write_through_an_expand_of_a_transposed_input_under_inference_mode(mode):
+    # fuzz seed 35956: views made in inference mode record no `_base`, so the write through the
+    # expand went back as base + sum(new - old) and came out one rounding off; the expand's
+    # source is now remembered (`OverlappingWrites.expanded`)
+    from tests.fuzz.compare import Verdict, check
+
+    def f(a0, a1, a2):
+        a2.expand(2, *a2.shape).fill_(1.0)
+        return ((a2**2).double(),)
+
+    def make():
+        x1 = torch.randn((3, 4), dtype=torch.float64, requires_grad=True) * 1.0
+        return [torch.randn((3, 4)), x1, torch.randn((4, 3), requires_grad=True).t()]
+
+    outcome = check(f, make, backward=[], write_outputs=False, mode=f"{mode}_inference")
+    assert outcome.verdict is Verdict.MATCH, outcome.detail
+
+
 def test_requires_grad_of_an_input_merged_into_a_base_is_refused():
     # fuzz campaign 2026-11-23, 9181: the output came back without history in strict mode
     def f(a0, a1):
