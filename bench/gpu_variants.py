@@ -117,21 +117,19 @@ def warm_compile() -> dict[str, Any]:
 
 
 def _bench(fn: Any, reps: int = 50) -> float:
-    import torch
+    from gpu import time_call
 
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    times.sort()
-    return times[len(times) // 2]
+    return time_call(fn, "cuda", reps)
+
+
+def _record(out: dict[str, Any], key: str, step: Any, ideal: float, bw: float) -> None:
+    """Time `step` into `out[key]` as a fraction of the copy bandwidth `bw`, or its error."""
+    try:
+        secs = _bench(step)
+        out[key] = {"seconds": secs, "fraction_of_copy_bw": ideal / secs / bw}
+    except Exception as e:  # noqa: BLE001 - recorded, the next variant runs
+        out[key] = {"error": f"{type(e).__name__}: {e}"[:500]}
+    print(key, out[key], flush=True)
 
 
 def _copy_bw(dtype: Any) -> float:
@@ -142,6 +140,19 @@ def _copy_bw(dtype: Any) -> float:
     return 2 * src.numel() * src.element_size() / _bench(lambda: dst.copy_(src))
 
 
+def _row_inputs(dtype: Any, rows: int, cols: int) -> tuple[float, int, int, tuple[Any, ...]]:
+    """The copy bandwidth at `dtype`, its element size, rows * cols, and (x, weight, bias,
+    cotangent) of a [rows, cols] normalization."""
+    import torch
+
+    esize = torch.empty((), dtype=dtype).element_size()
+    x = torch.randn(rows, cols, device="cuda", dtype=dtype, requires_grad=True)
+    w = torch.randn(cols, device="cuda", dtype=dtype, requires_grad=True)
+    b = torch.randn(cols, device="cuda", dtype=dtype, requires_grad=True)
+    g = torch.randn(rows, cols, device="cuda", dtype=dtype)
+    return _copy_bw(dtype), esize, rows * cols, (x, w, b, g)
+
+
 def persistent_rnumel() -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
@@ -150,15 +161,10 @@ def persistent_rnumel() -> dict[str, Any]:
     from aotc.passes import codegen
 
     out: dict[str, Any] = {}
+    original = codegen.PERSISTENT_RNUMEL
     rows, cols = 16384, 4096
     for dtype in (torch.float32, torch.bfloat16):
-        bw = _copy_bw(dtype)
-        esize = torch.empty((), dtype=dtype).element_size()
-        m = rows * cols
-        x = torch.randn(rows, cols, device="cuda", dtype=dtype, requires_grad=True)
-        w = torch.randn(cols, device="cuda", dtype=dtype, requires_grad=True)
-        b = torch.randn(cols, device="cuda", dtype=dtype, requires_grad=True)
-        g = torch.randn(rows, cols, device="cuda", dtype=dtype)
+        bw, esize, m, (x, w, b, g) = _row_inputs(dtype, rows, cols)
         cases = {
             "softmax": (lambda t: torch.softmax(t, -1), [x], 5 * m * esize),
             "layer_norm": (
@@ -168,7 +174,7 @@ def persistent_rnumel() -> dict[str, Any]:
             ),
         }
         for limit in (2048, 4096):
-            codegen.PERSISTENT_RNUMEL = limit
+            codegen.PERSISTENT_RNUMEL = limit  # restored below
             for name, (fn, args, ideal) in cases.items():
                 f = aotc.compile(fn, backend="triton", capture="trace")
 
@@ -178,13 +184,8 @@ def persistent_rnumel() -> dict[str, Any]:
                     f(*args).backward(g)
 
                 key = f"{name}_{str(dtype).split('.')[-1]}_persistent{limit}"
-                try:
-                    secs = _bench(step)
-                    out[key] = {"seconds": secs, "fraction_of_copy_bw": ideal / secs / bw}
-                except Exception as e:  # noqa: BLE001 - recorded, the next variant runs
-                    out[key] = {"error": f"{type(e).__name__}: {e}"[:500]}
-                print(key, out[key], flush=True)
-    codegen.PERSISTENT_RNUMEL = 2048
+                _record(out, key, step, ideal, bw)
+    codegen.PERSISTENT_RNUMEL = original
     return out
 
 
@@ -231,15 +232,10 @@ def split_target() -> dict[str, Any]:
     from aotc.passes import split_reduction
 
     out: dict[str, Any] = {}
+    original = split_reduction.TARGET_RESULTS
     rows, cols = 16384, 4096
     for dtype in (torch.float32, torch.bfloat16):
-        bw = _copy_bw(dtype)
-        esize = torch.empty((), dtype=dtype).element_size()
-        m = rows * cols
-        x = torch.randn(rows, cols, device="cuda", dtype=dtype, requires_grad=True)
-        w = torch.randn(cols, device="cuda", dtype=dtype, requires_grad=True)
-        b = torch.randn(cols, device="cuda", dtype=dtype, requires_grad=True)
-        g = torch.randn(rows, cols, device="cuda", dtype=dtype)
+        bw, esize, m, (x, w, b, g) = _row_inputs(dtype, rows, cols)
         ideal = 5 * m * esize + 2 * rows * 4 + 4 * cols * esize
         for target in (16384, 65536, 262144):
             split_reduction.TARGET_RESULTS = target
@@ -253,13 +249,8 @@ def split_target() -> dict[str, Any]:
                 f(x, w, b).backward(g)
 
             key = f"layer_norm_{str(dtype).split('.')[-1]}_target{target}"
-            try:
-                secs = _bench(step)
-                out[key] = {"seconds": secs, "fraction_of_copy_bw": ideal / secs / bw}
-            except Exception as e:  # noqa: BLE001 - recorded, the next variant runs
-                out[key] = {"error": f"{type(e).__name__}: {e}"[:500]}
-            print(key, out[key], flush=True)
-    split_reduction.TARGET_RESULTS = 65536
+            _record(out, key, step, ideal, bw)
+    split_reduction.TARGET_RESULTS = original
     return out
 
 

@@ -99,18 +99,7 @@ def warm(kernels: Iterable[KernelSource], device: str | torch.device) -> int:
             key = (kernel.key, str(dev), config)
             if key in WARMING:
                 continue
-            request = {
-                "source": kernel.source,
-                "name": kernel.name,
-                "capability": major * 10 + minor,
-                "pointers": [_POINTER_TYPES[d] for d in kernel.arg_dtypes],
-                "aligned": True,
-                "sizes": [kernel.xnumel, kernel.rnumel],
-                "constexprs": list(config[:2]),
-                "num_warps": config[2],
-                "warm": True,
-            }
-            WARMING[key] = _pool().submit(request)
+            WARMING[key] = _pool().submit(warm_request(kernel, major * 10 + minor, config))
             submitted += 1
     return submitted
 
@@ -118,6 +107,24 @@ def warm(kernels: Iterable[KernelSource], device: str | torch.device) -> int:
 def finished(futures: Iterable[Future[dict[str, Any]]]) -> bool:
     """Have all of these warm compiles finished (so their launches will find them cached)?"""
     return all(f.done() for f in futures)
+
+
+def warm_request(
+    kernel: KernelSource, capability: int, config: tuple[int, int, int]
+) -> dict[str, Any]:
+    """The worker request compiling `kernel`'s launch with `config` (XBLOCK, RBLOCK or YBLOCK,
+    warps) at its static sizes with aligned pointers, for compute capability `capability`."""
+    return {
+        "source": kernel.source,
+        "name": kernel.name,
+        "capability": capability,
+        "pointers": [_POINTER_TYPES[d] for d in kernel.arg_dtypes],
+        "aligned": True,
+        "sizes": [kernel.xnumel, kernel.rnumel],
+        "constexprs": list(config[:2]),
+        "num_warps": config[2],
+        "warm": True,
+    }
 
 
 def wait(futures: Iterable[Future[dict[str, Any]]], timeout: float = 60.0) -> float:

@@ -159,7 +159,8 @@ def test_bias_gradient_is_a_column_reduction(device: str) -> None:
 
 def test_warm_compile_lands_in_the_named_triton_cache(tmp_path) -> None:
     pytest.importorskip("triton")
-    from aotc.runtime.cuda_check import _POINTER_TYPES, _Pool
+    from aotc.runtime.cuda_check import _Pool
+    from aotc.runtime.precompile import warm_request
 
     compiled = aotc.compile(lambda x: (x * 2).sin().sum(0), backend="triton")
     compiled(torch.randn(64, 128))
@@ -167,20 +168,8 @@ def test_warm_compile_lands_in_the_named_triton_cache(tmp_path) -> None:
     pool = _Pool(1, 0, cache_dir=str(tmp_path))
     try:
         assert pool.submit({"ping": True}).result(timeout=120).get("ok")  # precompile.start
-        config = cuda_configs(kernel)[0]
-        answer = pool.submit(
-            {
-                "source": kernel.source,
-                "name": kernel.name,
-                "capability": 90,
-                "pointers": [_POINTER_TYPES[d] for d in kernel.arg_dtypes],
-                "aligned": True,
-                "sizes": [kernel.xnumel, kernel.rnumel],
-                "constexprs": list(config[:2]),
-                "num_warps": config[2],
-                "warm": True,
-            }
-        ).result(timeout=300)
+        request = warm_request(kernel, 90, cuda_configs(kernel)[0])
+        answer = pool.submit(request).result(timeout=300)
     finally:
         pool.close()
     assert answer.get("ok") and answer.get("launcher") in (True, False), answer
