@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -44,6 +45,7 @@ from aotc.runtime.kernels import WARMING, KernelSource, cuda_configs
 log = logging.getLogger("aotc.kernels")
 
 _STATE: dict[str, Any] = {}
+_LOCK = threading.Lock()  # one pool, however many threads compile at once
 
 
 def triton_cache_dir() -> str:
@@ -54,6 +56,11 @@ def triton_cache_dir() -> str:
 
 
 def _pool() -> _Pool:
+    with _LOCK:
+        return _pool_locked()
+
+
+def _pool_locked() -> _Pool:
     pool = _STATE.get("pool")
     if pool is None:
         # Heuristic: one worker per core but one (the caller keeps compiling), at most 16.
@@ -69,9 +76,10 @@ def _pool() -> _Pool:
 def start() -> None:
     """Start the worker processes now (each imports Triton, ~1-5 s on a loaded machine), so
     they are ready when the first kernels are generated; a no-op once started."""
-    if "pool" in _STATE:
-        return
-    pool = _pool()
+    with _LOCK:
+        if "pool" in _STATE:
+            return
+        pool = _pool_locked()
     for _ in pool.threads:
         pool.submit({"ping": True})
 

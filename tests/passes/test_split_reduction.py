@@ -177,6 +177,28 @@ def test_warm_compile_lands_in_the_named_triton_cache(tmp_path) -> None:
     assert any(f.endswith(".cubin") for f in files), files
 
 
+def test_warm_pool_starts_once_and_is_ready() -> None:
+    pytest.importorskip("triton")
+    from aotc.runtime import precompile
+
+    precompile.shutdown()
+    try:
+        precompile.start()
+        pool = precompile._STATE["pool"]
+        precompile.start()  # a no-op once started
+        assert precompile._STATE["pool"] is pool
+        assert warm_ready(pool)
+        assert precompile.warm([], "cpu") == 0  # only CUDA kernels are warmed
+    finally:
+        precompile.shutdown()
+    assert "pool" not in precompile._STATE
+
+
+def warm_ready(pool) -> bool:
+    """Every worker answers a ping (it has imported Triton's compiler)."""
+    return all(pool.submit({"ping": True}).result(timeout=120).get("ok") for _ in pool.threads)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_warm_compiles_are_cache_hits_on_cuda() -> None:
