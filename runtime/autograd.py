@@ -134,6 +134,7 @@ def make_autograd_function(
     )
     # See Note [Absent gradients] in runtime/absent.py
     absent_run = _absent_runner(bwd_graph, len(diff)) if len(diff) > 1 else None
+    single = len(diff) == 1
     n_bwd_outs = _num_outputs(bwd_graph) if absent_run is not None else 0
     dwatch = plan.watch_args
     rng = plan.rng_device
@@ -168,7 +169,7 @@ def make_autograd_function(
         else:
             ctx.save_for_backward(*outs[n_out:n_tensors])
         holder.extend(outs[:n_out])
-        if track or absent_run is not None:
+        if track or absent_run is not None or single:
             ctx.materialize_grads = False
         if track:
             ctx.aotc_like = [(outs[k].shape, outs[k].dtype, outs[k].device) for k in diff]
@@ -256,6 +257,10 @@ def make_autograd_function(
             return pruned(*saved, *grads)  # type: ignore[no-any-return]
 
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[no-untyped-def]
+        if single and grads[0] is None:
+            # No gradient reached the one output (as in the generated node): eager never runs
+            # this node, so every input's gradient stays None, not zeros (fuzz seed 36810).
+            return (None,) * n_result
         if watch_outs:
             _check_watched_outputs(ctx, watch_out_deps, grads)
         if watch and watch_deps is None:

@@ -680,6 +680,18 @@ def _views_at_offsets():
     return [x[1], x.view(-1), x[:, 1]]
 
 
+def _leaf_made_inside_beside_an_overlapping_write(a0, a1):  # fuzz 2026-11-28, 36810
+    a1.expand(2, *a1.shape).masked_fill_(a1.expand(2, *a1.shape) > 0, 2.0)
+    v0 = a1[0]
+    v2 = v0.detach().clone().requires_grad_()  # Dynamo breaks the graph here
+    v0.detach().mul_(3.0)
+    with torch.no_grad():
+        v3 = v2.squeeze(0)
+    # the backward reaches the first graph's node with no gradient: eager never runs it, and
+    # the inputs' leaf keeps a None gradient (the node made it zeros)
+    return (v3.double(),)
+
+
 PROGRAMS = {
     "view_of_one_of_overlapping_inputs": (
         _view_of_one_of_overlapping_inputs,
@@ -870,6 +882,11 @@ PROGRAMS = {
     "dead_saved_input_then_written": (
         _dead_saved_input_then_written,
         _overlapping_a1_views,
+        [0],
+    ),
+    "leaf_made_inside_beside_an_overlapping_write": (
+        _leaf_made_inside_beside_an_overlapping_write,
+        lambda: (lambda x: [x.view(-1), x[2]])(torch.randn((3, 2, 4), requires_grad=True) * 1.0),
         [0],
     ),
     "squeeze_of_a_view_unsqueezed_in_place": (
