@@ -229,6 +229,10 @@ def trace_joint(
 # counter is not a graph value, and the entry restores eager's versions, Note [Exact versions]).
 # A later write into the storage still bumps it and makes autograd replay the views on the
 # reshaped tensor: the metadata pass refuses that (`EagerChecks._refuse_write_after_reshape`).
+# The reshaped tensor's own node, when it is a view, was recorded at the bumped version, which
+# the next write would reach again (autograd would then keep that node, from before the write:
+# a wrong gradient, fuzz seed 37925); so it is read once right after the counter is put back,
+# and autograd rebuilds it there by replaying its views, reshape included, on its base.
 
 
 class _KeepVersions(torch.overrides.TorchFunctionMode):
@@ -245,6 +249,12 @@ class _KeepVersions(torch.overrides.TorchFunctionMode):
         out = func(*args, **kwargs)
         if before is not None and t._version != before:
             torch._C._autograd._unsafe_set_version_counter((t,), (before,))
+            if t._base is not None and t.requires_grad:
+                # The op recorded the view's node at the bumped version, which the next write
+                # into the storage would reach again: the view would keep a node made before
+                # that write (fuzz seed 37925). Read its node now, at the version eager's counter
+                # has, so autograd rebuilds and records it here.
+                _ = t.grad_fn
         return out
 
 

@@ -680,6 +680,12 @@ def _views_at_offsets():
     return [x[1], x.view(-1), x[:, 1]]
 
 
+def _view_reshaped_in_place_then_its_storage_written(a0, a1, a2):  # fuzz 2026-11-28, 37925
+    a2.squeeze_()  # no-op in place: the trace keeps the version counter where it was
+    a1.sigmoid_()  # writes a row a2 shares: a2's gradient must go through the sigmoid
+    return (torch.maximum(a2, a2),)
+
+
 def _leaf_made_inside_beside_an_overlapping_write(a0, a1):  # fuzz 2026-11-28, 36810
     a1.expand(2, *a1.shape).masked_fill_(a1.expand(2, *a1.shape) > 0, 2.0)
     v0 = a1[0]
@@ -882,6 +888,11 @@ PROGRAMS = {
     "dead_saved_input_then_written": (
         _dead_saved_input_then_written,
         _overlapping_a1_views,
+        [0],
+    ),
+    "view_reshaped_in_place_then_its_storage_written": (
+        _view_reshaped_in_place_then_its_storage_written,
+        lambda: (lambda x: [x[1], x[:, 1], x[2]])(torch.randn((3, 2, 4), requires_grad=True) * 1.0),
         [0],
     ),
     "leaf_made_inside_beside_an_overlapping_write": (
