@@ -16,8 +16,9 @@ compile on a GPU (measured on an H200, bench/results/gpu_variants.json: first la
 a 10.9 s cold compile; 2.4 s for Inductor's whole compile, which compiles in a process pool).
 Measured there too: waiting for the workers instead cut that to 8.6 s for the GPT block but
 took the MLP (6 kernels) from 4.5 to 7.2 s, the workers' start-up (~5 s) dominating; hence
-`start` as soon as a CUDA graph is lowered, and launches that never wait. The worker runs the steps `JITFunction.run`
-runs up to the compile (Triton's binder on stand-ins of the launch's arguments: aligned
+`start` as soon as a CUDA graph is lowered, and launches that never wait.
+
+The worker runs the steps `JITFunction.run` runs up to the compile (Triton's binder on stand-ins of the launch's arguments: aligned
 pointers of each buffer's element type, the static sizes, the block sizes as constexprs, the
 warps; see Note [Launch signatures] in runtime/cuda_check.py), so its `triton.compile` has the
 cache key the launch will compute, and writes to the same cache directory (the parent's
@@ -136,7 +137,7 @@ def warm_request(
 
 
 def wait(futures: Iterable[Future[dict[str, Any]]], timeout: float = 60.0) -> float:
-    """Block until these warm compiles finish, at most `timeout` seconds in all (failures and
+    """(Launches never call this; tests and benchmarks do.) Block until these warm compiles finish, at most `timeout` seconds in all (failures and
     stragglers are ignored: the launch compiles); returns the seconds waited."""
     start = time.perf_counter()
     for fut in futures:
