@@ -667,12 +667,32 @@ def _is_hf_cache(value: object) -> bool:
     return True
 
 
+def _positional_names(fn: Callable[..., Any]) -> list[str]:
+    """Names of the positional parameters; a Dynamo graph's forward (`*args`) is named by its
+    placeholders (`L_x_` is the user's `x`)."""
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, torch.fx.GraphModule):
+        return [
+            str(n.target).removeprefix("L_").removesuffix("_") or str(n.target)
+            for n in owner.graph.nodes
+            if n.op == "placeholder"
+        ]
+    try:
+        params = list(pyinspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    names = []
+    for p in params:
+        if p.kind is p.VAR_POSITIONAL:
+            break
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+    return names
+
+
 def _leaf_names(fn: Callable[..., Any], in_spec: pytree.TreeSpec, num: int) -> list[str]:
     """Readable names of user leaves: parameter names with pytree paths."""
-    try:
-        params = list(pyinspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        params = []
+    params = _positional_names(fn)
     placeholder = pytree.tree_unflatten(list(range(num)), in_spec)
     paths = pytree.tree_flatten_with_path(placeholder)[0]
     names = []

@@ -32,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from aotc import eagercomposites
 from aotc.runtime.errors import AotcError, UnsupportedError
 from aotc.runtime.viewreplay import ViewOp, plain_args
 from aotc.sharedpatch import SharedPatch
@@ -47,6 +48,17 @@ def to_functional(t: torch.Tensor) -> torch.Tensor:
     return wrapped
 
 
+# What the joint trace raises when a leaf's .grad changes while it traces the backward.
+NESTED_BACKWARD = "autograd accumulated into a leaf's .grad while tracing the backward"
+
+
+def to_functional_leaf(t: torch.Tensor) -> torch.Tensor:
+    """A functional wrapper of `t` that is a leaf requiring grad, as the user's parameter is (Note
+    [Autocast casts of parameters] in aotc/tracer.py)."""
+    wrapped = torch._to_functional_tensor(t)
+    return wrapped.requires_grad_(True) if not wrapped.requires_grad else wrapped
+
+
 def from_functional(t: object) -> object:
     if isinstance(t, torch.Tensor) and torch._is_functional_tensor(t):
         torch._sync(t)
@@ -59,7 +71,8 @@ def functionalization() -> Iterator[None]:
     """C++ functionalization with the Python dispatcher on. The Python dispatcher routes ops
     whose schema hides a mutation (`native_batch_norm` updates running stats without declaring
     it) to correctly-schema'd variants, so functionalization sees every input mutation."""
-    with enable_python_dispatcher(), _lenient_checkpoint_caches():
+    # See Note [Eager's own dropout in the trace] in aotc/eagercomposites.py
+    with enable_python_dispatcher(), eagercomposites.held(), _lenient_checkpoint_caches():
         torch._enable_functionalization(reapply_views=True)
         try:
             yield
@@ -112,7 +125,13 @@ def symbolic_dispatch(symbolic: bool) -> contextlib.AbstractContextManager[objec
     dynamic recompile). The Python dispatcher routes such ops to their SymInt-aware Python
     kernels; make_fx turns it on for symbolic tracing and `functionalization()` always does, so
     every run on symbolic fakes does. A run on static shapes stays as eager dispatches."""
-    return enable_python_dispatcher() if symbolic else contextlib.nullcontext()
+    return _python_dispatcher() if symbolic else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _python_dispatcher() -> Iterator[None]:
+    with enable_python_dispatcher(), eagercomposites.held():
+        yield
 
 
 _OWN_DIRS = tuple(
@@ -324,7 +343,11 @@ def _program_error(what: str, e: Exception, where: str, eager_ran: bool = False)
             "new tensors (and write them back outside), or call the operator outside the "
             "compiled function."
         )
-    elif "mirrored meta" in text or ("use_reentrant=True" in text and "checkpoint" in text):
+    elif (
+        "mirrored meta" in text
+        or NESTED_BACKWARD in text
+        or ("use_reentrant=True" in text and "checkpoint" in text)
+    ):
         hint = (
             "The program runs autograd inside a backward: a custom autograd.Function whose "
             "backward calls .backward() or torch.autograd.grad (reversible layers do), or "

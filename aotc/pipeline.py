@@ -61,7 +61,7 @@ from aotc.passes.partition import PartitionResult, partition
 from aotc.passes.recompute import executor_for
 from aotc.passes.select import triton_target
 from aotc.persist import Inspection
-from aotc.runtime import precompile
+from aotc.runtime import heap, precompile
 from aotc.runtime.artifact import KERNEL_DIR, CompiledProgram, assemble
 from aotc.runtime.autograd import AutogradPlan
 from aotc.runtime.convention import alias_groups, apply_convention, plan_convention
@@ -864,6 +864,8 @@ def _assemble(
         info.name,
     )
     entry = assemble(program, lowerings, record, higher)
+    if (dev := graph_device(program.forward)) is None or dev.type == "cpu":
+        heap.settle()  # Note [Settled heap thresholds] in runtime/heap.py
     _log_record(record, program.forward, program.backward)
     if info.options.dump_dir:
         dump_record(record, info.options.dump_dir)

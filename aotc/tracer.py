@@ -46,6 +46,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from aotc.functional import (
+    NESTED_BACKWARD,
     VIEW_METADATA_IN_PLACE,
     FlatProgram,
     OverlappingWrites,
@@ -54,6 +55,7 @@ from aotc.functional import (
     functionalization,
     refused_by_functorch,
     to_functional,
+    to_functional_leaf,
     transform_state,
     user_errors,
 )
@@ -120,8 +122,15 @@ def trace_joint(
     refused = {k for k, _ in metadata.refused}
     hooked = True  # the trace runs under identity hooks (see below)
 
+    # See Note [Autocast casts of parameters]
+    cast_once = frozenset(cached_cast_args(graph_args))
+    cast_cache = torch.is_autocast_cache_enabled()  # the caller's (make_fx turns it off)
+
     def joint(*flat: torch.Tensor) -> tuple[list[object], list[object]]:
-        primals = [to_functional(p) for p in flat[:num_primals]]
+        primals = [
+            to_functional_leaf(p) if g in cast_once else to_functional(p)
+            for g, p in enumerate(flat[:num_primals])
+        ]
         tangents = [to_functional(t) for t in flat[num_primals:]]
         with functionalization():
             with (
@@ -131,6 +140,7 @@ def trace_joint(
                 _saved_geometry(metadata) if hooked else contextlib.nullcontext(),
                 # See Note [Views of a tensor reshaped in place]
                 _KeepVersions() if metadata.reshapes_in_place else contextlib.nullcontext(),
+                autocast_cache(cast_cache),
             ):
                 fwd = run_program(primals)
             grads: list[object] = [None] * num_primals
@@ -145,8 +155,12 @@ def trace_joint(
                 # See Note [State during the traced backward]
                 around = getattr(program, "aotc_backward_state", None)
                 if diff and wrt:
+                    leaves = [primals[g] for g in sorted(cast_once)]
+                    before = [p.grad for p in leaves]
                     with (
                         torch.enable_grad(),
+                        # See Note [The traced backward runs without autocast]
+                        torch._C._DisableAutocast(),
                         recorder.backward(diff),
                         around(ran) if around is not None else contextlib.nullcontext(),
                     ):
@@ -156,6 +170,9 @@ def trace_joint(
                             [tangents[i] for i in take],
                             allow_unused=True,
                         )
+                        if any(p.grad is not b for p, b in zip(leaves, before)):
+                            # A leaf's .grad changed during the backward: a nested backward.
+                            raise RuntimeError(NESTED_BACKWARD)
                     for g, grad in zip(wrt, got):
                         grads[g] = grad
         unwrapped = [from_functional(t) for t in fwd]
@@ -256,6 +273,68 @@ class _KeepVersions(torch.overrides.TorchFunctionMode):
                 # has, so autograd rebuilds and records it here.
                 _ = t.grad_fn
         return out
+
+
+# Note [Autocast casts of parameters]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Under autocast, eager casts an fp32 leaf that requires grad (a parameter; not a view) to the
+# lower-precision dtype once per autocast region: the cast is cached, and every use in the region
+# reads the same cast tensor. So its autograd graph has one cast node, where the gradients of all
+# the uses are summed in the lower precision and cast to fp32 once. A weight used 20 times
+# (an unrolled RNN cell, layers shared across depth) gets a bf16 sum of 20 terms.
+#
+# The trace saw neither condition. make_fx turns the autocast cache off, and every primal that
+# requires grad is a non-leaf functional wrapper (`_mirror_autograd_meta_to` gives it an error
+# grad_fn). Each use was cast on its own and the casts' gradients were summed in fp32: measured
+# on an unrolled 20-step tanh RNN under CPU bf16 autocast, the weight gradient differed from
+# eager's by 0.5% (norm). So the graph args that eager would cache, namely fp32 leaves that
+# require grad and are not views (`cached_cast_args`, read from the caller's tensors), enter the
+# trace as leaf wrappers (`to_functional_leaf`). The forward then runs with the caller's cache
+# setting. An autocast region the program enters itself sets the cache as eager's does, and
+# clears it on leaving the outermost region.
+#
+# Still different from eager: a cast cached by the caller's region before the call is not shared
+# with the graph, and the compiled graph keeps the cast structure of its first call. The structure
+# depends on whether those inputs are leaves, which is not guarded, so only the rounding of the
+# sum can differ.
+
+
+# Note [The traced backward runs without autocast]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Eager's backward runs with the autocast state of the `.backward()` call, which is off in the
+# usual `with autocast(): loss = model(x)` then `loss.backward()`. The compiled backward runs
+# without autocast too (Note [Graphs run without autocast] in runtime/wrappers.py). But the
+# trace ran `autograd.grad` inside the caller's autocast region, so autocast recast the backward's
+# fp32 matmuls to bf16 and the graph kept those casts. Linear layers hide this, since their
+# backward operands are bf16 already. Attention's math path does not: it upcasts to fp32, and its
+# backward bmms came out in bf16, 6e-2 off eager's gradients (CPU SDPA with dropout: RoBERTa,
+# Swin). The traced backward now runs with autocast off. A custom Function's `custom_bwd`
+# switches it back on, as in eager. Not matched: a `.backward()` called inside the autocast
+# region, where eager casts in the backward too.
+
+
+def cached_cast_args(graph_args: list[torch.Tensor]) -> frozenset[int]:
+    """Graph args whose autocast casts eager caches (Note [Autocast casts of parameters])."""
+    return frozenset(
+        g
+        for g, t in enumerate(graph_args)
+        if isinstance(t, torch.Tensor)
+        and t.dtype == torch.float32
+        and t.requires_grad
+        and t.is_leaf
+        and not t._is_view()
+    )
+
+
+@contextlib.contextmanager
+def autocast_cache(enabled: bool):  # type: ignore[no-untyped-def]
+    """The caller's autocast cache setting inside make_fx, which turns it off."""
+    before = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(enabled)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(before)
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:

@@ -141,6 +141,17 @@ def _plan_base(
             "and one requires grad, so gradients could not flow to the right tensor. Pass views "
             "of one common tensor, or a .clone() of one of them."
         )
+    if common:
+        root = _root(tensors[0])
+        for who, t in zip(label, tensors, strict=True):
+            if t.requires_grad and not root.requires_grad:
+                raise UnsupportedError(
+                    f"input {who} requires grad as a leaf of its own (`requires_grad_()` on a view "
+                    "of a tensor that does not require grad) and shares storage with inputs "
+                    f"{label}, one of which is mutated; they are merged into their common base, "
+                    f"which does not require grad, so {who} would get no gradient. Pass a .clone() "
+                    f"of {who}, or make the base tensor require grad instead."
+                )
     base = _runtime_base(tensors, common)
     geometries = tuple(
         # Real tensors, so int offsets (torch's stubs say int | SymInt).

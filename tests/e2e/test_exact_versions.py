@@ -1032,6 +1032,62 @@ def test_requires_grad_of_an_input_merged_into_a_base_is_refused():
     assert out.requires_grad and out.grad_fn is not None
 
 
+def _leaf_view_beside_a_written_view():
+    x = torch.randn(3, 2, 4)
+    a = x[2]
+    a.requires_grad_()  # a leaf of its own: x does not require grad
+    return a, x.view(-1)
+
+
+def _loss_then_write(a, v):
+    loss = a.neg().sum()
+    v.relu_()  # writes a's storage through another input
+    return loss
+
+
+def test_leaf_view_merged_into_a_base_without_grad_is_refused_in_strict_mode():
+    # fuzz campaign 2026-11-28, 37840: the output came back not requiring grad in both modes
+    a, v = _leaf_view_beside_a_written_view()
+    with pytest.raises(aotc.UnsupportedError, match=r"input a requires grad as a leaf of its own"):
+        aotc.compile(_loss_then_write, capture="trace")(a, v)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_leaf_view_merged_into_a_base_without_grad_runs_eagerly_in_the_default_mode():
+    torch.manual_seed(0)
+    a, v = _leaf_view_beside_a_written_view()
+    expected = _loss_then_write(a, v)
+    expected.backward()
+    torch.manual_seed(0)
+    b, w = _leaf_view_beside_a_written_view()
+    got = aotc.compile(_loss_then_write)(b, w)
+    assert got.requires_grad and got.grad_fn is not None
+    got.backward()
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(b.grad, a.grad)
+    torch.testing.assert_close(w, v)
+
+
+def _requires_grad_beside_a_write(a0, a1, a2):  # fuzz 2026-11-28, 37840 (as the campaign ran it)
+    v0 = a2.contiguous()  # a2 itself: contiguous already
+    a1.requires_grad_()  # Dynamo breaks the graph here; a1 is a view of a tensor without grad
+    v5 = a1.neg().sum()
+    v0.relu_()
+    return (v5,)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_requires_grad_of_a_view_beside_a_write_in_the_default_mode():
+    from tests.fuzz.compare import Verdict, check
+
+    def make():
+        x0 = torch.randn((3, 2, 4))
+        return [x0[1], x0[2], x0.view(-1)]
+
+    outcome = check(_requires_grad_beside_a_write, make, [], write_outputs=False, mode="default")
+    assert outcome.verdict is Verdict.MATCH, outcome.detail
+
+
 @pytest.mark.parametrize("capture,dynamic", [("trace", False), ("dynamo", False), ("dynamo", True)])
 def test_as_strided_past_an_input_view_within_its_storage_runs(capture, dynamic):
     # The bounds check of `as_strided` (fuzz 12499) must not refuse a view that reaches past the

@@ -106,3 +106,27 @@ def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_hf_model_two_layers_more_steps(name):
     train_hf_against_eager(name, layers=2, steps=5)
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize(
+    "name,capture", [(n, "dynamo") for n in sorted(MODELS)] + [("bert", "trace"), ("t5", "trace")]
+)
+def test_hf_model_under_autocast_gets_eager_gradients_bit_for_bit(name, capture):
+    # One training step under CPU bf16 autocast, dropout on: eager's dropout and cached casts,
+    # and a backward traced without autocast (Notes in aotc/tracer.py, aotc/eagercomposites.py).
+    torch.manual_seed(0)
+    eager, make_batch = MODELS[name](layers=1)
+    twin = copy.deepcopy(eager)
+    compiled = aotc.compile(twin, capture=capture)
+    torch.manual_seed(100)
+    batch = make_batch()
+    for model in (eager, compiled):
+        torch.manual_seed(200)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+    for (n, pe), (_, pc) in zip(eager.named_parameters(), twin.named_parameters()):
+        assert (pe.grad is None) == (pc.grad is None), n
+        if pe.grad is not None:
+            assert torch.equal(pe.grad, pc.grad), n

@@ -1,0 +1,105 @@
+"""Eager's composites: ops whose Python kernels under the Python dispatcher differ from eager.
+
+`held()` is a context manager: while any thread holds it, the ops in `EAGER_COMPOSITES` run, under
+the Python dispatcher, kernels that do what eager's C++ composites do. aotc's traces
+turn the Python dispatcher on (aotc/functional.py: functionalization, symbolic runs).
+
+Note [Eager's own dropout in the trace]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Under the Python dispatcher, `aten.dropout` runs torch's Python kernel (torch/_decomp) instead of
+its C++ composite, and the two differ in what a program can observe:
+- With `train=False` or `p == 0`, eager returns the input itself. The Python kernel returns a
+  clone. `y = F.dropout(x, training=False); y.mul_(2)` writes into `x` in eager. The metadata pass
+  runs eager's kernel and saw an output that is the input, while the trace wrote into a clone.
+  The call returned `x` unchanged, a silent wrong answer in both capture modes.
+- On CPU with `0 < p < 1`, eager multiplies by a noise tensor of the input's dtype: the kept
+  elements hold 1/(1-p) rounded to that dtype (1.109375 in bf16 for p = 0.1). Its backward
+  multiplies the gradient by that noise. The Python kernel calls `native_dropout`, whose backward
+  scales by the unrounded 1/(1-p). Under bf16 autocast, a Linear's bias gradient behind a dropout
+  differed from eager's by up to 6e-2.
+On CUDA eager calls `native_dropout` itself (its fused path), and so does the kernel here.
+
+Running the C++ composite itself is not enough: its `noise.bernoulli_(1 - p)` is functionalized
+into `bernoulli.p(noise)`, whose result is contiguous. Eager fills the noise tensor in memory
+order, so for a transposed input the draws landed on other elements (fuzz seed 37). `_dropout`
+here draws through a contiguous permutation of the noise tensor, so the draws follow its memory
+order as eager's do.
+
+The swap changes a dict that the op shares with every thread (`OpOverload.py_kernels`, plus the
+dispatch cache built from it). So it is reference-counted, and the kernels come back when the
+last holder leaves. Another thread's Python-dispatcher run meanwhile also gets eager's kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch._C import DispatchKey
+
+aten = torch.ops.aten
+
+# Devices where eager's dropout calls `native_dropout` (ATen's `is_fused_kernel_acceptable`).
+_FUSED_DEVICES = frozenset(("cuda", "xpu", "lazy", "privateuseone"))
+
+
+def _memory_order(t: torch.Tensor) -> list[int]:
+    """Dims from the largest stride to the smallest: `t.permute(order)` walks `t`'s memory in
+    order (for the dense tensors `empty_like` makes)."""
+    strides, sizes = t.stride(), t.shape
+    return sorted(range(t.dim()), key=lambda d: (-strides[d], -sizes[d], d))
+
+
+def _dropout(input: torch.Tensor, p: float, train: bool | None) -> torch.Tensor:
+    """Eager's `dropout` (ATen's `dropout` and `_dropout_impl`), step for step."""
+    if not 0 <= p <= 1:
+        raise RuntimeError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if p == 0 or not train or input.numel() == 0:
+        return input
+    if input.device.type in _FUSED_DEVICES and p < 1:
+        return aten.native_dropout.default(input, p, train)[0]
+    if p == 1:
+        return input * torch.zeros((), dtype=input.dtype, device=input.device)
+    noise = torch.empty_like(input)
+    noise.permute(_memory_order(noise)).bernoulli_(1 - p)
+    noise.div_(1 - p)
+    return input * noise
+
+
+EAGER_COMPOSITES: dict[Any, Callable[..., Any]] = {aten.dropout.default: _dropout}
+_KEYS = (DispatchKey.CompositeImplicitAutograd, DispatchKey.Autograd)
+
+_lock = threading.Lock()
+_holders = 0
+_saved: list[tuple[Any, dict[DispatchKey, Callable[..., Any]]]] = []
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """Eager's composites for the ops of `EAGER_COMPOSITES` while held (Note [Eager's own dropout
+    in the trace])."""
+    global _holders
+    with _lock:
+        if _holders == 0:
+            for op, kernel in EAGER_COMPOSITES.items():
+                kernels = {k: op.py_kernels.pop(k) for k in _KEYS if k in op.py_kernels}
+                _saved.append((op, kernels))
+                for k in _KEYS:
+                    op.py_kernels[k] = kernel
+                op._dispatch_cache.clear()
+        _holders += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _holders -= 1
+            if _holders == 0:
+                for op, kernels in _saved:
+                    for k in _KEYS:
+                        op.py_kernels.pop(k, None)
+                    op.py_kernels.update(kernels)
+                    op._dispatch_cache.clear()
+                _saved.clear()
