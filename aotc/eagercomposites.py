@@ -23,7 +23,9 @@ Running the C++ composite itself is not enough: its `noise.bernoulli_(1 - p)` is
 into `bernoulli.p(noise)`, whose result is contiguous. Eager fills the noise tensor in memory
 order, so for a transposed input the draws landed on other elements (fuzz seed 37). `_dropout`
 here draws through a contiguous permutation of the noise tensor, so the draws follow its memory
-order as eager's do.
+order as eager's do. It uses functional ops only: traces under inference mode are not
+functionalized, and an in-place `bernoulli_` left in the graph broke its invariant (fuzz seed
+39024).
 
 The swap changes a dict that the op shares with every thread (`OpOverload.py_kernels`, plus the
 dispatch cache built from it). So it is reference-counted, and the kernels come back when the
@@ -63,10 +65,16 @@ def _dropout(input: torch.Tensor, p: float, train: bool | None) -> torch.Tensor:
         return aten.native_dropout.default(input, p, train)[0]
     if p == 1:
         return input * torch.zeros((), dtype=input.dtype, device=input.device)
-    noise = torch.empty_like(input)
-    noise.permute(_memory_order(noise)).bernoulli_(1 - p)
-    noise.div_(1 - p)
-    return input * noise
+    # Functional ops only (inference traces are not functionalized): `bernoulli.p` of the
+    # noise's contiguous permutation draws in the noise's memory order, as eager's in-place
+    # `bernoulli_` does; `div` gives `div_`'s values.
+    empty = torch.empty_like(input)
+    order = _memory_order(empty)
+    if order == sorted(order):  # contiguous already
+        return input * aten.bernoulli.p(empty, 1 - p).div(1 - p)
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    drawn = aten.bernoulli.p(empty.permute(order), 1 - p)
+    return input * drawn.permute(inverse).div(1 - p)
 
 
 EAGER_COMPOSITES: dict[Any, Callable[..., Any]] = {aten.dropout.default: _dropout}
