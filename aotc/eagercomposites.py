@@ -20,11 +20,12 @@ its C++ composite, and the two differ in what a program can observe:
 On CUDA eager calls `native_dropout` itself (its fused path), and so does the kernel here.
 
 Running the C++ composite itself is not enough: its `noise.bernoulli_(1 - p)` is functionalized
-into `bernoulli.p(noise)`, whose result is contiguous. Eager fills the noise tensor in memory
-order, so for a transposed input the draws landed on other elements (fuzz seed 37). `_dropout`
-here draws through a contiguous permutation of the noise tensor, so the draws follow its memory
-order as eager's do. It uses functional ops only: traces under inference mode are not
-functionalized, and an in-place `bernoulli_` left in the graph broke its invariant (fuzz seed
+into `bernoulli.p(noise)`, whose result is contiguous, so for a transposed input the draws landed
+on other elements than eager's (fuzz seed 37). Which elements is the CPU kernel's business: on
+AMD CPUs it fills memory in memory order, with MKL on Intel CPUs in logical order. `_dropout`
+takes the draws from `native_dropout`'s mask, which that kernel fills the way it fills eager's
+noise, and does eager's arithmetic on them. It uses functional ops only: traces under inference
+mode are not functionalized, and an in-place op left in the graph broke its invariant (fuzz seed
 39024).
 
 The swap changes a dict that the op shares with every thread (`OpOverload.py_kernels`, plus the
@@ -48,13 +49,6 @@ aten = torch.ops.aten
 _FUSED_DEVICES = frozenset(("cuda", "xpu", "lazy", "privateuseone"))
 
 
-def _memory_order(t: torch.Tensor) -> list[int]:
-    """Dims from the largest stride to the smallest: `t.permute(order)` walks `t`'s memory in
-    order (for the dense tensors `empty_like` makes)."""
-    strides, sizes = t.stride(), t.shape
-    return sorted(range(t.dim()), key=lambda d: (-strides[d], -sizes[d], d))
-
-
 def _dropout(input: torch.Tensor, p: float, train: bool | None) -> torch.Tensor:
     """Eager's `dropout` (ATen's `dropout` and `_dropout_impl`), step for step."""
     if not 0 <= p <= 1:
@@ -65,16 +59,12 @@ def _dropout(input: torch.Tensor, p: float, train: bool | None) -> torch.Tensor:
         return aten.native_dropout.default(input, p, train)[0]
     if p == 1:
         return input * torch.zeros((), dtype=input.dtype, device=input.device)
-    # Functional ops only (inference traces are not functionalized): `bernoulli.p` of the
-    # noise's contiguous permutation draws in the noise's memory order, as eager's in-place
-    # `bernoulli_` does; `div` gives `div_`'s values.
-    empty = torch.empty_like(input)
-    order = _memory_order(empty)
-    if order == sorted(order):  # contiguous already
-        return input * aten.bernoulli.p(empty, 1 - p).div(1 - p)
-    inverse = sorted(range(len(order)), key=order.__getitem__)
-    drawn = aten.bernoulli.p(empty.permute(order), 1 - p)
-    return input * drawn.permute(inverse).div(1 - p)
+    # The draws: `native_dropout` makes its mask as eager makes its noise (an in-place
+    # `bernoulli_` on a tensor of the input's layout), so its mask holds eager's draws in every
+    # order the CPU kernel may take (memory order; logical order with MKL on Intel CPUs).
+    # The arithmetic is eager's: noise of the input's dtype holding 1/(1-p).
+    _, mask = aten.native_dropout.default(input, p, train)
+    return input * mask.to(input.dtype).div(1 - p)
 
 
 EAGER_COMPOSITES: dict[Any, Callable[..., Any]] = {aten.dropout.default: _dropout}
