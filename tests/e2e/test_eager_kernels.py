@@ -158,12 +158,6 @@ def test_backward_of_attention_under_autocast_runs_without_autocast(capture):
         assert torch.equal(w, g)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not fixed: functionalization turns `t.bernoulli_(p)` into `bernoulli.p(t)`, whose result "
-    "is contiguous, so for a transposed `t` the draws land on other elements than eager's "
-    "(dropout avoids it: Note [Eager's own dropout in the trace])",
-)
 @pytest.mark.filterwarnings("ignore")
 def test_in_place_bernoulli_of_a_transposed_tensor_draws_in_memory_order():
     def f(x):
@@ -176,4 +170,12 @@ def test_in_place_bernoulli_of_a_transposed_tensor_draws_in_memory_order():
     want = f(x)
     torch.manual_seed(0)
     got = aotc.compile(f, capture="trace")(x)
+    if not torch.equal(want, got):
+        # Where the kernel draws in logical order (MKL on Intel CPUs) the two agree.
+        pytest.xfail(
+            "not fixed: functionalization turns `t.bernoulli_(p)` into `bernoulli.p(t)`, whose "
+            "result is contiguous; a CPU kernel that fills memory in memory order (AMD CPUs) "
+            "then puts the draws on other elements than eager's (dropout avoids it: Note "
+            "[Eager's own dropout in the trace])"
+        )
     assert torch.equal(want, got)
