@@ -38,6 +38,7 @@ in an in-place operation"). Nothing is differentiated, so the graph is the same.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import cast
 
@@ -291,7 +292,9 @@ class _KeepVersions(torch.overrides.TorchFunctionMode):
 # require grad and are not views (`cached_cast_args`, read from the caller's tensors), enter the
 # trace as leaf wrappers (`to_functional_leaf`). The forward then runs with the caller's cache
 # setting. An autocast region the program enters itself sets the cache as eager's does, and
-# clears it on leaving the outermost region.
+# clears it on leaving the outermost region. Under the caller's region, the casts of the trace's
+# wrappers stay in its cache until the region ends, as eager's own casts do (they hold fake
+# tensors, and no real tensor can hit them: entries are keyed by the wrapper).
 #
 # Still different from eager: a cast cached by the caller's region before the call is not shared
 # with the graph, and the compiled graph keeps the cast structure of its first call. The structure
@@ -327,7 +330,7 @@ def cached_cast_args(graph_args: list[torch.Tensor]) -> frozenset[int]:
 
 
 @contextlib.contextmanager
-def autocast_cache(enabled: bool):  # type: ignore[no-untyped-def]
+def autocast_cache(enabled: bool) -> Iterator[None]:
     """The caller's autocast cache setting inside make_fx, which turns it off."""
     before = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(enabled)
