@@ -1,7 +1,7 @@
 """Eager's composites: ops whose Python kernels under the Python dispatcher differ from eager.
 
-`held()` is a context manager: while any thread holds it, the ops in `EAGER_COMPOSITES` run, under
-the Python dispatcher, kernels that do what eager's C++ composites do. aotc's traces
+`held()` is a context manager: while any thread holds it, `aten.dropout` runs, under the
+Python dispatcher, a kernel that does what eager's C++ composite does. aotc's traces
 turn the Python dispatcher on (aotc/functional.py: functionalization, symbolic runs).
 
 Note [Eager's own dropout in the trace]
@@ -29,19 +29,18 @@ mode are not functionalized, and an in-place op left in the graph broke its inva
 39024).
 
 The swap changes a dict that the op shares with every thread (`OpOverload.py_kernels`, plus the
-dispatch cache built from it). So it is reference-counted, and the kernels come back when the
-last holder leaves. Another thread's Python-dispatcher run meanwhile also gets eager's kernel.
+dispatch cache built from it), through a `SharedPatch` (aotc/sharedpatch.py): the kernels come
+back when the last holder leaves. Another thread's Python-dispatcher run meanwhile also gets eager's kernel.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 from torch._C import DispatchKey
+
+from aotc.sharedpatch import SharedPatch
 
 aten = torch.ops.aten
 
@@ -67,37 +66,15 @@ def _dropout(input: torch.Tensor, p: float, train: bool | None) -> torch.Tensor:
     return input * mask.to(input.dtype).div(1 - p)
 
 
-EAGER_COMPOSITES: dict[Any, Callable[..., Any]] = {aten.dropout.default: _dropout}
-_KEYS = (DispatchKey.CompositeImplicitAutograd, DispatchKey.Autograd)
+# See Note [Eager's own dropout in the trace]
+_PATCH = SharedPatch(
+    aten.dropout.default.py_kernels,
+    {DispatchKey.CompositeImplicitAutograd: _dropout, DispatchKey.Autograd: _dropout},
+    after=aten.dropout.default._dispatch_cache.clear,
+)
 
-_lock = threading.Lock()
-_holders = 0
-_saved: list[tuple[Any, dict[DispatchKey, Callable[..., Any]]]] = []
 
-
-@contextlib.contextmanager
-def held() -> Iterator[None]:
-    """Eager's composites for the ops of `EAGER_COMPOSITES` while held (Note [Eager's own dropout
-    in the trace])."""
-    global _holders
-    with _lock:
-        if _holders == 0:
-            for op, kernel in EAGER_COMPOSITES.items():
-                kernels = {k: op.py_kernels.pop(k) for k in _KEYS if k in op.py_kernels}
-                _saved.append((op, kernels))
-                for k in _KEYS:
-                    op.py_kernels[k] = kernel
-                op._dispatch_cache.clear()
-        _holders += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _holders -= 1
-            if _holders == 0:
-                for op, kernels in _saved:
-                    for k in _KEYS:
-                        op.py_kernels.pop(k, None)
-                    op.py_kernels.update(kernels)
-                    op._dispatch_cache.clear()
-                _saved.clear()
+def held() -> contextlib.AbstractContextManager[None]:
+    """Eager's dropout under the Python dispatcher while held (Note [Eager's own dropout in the
+    trace])."""
+    return _PATCH.held()

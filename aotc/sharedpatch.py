@@ -13,25 +13,52 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+_MISSING = object()
 
 
 class SharedPatch:
-    def __init__(self, owner: object, replacements: dict[str, Any]) -> None:
+    """`owner` is an object whose attributes are replaced, or a dict whose items are (an item
+    missing at install is removed again at restore). `after` runs after every install and
+    restore (to drop caches built from the replaced values)."""
+
+    def __init__(
+        self,
+        owner: object,
+        replacements: dict[Any, Any],
+        after: Callable[[], object] | None = None,
+    ) -> None:
         self.owner = owner
         self.replacements = replacements
-        self.saved: dict[str, Any] = {}
+        self.after = after
+        self.saved: dict[Any, Any] = {}
         self._lock = threading.Lock()
         self._holders = 0
+
+    def _get(self, name: Any) -> Any:
+        if isinstance(self.owner, dict):
+            return self.owner.get(name, _MISSING)
+        return getattr(self.owner, name)
+
+    def _set(self, name: Any, value: Any) -> None:
+        if not isinstance(self.owner, dict):
+            setattr(self.owner, name, value)
+        elif value is _MISSING:
+            self.owner.pop(name, None)
+        else:
+            self.owner[name] = value
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
         with self._lock:
             if self._holders == 0:
                 for name, value in self.replacements.items():
-                    self.saved[name] = getattr(self.owner, name)
-                    setattr(self.owner, name, value)
+                    self.saved[name] = self._get(name)
+                    self._set(name, value)
+                if self.after is not None:
+                    self.after()
             self._holders += 1
         try:
             yield
@@ -40,4 +67,6 @@ class SharedPatch:
                 self._holders -= 1
                 if self._holders == 0:
                     for name in self.replacements:
-                        setattr(self.owner, name, self.saved.pop(name))
+                        self._set(name, self.saved.pop(name))
+                    if self.after is not None:
+                        self.after()
