@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from aotc import eagercomposites
+from aotc import eagercomposites, hopcalls
 from aotc.runtime.errors import AotcError, UnsupportedError
 from aotc.runtime.viewreplay import ViewOp, plain_args
 from aotc.sharedpatch import SharedPatch
@@ -501,13 +501,14 @@ def compiling() -> Iterator[None]:
     try:
         session = getattr(torch.compiler, "_compile_session_context", None)
         if session is not None:
-            with session():
+            with session(), hopcalls.held():
                 yield
             return
         old = torch.compiler._is_compiling_flag
         torch.compiler._is_compiling_flag = True
         try:
-            yield
+            with hopcalls.held():
+                yield
         finally:
             torch.compiler._is_compiling_flag = old
     finally:
@@ -591,8 +592,12 @@ class EagerChecks(TorchDispatchMode):
             StorageWeakRef(t.untyped_storage()) for t in self._inputs if t.is_inference()
         }
 
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
         inference = torch.is_inference_mode_enabled()
         if inference != self._call_inference:
             self.switched_inference = True  # Note [Inference mode switched inside a call]
