@@ -36,9 +36,13 @@ back when the last holder leaves. Another thread's Python-dispatcher run meanwhi
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch._C import DispatchKey
+from torch._dispatch.python import no_python_dispatcher
 
 from aotc.sharedpatch import SharedPatch
 
@@ -74,7 +78,140 @@ _PATCH = SharedPatch(
 )
 
 
-def held() -> contextlib.AbstractContextManager[None]:
-    """Eager's dropout under the Python dispatcher while held (Note [Eager's own dropout in the
-    trace])."""
-    return _PATCH.held()
+# Note [Dropout between the layers of an RNN]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Under the Python dispatcher, `aten.lstm`, `gru`, `rnn_tanh` and `rnn_relu` run torch's Python
+# kernels (torch/_decomp), whose multi-layer loop never applies the dropout between layers: it
+# sets the probability to 0 unless `num_layers < i - 1`, which no layer index satisfies (torch
+# 2.13). Eager's C++ composite applies `dropout(output, p, train=True)` to every layer's output but
+# the last. A strict-mode trace of `nn.LSTM(..., num_layers=2, dropout=0.5)` therefore trained
+# without dropout: outputs and gradients far from eager's, silently. (The default mode is not
+# affected: Dynamo does not capture RNN modules unless `allow_rnn` is set.) Here a multi-layer
+# call with dropout runs torch's kernel one layer at a time, with eager's dropout (the kernel
+# above) between layers, drawing in eager's order. The per-layer math is torch's kernel's; the C++
+# composite's cannot run on symbolic sizes.
+
+
+def _layered(kernel: Any, first: int) -> Any:
+    """`kernel` (torch's Python kernel of an RNN op) with eager's dropout between layers.
+    `first`: the index of `hx` in the op's arguments (0 for `.input`, 1 for `.data`, which
+    takes `batch_sizes` after the data)."""
+
+    def run(*args: Any) -> Any:
+        hx, params, has_biases, num_layers, p, train, bidirectional = args[first + 1 : first + 8]
+        if p == 0 or not train or num_layers == 1:
+            return kernel(*args)
+        directions = 2 if bidirectional else 1
+        per_layer = len(params) // num_layers
+        x, finals = args[0], []
+        for layer in range(num_layers):
+            rows = slice(layer * directions, (layer + 1) * directions)
+            layer_hx = [h[rows] for h in hx] if isinstance(hx, (list, tuple)) else hx[rows]
+            layer_params = params[layer * per_layer : (layer + 1) * per_layer]
+            out = kernel(
+                x,
+                *args[1 : first + 1],  # batch_sizes of `.data`
+                layer_hx,
+                layer_params,
+                has_biases,
+                1,
+                0.0,
+                train,
+                *args[first + 7 :],  # bidirectional (and batch_first of `.input`)
+            )
+            x, finals = out[0], [*finals, out[1:]]
+            if layer < num_layers - 1:
+                x = aten.dropout.default(x, p, True)
+        return (x, *(torch.cat([f[k] for f in finals]) for k in range(len(finals[0]))))
+
+    return run
+
+
+def _rnn_patches() -> list[SharedPatch]:
+    patches = []
+    for name in ("lstm", "gru", "rnn_tanh", "rnn_relu"):
+        packet = getattr(aten, name)
+        for overload, first in (("input", 0), ("data", 1)):
+            op = getattr(packet, overload)
+            kernel = op.py_kernels.get(DispatchKey.CompositeImplicitAutograd)
+            if kernel is None:
+                continue
+            fixed = _layered(kernel, first)
+            keys = {DispatchKey.CompositeImplicitAutograd: fixed}
+            if DispatchKey.Autograd in op.py_kernels:
+                keys[DispatchKey.Autograd] = fixed
+            patches.append(SharedPatch(op.py_kernels, keys, after=op._dispatch_cache.clear))
+    return patches
+
+
+_RNN_PATCHES = _rnn_patches()
+
+
+# Note [Eager's interpolation kernels in the trace]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Under the Python dispatcher, `F.interpolate`'s linear, bilinear, bicubic and trilinear modes
+# (the `upsample_*.vec` overloads) run torch's Python kernels, which compute the interpolation in
+# pointwise arithmetic and index ops; eager's C++ composite calls the op's own kernel
+# (`upsample_bilinear2d.default`) and its backward kernel. The results differ in rounding
+# (bilinear with align_corners: gradients 7e-4 apart on a 1x4x8x8 input). The kernels here (for
+# `.vec` and for the `.default` overloads, whose Python kernel sits at the Autograd key) call the
+# op with the Python dispatcher off, so eager's C++ composite and autograd kernel run and the
+# graph holds eager's ops and backward ops. With symbolic sizes torch's Python kernel runs:
+# eager's composite computes the output size with concrete ints, which would specialize the
+# trace on the input's size (a recompile per size under dynamic=True).
+_INTERPOLATIONS = (
+    "upsample_linear1d",
+    "upsample_bilinear2d",
+    "upsample_bicubic2d",
+    "upsample_trilinear3d",
+    "_upsample_bilinear2d_aa",
+    "_upsample_bicubic2d_aa",
+)
+
+
+def _symbolic(args: object) -> bool:
+    for a in pytree.tree_leaves(args):
+        if isinstance(a, (torch.SymInt, torch.SymFloat)):
+            return True
+        if isinstance(a, torch.Tensor) and any(isinstance(n, torch.SymInt) for n in a.shape):
+            return True
+    return False
+
+
+def _eager_composite(kernel: Any, op: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if _symbolic((args, kwargs)):
+            return kernel(*args, **kwargs)
+        with no_python_dispatcher():  # eager's C++ composite and autograd kernel
+            return op(*args, **kwargs)
+
+    return run
+
+
+def _interpolation_patches() -> list[SharedPatch]:
+    patches = []
+    for name in _INTERPOLATIONS:
+        for overload in ("vec", "default"):
+            op = getattr(getattr(aten, name, None), overload, None)
+            keys = {
+                key: _eager_composite(op.py_kernels[key], op)
+                for key in (DispatchKey.CompositeImplicitAutograd, DispatchKey.Autograd)
+                if op is not None and key in op.py_kernels
+            }
+            if keys:
+                patches.append(SharedPatch(op.py_kernels, keys, after=op._dispatch_cache.clear))
+    return patches
+
+
+_INTERPOLATION_PATCHES = _interpolation_patches()
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """Eager's dropout (Note [Eager's own dropout in the trace]), dropout between RNN layers
+    (Note [Dropout between the layers of an RNN]) and interpolation kernels (Note [Eager's
+    interpolation kernels in the trace]) under the Python dispatcher while held."""
+    with contextlib.ExitStack() as stack:
+        for patch in (_PATCH, *_RNN_PATCHES, *_INTERPOLATION_PATCHES):
+            stack.enter_context(patch.held())
+        yield

@@ -176,6 +176,7 @@ def collect_metadata(
             with torch.set_grad_enabled(grad_enabled):
                 p_leaves = expand_graph_args(convention, plain, constants)
             args_before = [_state(p) for p in plain]
+            storage_before = [_storage_bytes(p) for p in plain]
             leaves_before = {id(t): _state(t) for t in p_leaves if isinstance(t, torch.Tensor)}
             checks = EagerChecks(unsized_inputs=plain if symbolic else (), inputs=plain)
             overlaps = OverlappingWrites(rewrite=False)
@@ -201,6 +202,7 @@ def collect_metadata(
                 saved = None  # run again without hooks; probe every output for staleness
                 continue
             checks.check()
+            _refuse_grown_storages(plain, storage_before, arg_names)
             if checks.switched_inference:  # Note [Inference mode switched inside a call]
                 check_inference_outputs(p_outs, p_leaves)
             break
@@ -323,6 +325,32 @@ def _check_same_program(
                 "or use .clone() instead of .contiguous().".format(
                     ", ".join(map(str, getattr(f, "shape", ()))), ", ".join(map(str, p.shape))
                 )
+            )
+
+
+def _storage_bytes(t: object) -> int | None:
+    if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
+        return None
+    nbytes = t.untyped_storage().nbytes()
+    return nbytes if isinstance(nbytes, int) else None
+
+
+def _refuse_grown_storages(
+    plain: list[torch.Tensor], before: list[int | None], arg_names: list[str]
+) -> None:
+    """An input whose storage the program made larger: an `out=` tensor of another size (eager
+    resizes it, `torch.add(x, 1, out=torch.empty(0))`) or a `resize_()` past its storage. Eager
+    gives that tensor new memory; the compiled call writes back into the caller's tensor and
+    cannot grow it (functionalization reports no storage change for it)."""
+    for g, (p, nbytes) in enumerate(zip(plain, before)):
+        after = _storage_bytes(p)
+        if nbytes is not None and after is not None and after > nbytes:
+            name = arg_names[g] if g < len(arg_names) else f"graph argument {g}"
+            raise UnsupportedError(
+                f"the program grows the storage of input {name!r} from {nbytes} to {after} "
+                "bytes (an `out=` tensor smaller than the result, which eager resizes, or "
+                "`resize_()`). aotc cannot replay storage changes on inputs: pass an `out=` "
+                "tensor of the result's size, or do this outside the compiled function."
             )
 
 

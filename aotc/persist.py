@@ -364,6 +364,10 @@ _STORE_LOCK = threading.Lock()  # held while a store runs
 _QUEUE_LOCK = threading.Lock()  # guards _QUEUED and _TIMER
 _QUEUED: dict[str, Callable[[], object]] = {}  # key -> its store, in queueing order
 _TIMER: list[threading.Timer] = []
+# Stores taken off the queue and not finished yet, on any thread (guarded by _QUEUE_LOCK): a
+# flush waits for them, also for one a timer thread took but has not started.
+_IN_FLIGHT = [0]
+_FINISHED = threading.Condition(_QUEUE_LOCK)
 
 
 def _store_later(key: str, job: Callable[[], object], also: str | None = None) -> None:
@@ -395,6 +399,7 @@ def _take(key: str | None) -> list[Callable[[], object]]:
         jobs = {id(_QUEUED[k]): _QUEUED[k] for k in keys}
         for k in [k for k, j in _QUEUED.items() if id(j) in jobs]:
             del _QUEUED[k]
+        _IN_FLIGHT[0] += len(jobs)
         if not _QUEUED and _TIMER:
             # Nothing left for the pending timer: cancel it, so the next store starts its own
             # (a store queued later must not wait on an earlier batch's timer).
@@ -413,10 +418,16 @@ def _run_store(job: Callable[[], object]) -> None:
 def flush(key: str | None = None) -> None:
     """Run the queued cache stores (of `key` only, if given) on this thread, after any store
     already running; see Note [Deferred cache stores]."""
-    for job in _take(key):
-        _run_store(job)
-    with _STORE_LOCK:
-        pass  # a store the timer thread took before us has finished
+    jobs = _take(key)
+    try:
+        for job in jobs:
+            _run_store(job)
+    finally:
+        with _FINISHED:
+            _IN_FLIGHT[0] -= len(jobs)
+            _FINISHED.notify_all()
+            # a store another thread (the timer's) took before us: wait until it has finished
+            _FINISHED.wait_for(lambda: _IN_FLIGHT[0] == 0)
 
 
 def pending() -> int:

@@ -179,3 +179,100 @@ def test_in_place_bernoulli_of_a_transposed_tensor_draws_in_memory_order():
             "[Eager's own dropout in the trace])"
         )
     assert torch.equal(want, got)
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.GRU(4, 6, num_layers=3, dropout=0.5, bidirectional=True),
+        lambda: nn.RNN(4, 6, num_layers=2, dropout=0.3, nonlinearity="relu", batch_first=True),
+        lambda: nn.LSTM(4, 8, num_layers=2, dropout=0.5, proj_size=3, batch_first=True),
+    ],
+    ids=["gru", "rnn_relu", "lstm_proj"],
+)
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_rnn_dropout_between_layers(make, capture, dynamic):
+    # torch's Python kernels for the RNN ops never apply the dropout between layers (Note
+    # [Dropout between the layers of an RNN]); eager's C++ composite does, in order
+    torch.manual_seed(0)
+    module = make()
+    twin = copy.deepcopy(module)
+    compiled = aotc.compile(twin, capture=capture, dynamic=dynamic, cache=False)
+    for steps in (5, 3):
+        x = torch.randn(steps, 2, 4) if not module.batch_first else torch.randn(2, steps, 4)
+        results = []
+        for m in (module, compiled):
+            torch.manual_seed(steps)
+            out, hidden = m(x)
+            hidden = hidden if isinstance(hidden, tuple) else (hidden,)
+            (out.pow(2).sum() + sum(h.sum() for h in hidden)).backward()
+            results.append((out, *hidden, torch.rand(3)))  # and the generator's state after
+        for want, got in zip(*results, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    for (name, p), q in zip(module.named_parameters(), twin.parameters(), strict=True):
+        # the LSTM cell's Python kernel rounds differently from eager's fused cell
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize(
+    "mode,align_corners",
+    [("bilinear", True), ("bilinear", False), ("bicubic", False), ("linear", True)],
+)
+def test_interpolation_runs_eagers_kernels(capture, mode, align_corners):
+    # Note [Eager's interpolation kernels in the trace]: bit for bit with concrete sizes
+    def f(x):
+        if mode == "linear":
+            x = x.flatten(2)
+        return F.interpolate(x, scale_factor=1.7, mode=mode, align_corners=align_corners)
+
+    compiled = aotc.compile(f, capture=capture, cache=False)
+    for n in (5, 8):  # Dynamo makes the second size symbolic: one compile each here
+        torch._dynamo.reset()
+        x = torch.randn(2, 3, n, n, requires_grad=True)
+        ours = x.detach().clone().requires_grad_()
+        want, got = f(x), compiled(ours)
+        weights = torch.randn_like(want)
+        (want * weights).sum().backward()
+        (got * weights).sum().backward()
+        assert torch.equal(want, got)
+        assert torch.equal(x.grad, ours.grad)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_interpolation_with_symbolic_sizes():
+    def f(x):
+        up = F.interpolate(x, scale_factor=1.7, mode="bilinear", align_corners=True)
+        return up + F.interpolate(up, size=up.shape[2:], mode="bicubic")
+
+    compiled = aotc.compile(f, capture="trace", dynamic=True, cache=False)
+    for n in (5, 7, 8):
+        x = torch.randn(1, 2, n, n, requires_grad=True)
+        ours = x.detach().clone().requires_grad_()
+        want, got = f(x), compiled(ours)
+        want.sum().backward()
+        got.sum().backward()
+        # torch's Python kernels (eager's composite would specialize on the size): rounding
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(ours.grad, x.grad)
+    assert len(aotc.inspect(compiled)) == 1
+
+
+def test_out_argument_that_eager_resizes_is_refused_in_strict_mode():
+    def f(x, out):
+        torch.add(x, 1, out=out)
+        return out
+
+    compiled = aotc.compile(f, capture="trace", cache=False)
+    with pytest.raises(aotc.UnsupportedError, match=r"grows the storage of input 'out'"):
+        compiled(torch.randn(4), torch.empty(0))
+    out = torch.empty(4)  # of the result's size: compiled
+    assert torch.equal(compiled(torch.ones(4), out), torch.full((4,), 2.0))
+    assert torch.equal(out, torch.full((4,), 2.0))
+    default = aotc.compile(f, cache=False)  # the default mode runs it as eager does
+    small = torch.empty(0)
+    got = default(torch.ones(3), small)
+    assert got is small and torch.equal(small, torch.full((3,), 2.0))
