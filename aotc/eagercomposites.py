@@ -36,6 +36,7 @@ back when the last holder leaves. Another thread's Python-dispatcher run meanwhi
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -103,7 +104,8 @@ def _layered(kernel: Any, first: int) -> Any:
             return kernel(*args)
         directions = 2 if bidirectional else 1
         per_layer = len(params) // num_layers
-        x, finals = args[0], []
+        x: Any = args[0]
+        finals: list[Any] = []
         for layer in range(num_layers):
             rows = slice(layer * directions, (layer + 1) * directions)
             layer_hx = [h[rows] for h in hx] if isinstance(hx, (list, tuple)) else hx[rows]
@@ -158,7 +160,9 @@ _RNN_PATCHES = _rnn_patches()
 # op with the Python dispatcher off, so eager's C++ composite and autograd kernel run and the
 # graph holds eager's ops and backward ops. With symbolic sizes torch's Python kernel runs:
 # eager's composite computes the output size with concrete ints, which would specialize the
-# trace on the input's size (a recompile per size under dynamic=True).
+# trace on the input's size (a recompile per size under dynamic=True). So do graphs that go to
+# generated kernels (`fusing`): the Python kernels' arithmetic fuses into them, and a fused
+# kernel does not round as eager's does anyway.
 _INTERPOLATIONS = (
     "upsample_linear1d",
     "upsample_bilinear2d",
@@ -178,9 +182,24 @@ def _symbolic(args: object) -> bool:
     return False
 
 
+_FUSING = threading.local()
+
+
+@contextlib.contextmanager
+def fusing(fused: bool) -> Iterator[None]:
+    """Whether the graphs this thread traces go to generated kernels (Triton): interpolation then
+    keeps torch's Python kernels, whose arithmetic fuses (fused kernels round as they do anyway)."""
+    before = getattr(_FUSING, "on", False)
+    _FUSING.on = fused
+    try:
+        yield
+    finally:
+        _FUSING.on = before
+
+
 def _eager_composite(kernel: Any, op: Any) -> Any:
     def run(*args: Any, **kwargs: Any) -> Any:
-        if _symbolic((args, kwargs)):
+        if getattr(_FUSING, "on", False) or _symbolic((args, kwargs)):
             return kernel(*args, **kwargs)
         with no_python_dispatcher():  # eager's C++ composite and autograd kernel
             return op(*args, **kwargs)
@@ -193,10 +212,12 @@ def _interpolation_patches() -> list[SharedPatch]:
     for name in _INTERPOLATIONS:
         for overload in ("vec", "default"):
             op = getattr(getattr(aten, name, None), overload, None)
+            if op is None:
+                continue
             keys = {
                 key: _eager_composite(op.py_kernels[key], op)
                 for key in (DispatchKey.CompositeImplicitAutograd, DispatchKey.Autograd)
-                if op is not None and key in op.py_kernels
+                if key in op.py_kernels
             }
             if keys:
                 patches.append(SharedPatch(op.py_kernels, keys, after=op._dispatch_cache.clear))

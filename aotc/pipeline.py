@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import TreeSpec
 
-from aotc import persist
+from aotc import eagercomposites, persist
 from aotc.cachekey import CacheKey
 from aotc.functional import FlatProgram, compiling, refused_by_functorch, transform_state
 from aotc.higher_order import (
@@ -58,7 +58,7 @@ from aotc.passes.ir import JointGraph, StageGraph, primal_names
 from aotc.passes.kernelize import KERNEL_LISTENERS, generate_graph, graph_device
 from aotc.passes.lowering import lower, view_output_positions
 from aotc.passes.partition import PartitionResult, partition
-from aotc.passes.recompute import executor_for
+from aotc.passes.recompute import Executor, executor_for
 from aotc.passes.select import triton_target
 from aotc.persist import Inspection
 from aotc.runtime import heap, precompile
@@ -261,6 +261,9 @@ def compile_signature(
     graph `program` runs, for its cache key (Note [Graph key] in aotc/graphkey.py). A failure is
     reported (see `FailedCompile`) and re-raised; see Note [User-facing tracebacks]."""
     start = time.perf_counter()
+    # Note [Eager's interpolation kernels in the trace] in aotc/eagercomposites.py
+    device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), None)
+    fused = executor_for(options.backend, options.triton_interpret, device) is Executor.TRITON
     try:
         # Tracing saves fake tensors for autograd; the user's saved-tensor hooks must not see
         # them. See Note [No hooks pushed for torch.func] for the second attempt.
@@ -271,6 +274,7 @@ def compile_signature(
                 torch.autograd.graph.saved_tensors_hooks(_identity, _identity),
                 no_anomaly_checks(),
                 compiling(),
+                eagercomposites.fusing(fused),
             ):
                 return _compile_signature(
                     program, leaves, names, options, name, source, fake_mode, graph
@@ -278,7 +282,7 @@ def compile_signature(
         except Exception as e:
             if user_hooks or not refused_by_functorch(e):
                 raise
-        with transform_state(), no_anomaly_checks(), compiling():
+        with transform_state(), no_anomaly_checks(), compiling(), eagercomposites.fusing(fused):
             return _compile_signature(
                 program, leaves, names, options, name, source, fake_mode, graph
             )
