@@ -2,10 +2,11 @@
 
 Stage: `encode_graph(module) -> JSON value`, `decode_graph(value, on_device) -> GraphModule`,
 `check_graph(value)` (targets and node kinds, without building).
-Requires: functional graphs of aten/prims ops, `operator.getitem` and the scalar functions of
-symbolic sizes; tensor constants are plain CPU tensors (stored as raw bytes).
-Ensures: a call target that is not an aten/prims overload or a listed scalar function is
-rejected (Uncachable when writing, CacheError when reading); node values come back as meta
+Requires: functional graphs of aten/prims ops, `operator.getitem`, the scalar functions of
+symbolic sizes and the control-flow operators of `_HIGHER_ORDER`, whose subgraphs are stored
+with the graph; tensor constants are plain CPU tensors (stored as raw bytes).
+Ensures: a call target that is not an aten/prims overload, a listed scalar function or a listed
+control-flow operator is rejected (Uncachable when writing, CacheError when reading); node values come back as meta
 tensors, or with `on_device` as storage-less `ValueTensor`s on their devices (runtime/valuetensor.py).
 """
 
@@ -44,6 +45,11 @@ _SCALAR_FUNCTIONS.update(
 )
 _SCALAR_NAMES = {id(fn): name for name, fn in _SCALAR_FUNCTIONS.items()}
 
+# Higher-order operators a stored graph may call: control flow whose callable arguments are
+# subgraphs of the graph (get_attr nodes), stored with it under "subgraphs" and checked the same
+# way (their targets resolve against this allowlist too).
+_HIGHER_ORDER = frozenset(("cond", "while_loop", "map_impl", "scan", "associative_scan"))
+
 
 def _target_name(target: object) -> str:
     name = _SCALAR_NAMES.get(id(target))
@@ -51,6 +57,8 @@ def _target_name(target: object) -> str:
         return name
     if isinstance(target, torch._ops.OpOverload) and target.namespace in _NAMESPACES:
         return f"{target.namespace}::{target._opname}.{target._overloadname}"
+    if isinstance(target, torch._ops.HigherOrderOperator) and target.name() in _HIGHER_ORDER:
+        return f"higher_order::{target.name()}"
     raise Uncachable(f"graph calls {target}, which is not an aten/prims op")
 
 
@@ -59,6 +67,11 @@ def _resolve_target(name: object) -> object:
     come out of a cache."""
     if isinstance(name, str) and name in _SCALAR_FUNCTIONS:
         return _SCALAR_FUNCTIONS[name]
+    if isinstance(name, str) and name.startswith("higher_order::"):
+        hop = name.partition("::")[2]
+        if hop not in _HIGHER_ORDER or not hasattr(torch.ops.higher_order, hop):
+            raise CacheError(f"call target {name[:80]!r} is not a known control-flow operator")
+        return getattr(torch.ops.higher_order, hop)
     if not isinstance(name, str) or "::" not in name:
         raise CacheError(f"bad call target {str(name)[:80]!r}")
     namespace, _, rest = name.partition("::")
@@ -185,6 +198,7 @@ def _decode_tensor(value: dict[str, Any]) -> torch.Tensor:
 def encode_graph(module: fx.GraphModule) -> dict[str, Any]:
     nodes: list[dict[str, Any]] = []
     consts: dict[str, Any] = {}
+    subgraphs: dict[str, Any] = {}
     for node in module.graph.nodes:
         item: dict[str, Any] = {"name": node.name, "op": node.op}
         if node.op == "call_function":
@@ -192,9 +206,12 @@ def encode_graph(module: fx.GraphModule) -> dict[str, Any]:
         elif node.op == "get_attr":
             target = str(node.target)
             value = _fetch_attr(module, target)
-            if not isinstance(value, torch.Tensor):
-                raise Uncachable(f"graph attribute {target} is not a tensor")
-            consts[target] = _encode_tensor(value)
+            if isinstance(value, fx.GraphModule) and target.isidentifier():
+                subgraphs[target] = encode_graph(value)  # a control-flow operator's branch
+            elif isinstance(value, torch.Tensor):
+                consts[target] = _encode_tensor(value)
+            else:
+                raise Uncachable(f"graph attribute {target} is not a tensor or a subgraph")
             item["target"] = target
         elif node.op in ("placeholder", "output"):
             item["target"] = str(node.target)
@@ -210,7 +227,10 @@ def encode_graph(module: fx.GraphModule) -> dict[str, Any]:
         if isinstance(source, NodeSource):  # for inspection of a hit (aotc/provenance.py)
             item["source"] = [source.module, source.module_type, source.line, source.backward]
         nodes.append(item)
-    return {"nodes": nodes, "consts": consts}
+    encoded: dict[str, Any] = {"nodes": nodes, "consts": consts}
+    if subgraphs:
+        encoded["subgraphs"] = subgraphs
+    return encoded
 
 
 def decode_graph(value: Any, on_device: bool = False) -> fx.GraphModule:
@@ -223,6 +243,10 @@ def decode_graph(value: Any, on_device: bool = False) -> fx.GraphModule:
         if not all(part.isidentifier() for part in str(target).split(".")) or "." in target:
             raise CacheError(f"bad constant name {str(target)[:40]!r}")
         root.register_buffer(target, _decode_tensor(t))
+    for target, sub in dict(value.get("subgraphs", {})).items():
+        if not str(target).isidentifier() or hasattr(root, str(target)):
+            raise CacheError(f"bad subgraph name {str(target)[:40]!r}")
+        root.add_module(str(target), decode_graph(sub, on_device))
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
     for item in _list(value.get("nodes")):
@@ -272,6 +296,8 @@ def check_graph(value: Any) -> None:
             _resolve_target(item.get("target"))
         elif op not in ("placeholder", "output", "get_attr"):
             raise CacheError(f"bad node kind {str(op)[:20]!r}")
+    for sub in dict(value.get("subgraphs", {})).values():
+        check_graph(sub)
 
 
 def _fetch_attr(module: torch.nn.Module, target: str) -> Any:

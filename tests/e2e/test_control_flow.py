@@ -230,3 +230,26 @@ def test_torch_calls_outside_a_trace_keep_their_own_path() -> None:
     x, y = torch.randn(4, requires_grad=True), torch.randn(4)
     _check(_branchy, compiled, [x, y])
     assert hop_utils._hop_compile_and_call is original  # restored after the trace
+
+
+def test_graphs_with_cond_are_cached_with_their_branches(tmp_path: Any) -> None:
+    # the default mode: Dynamo's graph keys the entry, subgraphs included (strict mode's key
+    # trace cannot describe the branches: not cached)
+    model = _Gated()
+    results = []
+    for _ in range(2):  # a cold compile, then a hit of the stored entry
+        torch._dynamo.reset()
+        compiled = aotc.compile(model, cache=True, cache_dir=str(tmp_path))
+        for sign in (1, -1):
+            _check(model, compiled, [(torch.randn(3, 6).abs() * sign).requires_grad_()])
+        aotc.cache_flush()
+        results.append([r.is_cache_hit for r in aotc.inspect(compiled)])
+    assert results[0] and not any(results[0])
+    assert results[1] and all(results[1])
+
+
+def test_export_and_load_a_graph_with_cond(tmp_path: Any) -> None:
+    x, y = torch.randn(5, requires_grad=True), torch.randn(5)
+    loaded = aotc.load(aotc.export(_branchy, x, y, path=str(tmp_path / "cond")))
+    for sign in (1, -1):
+        _check(_branchy, loaded, [(torch.randn(5).abs() * sign).requires_grad_(), y])
