@@ -1063,7 +1063,10 @@ class OverlappingWrites(TorchFunctionMode):
         super().__init__()
         self.rewrite = rewrite
         self.count = 0
-        self.refused_nodes: set[int] = set()
+        # id -> the node itself: held, so that a node of a value the program drops (a write
+        # into an intermediate no output uses) keeps its id from being reused by another node
+        # (fuzz seed 39899: an output's own node then looked refused)
+        self.refused_nodes: dict[int, object] = {}
         # expand results -> what they expand, for tensors with no `_base` (views made in
         # inference mode do not record one; see `_unexpanded`)
         self.expanded = WeakIdKeyDictionary()
@@ -1099,7 +1102,7 @@ class OverlappingWrites(TorchFunctionMode):
             # Only a write autograd recorded (a new node: not under no_grad) has the backward
             # eager refuses.
             if root.grad_fn is not None and root.grad_fn is not before:
-                self.refused_nodes.add(id(root.grad_fn))
+                self.refused_nodes[id(root.grad_fn)] = root.grad_fn
             return result
         self.count += 1
         written = target.clone()

@@ -37,6 +37,7 @@ backward would raise (Note [Backward eager would refuse] in runtime/autograd.py)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -519,7 +520,7 @@ def _check_detached_sources(
 
 def _backward_refusals(
     saved: SavedValues | None,
-    overlap_nodes: set[int],
+    overlap_nodes: Mapping[int, object],
     values: list[torch.Tensor],
     needs: tuple[bool, ...],
 ) -> tuple[tuple[FwdOut, str], ...]:

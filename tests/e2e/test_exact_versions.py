@@ -1088,6 +1088,33 @@ def test_requires_grad_of_a_view_beside_a_write_in_the_default_mode():
     assert outcome.verdict is Verdict.MATCH, outcome.detail
 
 
+def _write_into_an_unused_expanded_intermediate(a0, a1, a2):  # fuzz 2026-11-28, 39899
+    v0 = a2.to(torch.float16).float()
+    v1 = a2.unsqueeze(0)
+    v3 = v1 * v0
+    v4 = v1.double() * v1.double()
+    v4.expand(2, *v4.shape).zero_()  # its backward eager refuses; no output reaches it
+    return (v3,)
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("mode", ["default", "trace"])
+def test_backward_of_an_output_that_does_not_reach_a_refused_write(mode):
+    # the write's autograd node died with v4; its id was reused by a node of v3's graph, so v3's
+    # backward was refused although eager runs it
+    from tests.fuzz.compare import Verdict, check
+
+    def make():
+        x0 = torch.randn((3, 2, 4), requires_grad=True)
+        return [x0[2], x0[:, 1], x0.view(-1)]
+
+    for _ in range(3):
+        outcome = check(
+            _write_into_an_unused_expanded_intermediate, make, [0], write_outputs=False, mode=mode
+        )
+        assert outcome.verdict is Verdict.MATCH, outcome.detail
+
+
 @pytest.mark.parametrize("capture,dynamic", [("trace", False), ("dynamo", False), ("dynamo", True)])
 def test_as_strided_past_an_input_view_within_its_storage_runs(capture, dynamic):
     # The bounds check of `as_strided` (fuzz 12499) must not refuse a view that reaches past the
