@@ -40,6 +40,8 @@ class SharedPatch:
     def _get(self, name: Any) -> Any:
         if isinstance(self.owner, dict):
             return self.owner.get(name, _MISSING)
+        if isinstance(self.owner, type) and name in vars(self.owner):
+            return vars(self.owner)[name]  # as defined: a staticmethod comes back as one
         return getattr(self.owner, name)
 
     def _set(self, name: Any, value: Any) -> None:
