@@ -173,15 +173,6 @@ _INTERPOLATIONS = (
 )
 
 
-def _symbolic(args: object) -> bool:
-    for a in pytree.tree_leaves(args):
-        if isinstance(a, (torch.SymInt, torch.SymFloat)):
-            return True
-        if isinstance(a, torch.Tensor) and any(isinstance(n, torch.SymInt) for n in a.shape):
-            return True
-    return False
-
-
 _FUSING = threading.local()
 
 
@@ -199,7 +190,9 @@ def fusing(fused: bool) -> Iterator[None]:
 
 def _eager_composite(kernel: Any, op: Any) -> Any:
     def run(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_FUSING, "on", False) or _symbolic((args, kwargs)):
+        from aotc.symkey import is_symbolic  # (aotc.symkey imports aotc.functional)
+
+        if getattr(_FUSING, "on", False) or is_symbolic(pytree.tree_leaves((args, kwargs))):
             return kernel(*args, **kwargs)
         with no_python_dispatcher():  # eager's C++ composite and autograd kernel
             return op(*args, **kwargs)
