@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from aotc import eagercomposites, hopcalls
+from aotc.lifting import StateCreated
 from aotc.runtime.errors import AotcError, UnsupportedError
 from aotc.runtime.viewreplay import ViewOp, plain_args
 from aotc.sharedpatch import SharedPatch
@@ -146,11 +147,15 @@ _OWN_DIRS = tuple(
 
 
 def _user_frame(tb: traceback.StackSummary) -> str:
-    """The innermost frame outside torch and aotc's packages: the user's line."""
-    for frame in reversed(tb):
-        path = os.path.abspath(frame.filename)
-        if not path.startswith(_OWN_DIRS) and not path.endswith("contextlib.py"):
-            return f"{frame.filename}:{frame.lineno} ({frame.line})"
+    """The innermost frame outside torch and aotc's packages: the user's line. Frames of the
+    standard library and of generated code are passed over while a file of the program's own is
+    further out; make_fx's generated wrapper always is."""
+    own = [f for f in tb if not os.path.abspath(f.filename).startswith(_OWN_DIRS)]
+    own = [f for f in own if not f.filename.endswith("contextlib.py")]
+    own = [f for f in own if (f.filename, f.name) != ("<string>", "<lambda>")]  # make_fx's wrapper
+    files = [f for f in own if _raised_by_program(f.filename)]
+    for frame in reversed(files or own):
+        return f"{frame.filename}:{frame.lineno} ({frame.line})"
     return "<unknown>"
 
 
@@ -213,6 +218,10 @@ def user_errors(what: str, eager_ran: bool = False) -> Iterator[None]:
                 "input signature and cannot see values. Pass those values as Python ints, or "
                 "move that call outside the compiled function."
             ) from e
+        if where == "<unknown>" and what == "joint trace":
+            # raised in the backward, which autograd's engine runs with no line of the program
+            # on the stack (a custom Function's backward, torch.utils.checkpoint)
+            where = "its backward"
         if where != "<unknown>":  # raised for a line of the user's program
             raise UnsupportedError(_program_error(what, e, where, eager_ran)) from e
         raise
@@ -561,6 +570,7 @@ class EagerChecks(TorchDispatchMode):
     ) -> None:
         super().__init__()
         self.problem: str | None = None
+        self.created: str | None = None  # Note [Kernels that size state on the first call]
         self.accepted_overlaps = 0
         # Views made by `as_strided` past the elements of the view it was applied to, and views
         # of those: the geometries of those inner views (Note [as_strided past its input view])
@@ -610,6 +620,8 @@ class EagerChecks(TorchDispatchMode):
                 "a view reaching past the end of its tensor's storage",
                 "Fix the view's size, stride or storage offset.",
             )
+        if self.created is None and func in _SIZED_ON_FIRST_CALL:
+            self.created = _sized_on_first_call(func, args, kwargs)
         if self.problem is None and func in _INDEX_OPS:
             self._eager_error(
                 func,
@@ -845,6 +857,8 @@ class EagerChecks(TorchDispatchMode):
         rewrote (fewer than eager accepted: a write aotc could not replay)."""
         if self.problem is not None:
             raise UnsupportedError(self.problem)
+        if self.created is not None:
+            raise StateCreated(self.created)
         if rewritten is not None and rewritten < self.accepted_overlaps:
             raise UnsupportedError(
                 "metadata pass: the program writes into a tensor in which several elements share "
@@ -852,6 +866,46 @@ class EagerChecks(TorchDispatchMode):
                 "(e.g. indexing assignment or an out= argument). Write into a .clone(), or "
                 "call the method (`t.fill_`, `t.masked_fill_`, `t.index_put_`) on it directly."
             )
+
+
+# Note [Kernels that size state on the first call]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Some eager kernels resize the state tensors they write, and their meta kernels do not: the fused
+# observer and fake-quantize op of quantization-aware training (`FusedMovingAvgObsFakeQuantize`,
+# torch.ao's default QAT config) gives a per-channel observer's running min/max (created empty)
+# and its scale and zero point (created with one element) one element per channel on the first
+# call. Fake tensors keep the old sizes, so the graph's copy-back into the caller's buffers failed
+# after the call, with some of them written (a raw "doesn't match the broadcast shape" error).
+# That first call creates state, like an optimizer's first step (Note [State created on the first
+# call] in aotc/recording.py): `StateCreated`, so strict mode runs it eagerly and compiles the
+# next call, whose buffers have their final sizes; a Dynamo graph holding the op runs eagerly.
+_SIZED_ON_FIRST_CALL = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in ("fused_moving_avg_obs_fake_quant", "_fused_moving_avg_obs_fq_helper")
+    if hasattr(torch.ops.aten, name)
+)
+
+
+def _sized_on_first_call(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str | None:
+    """Why this call of a `_SIZED_ON_FIRST_CALL` op resizes its state in eager, or None."""
+    bound = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+    x = bound.get("self")
+    if not isinstance(x, torch.Tensor) or not bound.get("per_row_fake_quant", False):
+        return None
+    axis = bound.get("ch_axis", 0)
+    channels = x.shape[axis] if isinstance(axis, int) and -x.dim() <= axis < x.dim() else None
+    state = ("running_min", "running_max", "scale", "zero_point")
+    sized = [n for n in state if not isinstance(bound.get(n), torch.Tensor)
+             or bound[n].numel() != channels]  # fmt: skip
+    if channels is None or not sized:
+        return None
+    where = _user_frame(traceback.extract_stack())
+    return (
+        f"{func} at {where} sizes its observer state ({', '.join(sized)}) to the {channels} "
+        "channels of its input on this call; a graph cannot replay resizing state"
+    )
 
 
 # the ops whose meta kernels take more indices than the tensor has dimensions (eager refuses)

@@ -276,3 +276,30 @@ def test_out_argument_that_eager_resizes_is_refused_in_strict_mode():
     small = torch.empty(0)
     got = default(torch.ones(3), small)
     assert got is small and torch.equal(small, torch.full((3,), 2.0))
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_quantization_aware_training_observers_sized_on_first_call(capture):
+    # Note [Kernels that size state on the first call]: torch.ao's default QAT config's fused
+    # observer gives its per-channel buffers their sizes on the first call
+    import torch.ao.quantization as quant
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    model.qconfig = quant.get_default_qat_qconfig("fbgemm")
+    model = quant.prepare_qat(model.train())
+    eager = copy.deepcopy(model)
+    compiled = aotc.compile(model, capture=capture, cache=False)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        want, got = eager(x), compiled(x)
+        want.sum().backward()
+        got.sum().backward()
+        assert torch.equal(want, got)
+        for (name, a), b in zip(eager.state_dict().items(), model.state_dict().values()):
+            assert a.shape == b.shape and torch.equal(a, b), name
+        for a, b in zip(eager.parameters(), model.parameters()):
+            assert torch.equal(a.grad, b.grad)
+    if capture == "trace":
+        assert len(aotc.inspect(compiled)) == 1  # the first call ran eagerly, the next compiled
