@@ -149,7 +149,7 @@ _OWN_DIRS = tuple(
 def _user_frame(tb: traceback.StackSummary) -> str:
     """The innermost frame outside torch and aotc's packages: the user's line. Frames of the
     standard library and of generated code are passed over while a file of the program's own is
-    further out; make_fx's generated wrapper always is."""
+    further out; make_fx's wrapper always is."""
     own = [f for f in tb if not os.path.abspath(f.filename).startswith(_OWN_DIRS)]
     own = [f for f in own if not f.filename.endswith("contextlib.py")]
     own = [f for f in own if (f.filename, f.name) != ("<string>", "<lambda>")]  # make_fx's wrapper
@@ -157,6 +157,48 @@ def _user_frame(tb: traceback.StackSummary) -> str:
     for frame in reversed(files or own):
         return f"{frame.filename}:{frame.lineno} ({frame.line})"
     return "<unknown>"
+
+
+def _noted_user_line(e: BaseException) -> str | None:
+    """The user's line of the Dynamo graph node that raised `e`: from the node's stack trace when
+    the graph's own code ran it (aotc's strict fallback calls the GraphModule), else from the
+    "Original traceback" fx's Interpreter adds to the message."""
+    found = None
+    for frame, lineno in traceback.walk_tb(e.__traceback__):
+        if frame.f_code.co_filename.startswith("<eval_with_key>"):
+            found = frame, lineno
+    if found is not None:
+        frame, lineno = found
+        gm = frame.f_locals.get("self")
+        graph = getattr(gm, "graph", None)
+        lines = getattr(gm, "_lineno_map", None)  # GraphModule: line of its code -> node index
+        if lines is None and isinstance(graph, torch.fx.Graph):  # a copy keeps no map: rebuild
+            try:
+                lines = graph.python_code(root_module="self")._lineno_map
+            except Exception:  # noqa: BLE001 only the error's location is at stake
+                lines = None
+        index = lines.get(lineno - frame.f_code.co_firstlineno) if lines else None
+        if index is not None and graph is not None and index < len(graph.nodes):
+            where = _last_file_line(list(graph.nodes)[index].meta.get("stack_trace") or "")
+            if where is not None:
+                return where
+    for note in (*getattr(e, "__notes__", ()), str(e)):
+        _, found_trace, trace = note.partition("Original traceback:")
+        if found_trace and (where := _last_file_line(trace)) is not None:
+            return where
+    return None
+
+
+def _last_file_line(trace: str) -> str | None:
+    """`path:line (code)` of the innermost frame of a formatted Python stack."""
+    lines = trace.splitlines()
+    for k in range(len(lines) - 1, -1, -1):
+        head = lines[k].strip()
+        if head.startswith('File "') and ", line " in head:
+            path, _, rest = head[len('File "') :].partition('", line ')
+            code = lines[k + 1].strip() if k + 1 < len(lines) else ""
+            return f"{path}:{rest.split(',')[0]} ({code})"
+    return None
 
 
 def _raised_by_program(filename: str) -> bool:
@@ -218,10 +260,14 @@ def user_errors(what: str, eager_ran: bool = False) -> Iterator[None]:
                 "input signature and cannot see values. Pass those values as Python ints, or "
                 "move that call outside the compiled function."
             ) from e
+        if where == "<unknown>" or where.startswith("<eval_with_key>"):  # a Dynamo graph's node
+            where = _noted_user_line(e) or where
         if where == "<unknown>" and what == "joint trace":
             # raised in the backward, which autograd's engine runs with no line of the program
             # on the stack (a custom Function's backward, torch.utils.checkpoint)
             where = "its backward"
+        elif where == "<unknown>" and eager_ran:  # aotc's limitation: never a raw error
+            where = "a line aotc cannot name (code without a source file)"
         if where != "<unknown>":  # raised for a line of the user's program
             raise UnsupportedError(_program_error(what, e, where, eager_ran)) from e
         raise

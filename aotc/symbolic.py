@@ -121,6 +121,19 @@ def static_guard_expression(leaves: Sequence[object]) -> str:
         f"L['t{k}'].size() == {tuple(t.shape)!r} and L['t{k}'].stride() == {tuple(t.stride())!r}"
         for k, t in enumerate(tensors)
     ]
+    # Tensors sharing a storage: the entry may hold a synthetic base of their exact layout, and
+    # the coarse key keeps only which ones alias (runtime/symbolic.py, `_alias_classes`).
+    storages = [t.untyped_storage().data_ptr() if t.layout is torch.strided else 0 for t in tensors]
+    for k, (t, ptr) in enumerate(zip(tensors, storages)):
+        if not ptr or storages.count(ptr) < 2:
+            continue
+        root = t._base if t._base is not None else t
+        r = f"(L['t{k}'] if L['t{k}']._base is None else L['t{k}']._base)"
+        parts.append(
+            f"L['t{k}'].storage_offset() == {t.storage_offset()} and {r}.size() == "
+            f"{tuple(root.shape)!r} and {r}.stride() == {tuple(root.stride())!r} and "
+            f"{r}.storage_offset() == {root.storage_offset()}"
+        )
     return " and ".join(parts) or "True"
 
 
@@ -132,7 +145,9 @@ def static_guard_expression(leaves: Sequence[object]) -> str:
 # those, `aotc.compile(dynamic=True)` compiles a static entry for the call's exact sizes and
 # strides (guarded by `static_guard_expression`) instead of raising: the program works as in
 # eager, and only such programs pay a compile per size. A program that a static compile refuses
-# too raises that error.
+# too raises that error. The coarse key records only which inputs alias (runtime/symbolic.py), so
+# a static entry's guard also checks the storage offsets and bases' layouts of the inputs that
+# share storage: its synthetic base fits only those.
 
 
 def check_static_geometry(plan: EpiloguePlan, name: str) -> None:

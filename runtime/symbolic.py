@@ -36,9 +36,19 @@ def coarse_key(leaves: Sequence[object]) -> tuple[object, ...]:
             parts.append((slice, t.start, t.stop, t.step))
         else:
             parts.append((type(t), t))
-    pattern = _alias_pattern(leaves, ptrs) if len(set(ptrs)) != len(ptrs) else None
+    pattern = _alias_classes(leaves, ptrs) if len(set(ptrs)) != len(ptrs) else None
     autocast = _autocast_state() if torch._C._is_any_autocast_enabled() else None
     return (tuple(parts), pattern, torch.is_grad_enabled(), autocast)
+
+
+def _alias_classes(leaves: Sequence[object], ptrs: list[int]) -> tuple[object, ...]:
+    """Which tensor leaves are one object, share a storage or have one base: `_alias_pattern`
+    without the geometry (offsets, the bases' sizes and strides). A symbolic entry's fakes share
+    no storage (only one object passed twice is one fake), so no geometry of the aliasing is
+    assumed by it; a static entry's guard checks that geometry itself
+    (`static_guard_expression` in aotc/symbolic.py). With the geometry in the key, every new
+    size of a call passing one tensor twice compiled again."""
+    return tuple(entry[:3] for entry in _alias_pattern(leaves, ptrs))  # type: ignore[index]
 
 
 def make_guard(code: str | None) -> GuardFn:

@@ -103,6 +103,30 @@ def test_dynamic_mutation_through_aliased_inputs_gets_a_static_entry():
     assert len(aotc.inspect(compiled)) == 2
     compiled(base[:4], base[4:])
     assert len(aotc.inspect(compiled)) == 2
+    # the same sizes and strides with the views elsewhere in their base, or in a larger base:
+    # the static entry's synthetic base does not fit, so each compiles its own
+    for make in (lambda: torch.randn(8), lambda: torch.randn(10)):
+        base3 = make()
+        ref3 = base3.clone()
+        torch.testing.assert_close(compiled(base3[4:8], base3[:4]), f(ref3[4:8], ref3[:4]))
+        torch.testing.assert_close(base3, ref3)
+    assert len(aotc.inspect(compiled)) == 4
+
+
+def test_dynamic_entry_serves_every_size_of_a_tensor_passed_twice():
+    def f(a, b, c):
+        return (a * b).sum(0) + c
+
+    compiled = aotc.compile(f, dynamic=True, capture="trace")
+    for n in (4, 5, 7, 9):
+        x, c = torch.randn(3, n, requires_grad=True), torch.randn(n)
+        ref = x.detach().clone().requires_grad_()
+        got, want = compiled(x, x, c), f(ref, ref, c)
+        got.sum().backward()
+        want.sum().backward()
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(x.grad, ref.grad)
+    assert len(aotc.inspect(compiled)) == 1, compiled.recompile_reasons
 
 
 def test_storage_swap_of_input_raises():

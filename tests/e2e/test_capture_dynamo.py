@@ -1168,3 +1168,27 @@ def test_backend_name_registered_on_import():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+def _write_through_as_strided(a):
+    v = a.squeeze().as_strided((2,), (1,), 1)
+    out = torch.sigmoid(v)
+    v.index_put_((torch.tensor([0]),), torch.tensor(3.0))  # functionalization refuses this write
+    return out
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_graph_aotc_cannot_trace_is_refused_with_the_users_line():
+    # fuzz seed 40261: torch.compile(backend="aotc") raised functionalization's bare RuntimeError;
+    # now aotc's refusal naming the Dynamo graph node's line (its stack trace)
+    x = torch.randn(1, 3)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        torch.compile(_write_through_as_strided, backend="aotc")(x)
+    inner = getattr(info.value, "inner_exception", info.value)
+    assert isinstance(inner, aotc.UnsupportedError), repr(inner)
+    assert f"{__file__}:" in str(inner) and "index_put_" in str(inner)
+    # the default mode runs that graph eagerly, as eager runs the function
+    torch._dynamo.reset()
+    want = _write_through_as_strided(x.clone())
+    assert torch.equal(aotc.compile(_write_through_as_strided)(x.clone()), want)
