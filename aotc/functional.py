@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from aotc import eagercomposites, hopcalls
+from aotc.customops import note_writing_op
 from aotc.lifting import StateCreated
 from aotc.runtime.errors import AotcError, UnsupportedError
 from aotc.runtime.viewreplay import ViewOp, plain_args
@@ -686,6 +687,7 @@ class EagerChecks(TorchDispatchMode):
             except Exception:  # noqa: BLE001 best effort: a failing check must not fail a compile
                 self.problem = None
         if func._schema.is_mutable:
+            note_writing_op(func)  # Note [Custom operators that write their inputs]
             reshape = func._schema.name in _VIEW_METADATA_IN_PLACE
             for arg, value in zip(func._schema.arguments, args):
                 if arg.alias_info is not None and arg.alias_info.is_write:

@@ -321,19 +321,30 @@ def test_16_each_error_says_what_is_true_for_it():
 
     lib = torch.library.Library("aotc_test13", "DEF")  # noqa: TOR901
     lib.define("bump(Tensor(a!) x) -> ()")
+    lib.define("alias(Tensor(a) x) -> Tensor(a)")
 
     def bump(x: torch.Tensor) -> None:
         x.add_(1)
 
     lib.impl("bump", bump, "CompositeExplicitAutograd")
+    lib.impl("alias", lambda x: x.view(-1), "CompositeExplicitAutograd")
 
     def custom(x):
         torch.ops.aotc_test13.bump(x)
         return x * 2
 
+    # Note [Custom operators that write their inputs]: compiled, with eager's write-back
+    x, ref = torch.randn(3), None
+    ref = x.clone()
+    assert torch.equal(aotc.compile(custom, capture="trace")(x), custom(ref))
+    assert torch.equal(x, ref)
+
+    def returns_alias(x):
+        return torch.ops.aotc_test13.alias(x) * 2
+
     with pytest.raises(aotc.UnsupportedError, match="custom operator mutates or aliases") as info:
-        aotc.compile(custom, capture="trace")(torch.randn(3))
-    assert "aotc_test13::bump" in str(info.value)
+        aotc.compile(returns_alias, capture="trace")(torch.randn(3))
+    assert "aotc_test13::alias" in str(info.value)
 
 
 # ---------------------------------------------------------- programs eager runs, aotc refused
