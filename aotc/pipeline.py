@@ -846,7 +846,7 @@ def _assemble(
         name=info.name,
         signature=describe_signature(info.leaves, info.names),
         source=info.source,
-        guards=_GUARDS,
+        guards=_SYMBOLIC_GUARDS if is_symbolic(info.leaves) else _GUARDS,
         program=program,
         inspection=inspection,
         stage_seconds=times,
@@ -1029,6 +1029,14 @@ _GUARDS = (
     "bases)\n"
     "grad mode, autocast state, and for modules every submodule's training flag\n"
     "a call that differs in any of these compiles a new entry (see runtime/guards.py)"
+)
+_SYMBOLIC_GUARDS = (
+    "each tensor input: dtype, device, number of dims, requires_grad, is_leaf; its sizes, strides "
+    "and storage offset as the entry's symbolic guard admits (runtime/symbolic.py)\n"
+    "each non-tensor input: its type and value\n"
+    "which inputs are the same tensor, share storage or have one base\n"
+    "grad mode, autocast state, and for modules every submodule's training flag\n"
+    "a call that differs in any of these compiles a new entry"
 )
 
 _dump_counter: dict[str, int] = {}
