@@ -1176,6 +1176,10 @@ class OverlappingWrites(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        if name == "__getitem__" and len(args) == 2 and not kwargs:
+            selected = _symbolic_select(*args)
+            if selected is not None:
+                return selected
         if name in _EXPANDS and args and isinstance(args[0], torch.Tensor):
             result = func(*args, **kwargs)
             if isinstance(result, torch.Tensor) and result._base is None:
@@ -1230,6 +1234,34 @@ class OverlappingWrites(TorchFunctionMode):
 
 
 _EXPANDS = frozenset({"expand", "expand_as", "broadcast_to"})
+
+
+def _symbolic_select(t: object, index: object) -> torch.Tensor | None:
+    """`t[i]` or `t[:, ..., i]` with `i` a symbolic int, as `t.select(dim, i)`; None otherwise.
+    Tensor indexing converts a SymInt index with `__index__`, which specializes the trace on its
+    value (`x[x.shape[0] // 2]` compiled one entry per size under dynamic=True); `select` takes
+    it as a SymInt. Eager's indexing is this `select` for such an index."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    parts = index if type(index) is tuple else (index,)
+    if not parts or not isinstance(parts[-1], torch.SymInt) or len(parts) > t.dim():
+        return None
+    if any(p != slice(None) for p in parts[:-1]):
+        return None
+    return t.select(len(parts) - 1, parts[-1])
+
+
+class SymbolicIndexing(TorchFunctionMode):
+    """`_symbolic_select` for runs of the program outside the metadata pass's modes (the cache
+    key's fake run in the compile's ShapeEnv), which would otherwise add the specializing guard
+    to the compile's ShapeEnv."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if getattr(func, "__name__", "") == "__getitem__" and len(args) == 2 and not kwargs:
+            selected = _symbolic_select(*args)
+            if selected is not None:
+                return selected
+        return func(*args, **(kwargs or {}))
 
 
 def _unexpanded(

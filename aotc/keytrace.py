@@ -58,6 +58,7 @@ to the meta trace and the store.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from typing import Any
 
@@ -66,7 +67,13 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from aotc.functional import FlatProgram, fakeify, symbolic_dispatch, transform_state
+from aotc.functional import (
+    FlatProgram,
+    SymbolicIndexing,
+    fakeify,
+    symbolic_dispatch,
+    transform_state,
+)
 from aotc.runtime import autograd
 from aotc.runtime.autograd import PACKING
 from aotc.runtime.convention import apply_convention, expand_graph_args, plan_convention
@@ -171,6 +178,7 @@ def trace_text(
             mode,
             recorder,
             torch.set_grad_enabled(grad_enabled),
+            SymbolicIndexing() if shape_env is not None else contextlib.nullcontext(),
         ):
             user_leaves = expand_graph_args(convention, tensors, constants)
             outs, out_spec = program(user_leaves)

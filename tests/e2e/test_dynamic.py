@@ -243,3 +243,34 @@ def test_outputs_that_alias_inputs_with_symbolic_sizes_match_eager(name, capture
         sum((w * 1.5).sum() for w in want if w.requires_grad).backward()
         sum((g * 1.5).sum() for g in got if g.requires_grad).backward()
         torch.testing.assert_close(x2.grad, x.grad)
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        lambda x: x[x.shape[0] // 2],
+        lambda x: x[x.shape[0] - 1],
+        lambda x: x[:, x.shape[1] - 2],
+        lambda x: x[1 - x.shape[0]],
+    ],
+    ids=["middle_row", "last_row", "column", "negative"],
+)
+@pytest.mark.parametrize("cache", [False, True])
+def test_dynamic_index_by_a_size_is_one_entry(index, cache, tmp_path, monkeypatch):
+    # `t[i]` with a symbolic i: traced as select, not specialized on i's value (each size
+    # compiled its own entry, with the disk cache's key run too)
+    monkeypatch.setenv("AOTC_CACHE_DIR", str(tmp_path))
+
+    def f(x):
+        return index(x).sin() * 2
+
+    compiled = aotc.compile(f, capture="trace", dynamic=True, cache=cache)
+    for n, m in [(3, 4), (5, 6), (8, 3)]:
+        x = torch.randn(n, m, requires_grad=True)
+        ref = x.detach().clone().requires_grad_()
+        got, want = compiled(x), f(ref)
+        got.sum().backward()
+        want.sum().backward()
+        assert torch.equal(got, want)
+        assert torch.equal(x.grad, ref.grad)
+    assert len(aotc.inspect(compiled)) == 1, compiled.recompile_reasons
