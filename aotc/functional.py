@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from aotc import eagercomposites, hopcalls
+from aotc import eagercomposites, eagerlayouts, hopcalls
 from aotc.customops import note_writing_op
 from aotc.lifting import StateCreated
 from aotc.runtime.errors import AotcError, UnsupportedError
@@ -552,18 +552,20 @@ def compiling() -> Iterator[None]:
     Library code checks the flag to take its traceable path: torch.optim's Adam/AdamW keep the
     step count a tensor instead of calling `.item()` on it, and group tensors lazily. The flag is
     torch.compiler's own (set by Dynamo for the duration of its compilations). Also sets
-    `TRACING.active` (Note [Compiled functions called while aotc traces])."""
+    `TRACING.active` (Note [Compiled functions called while aotc traces]), and holds eager's
+    layouts for fake tensors (Note [Eager's layouts of normalization kernels] in
+    aotc/eagerlayouts.py)."""
     tracing = TRACING.enter()
     try:
         session = getattr(torch.compiler, "_compile_session_context", None)
         if session is not None:
-            with session(), hopcalls.held():
+            with session(), hopcalls.held(), eagerlayouts.held():
                 yield
             return
         old = torch.compiler._is_compiling_flag
         torch.compiler._is_compiling_flag = True
         try:
-            with hopcalls.held():
+            with hopcalls.held(), eagerlayouts.held():
                 yield
         finally:
             torch.compiler._is_compiling_flag = old

@@ -303,3 +303,99 @@ def test_quantization_aware_training_observers_sized_on_first_call(capture):
             assert torch.equal(a.grad, b.grad)
     if capture == "trace":
         assert len(aotc.inspect(compiled)) == 1  # the first call ran eagerly, the next compiled
+
+
+_LAYOUTS = {
+    "contiguous": lambda: torch.randn(2, 6, 5, 8),
+    "channels_last": lambda: torch.randn(2, 5, 8, 6).permute(0, 3, 1, 2),
+    "permuted": lambda: torch.randn(2, 5, 6, 8).transpose(1, 2),
+    "reversed": lambda: torch.randn(8, 5, 6, 2).permute(3, 2, 1, 0),
+}
+_A = torch.ops.aten
+_LAYOUT_OPS = {
+    "batch_norm": lambda g, x: _A._native_batch_norm_legit_functional(
+        x, torch.ones(6), torch.zeros(6), torch.zeros(6), torch.ones(6), True, 0.1, 1e-5
+    )[0],
+    "batch_norm_eval": lambda g, x: _A._native_batch_norm_legit_no_training(
+        x, torch.ones(6), None, torch.zeros(6), torch.ones(6), 0.1, 1e-5
+    )[0],
+    "batch_norm_backward": lambda g, x: _A.native_batch_norm_backward(
+        g, x, torch.ones(6), None, None, torch.zeros(6), torch.ones(6), True, 1e-5, [True] * 3
+    )[0],
+    "layer_norm_backward": lambda g, x: _A.native_layer_norm_backward(
+        g, x, [8], torch.zeros(2, 6, 5, 1), torch.ones(2, 6, 5, 1), None, None, [True, 0, 0]
+    )[0],
+    "log_softmax_backward": lambda g, x: _A._log_softmax_backward_data(g, x, 1, torch.float32),
+    "elu_backward": lambda g, x: _A.elu_backward(g, 1.0, 1, 1, False, x),
+    "hardswish_backward": lambda g, x: _A.hardswish_backward(g, x),
+    "hardtanh_backward": lambda g, x: _A.hardtanh_backward(g, x, -1.0, 1.0),
+    "softplus_backward": lambda g, x: _A.softplus_backward(g, x, 1.0, 20.0),
+    "mse_loss_backward": lambda g, x: _A.mse_loss_backward(g, x, x * 0.5, 0),
+    "bce_backward": lambda g, x: _A.binary_cross_entropy_backward(
+        g, x.sigmoid(), x.sigmoid() * 0.5, None, 0
+    ),
+}
+
+
+@pytest.mark.parametrize("op", sorted(_LAYOUT_OPS))
+def test_fake_tensors_give_eagers_layouts_while_aotc_compiles(op):
+    # Note [Eager's layouts of normalization kernels] in aotc/eagerlayouts.py
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from aotc import eagerlayouts
+
+    fn = _LAYOUT_OPS[op]
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    differed = 0
+    for grad_layout in _LAYOUTS.values():
+        for input_layout in _LAYOUTS.values():
+            g, x = grad_layout(), input_layout()
+            want = fn(g, x).stride()
+            with mode:
+                fakes = mode.from_tensor(g), mode.from_tensor(x)
+                before = fn(*fakes).stride()
+            with eagerlayouts.held(), mode:
+                got = fn(*fakes).stride()
+            assert got == want, (op, g.stride(), x.stride())
+            differed += before != want
+    assert differed, f"{op}: no layout where torch's fake strides differ (drop the rule?)"
+
+
+class _TimeMajorNorm(nn.Module):
+    """BatchNorm1d over (batch, length, channels) data, then an activation whose backward's fake
+    layout differed too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn = nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(self.lin(x).transpose(1, 2)).transpose(1, 2)
+        return F.elu(y + self.lin(y))
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("how", ["trace", "dynamo", "torch.compile"])
+def test_batch_norm_over_transposed_data_trains_as_eager(how):
+    # the compiled backward viewed eager's contiguous batch-norm gradient as if it had the fake
+    # strides: "view size is not compatible" where eager runs (AOTAutograd fails the same way)
+    torch.manual_seed(0)
+    model = _TimeMajorNorm()
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    if how == "torch.compile":
+        compiled = torch.compile(model, backend="aotc")
+    else:
+        compiled = aotc.compile(model, capture=how, cache=False)
+    for _ in range(3):
+        x = torch.randn(2, 5, 8, requires_grad=True)
+        ours = x.detach().clone().requires_grad_()
+        want, got = eager(x), compiled(ours)
+        assert got.stride() == want.stride()
+        want.pow(2).sum().backward()
+        got.pow(2).sum().backward()
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(ours.grad, x.grad)
+        for a, b in zip(eager.parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad)
+        torch.testing.assert_close(model.bn.running_var, eager.bn.running_var)
