@@ -187,9 +187,11 @@ def trace_joint(
         for g, p in enumerate(primals):
             if g in made_to_require_grad:
                 p.requires_grad_(True)  # the call sets it first (EpiloguePlan.make_require_grad)
+        # Contiguous, as the compiled backward hands them to its graph: see Note [Tangents are
+        # contiguous] in runtime/autograd.py
         tangents = (
             [
-                torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=s.device)
+                torch.empty(s.shape, dtype=s.dtype, device=s.device)
                 for k, s in enumerate(metadata.fwd_specs)
                 if plan.needs_tangent[k]
             ]

@@ -388,6 +388,20 @@ def fills_holder(plan: AutogradPlan) -> bool:
 # test_generated_node.py compares both over plans with sizes, watches and several outputs).
 
 
+# Note [Tangents are contiguous]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The backward hands its graph each incoming gradient contiguous (`.contiguous()` when autograd
+# made it otherwise), and the joint trace (aotc/tracer.py) traces the tangents contiguous too, so
+# every op of the backward graph gets the layout it was traced with. They once differed: the
+# trace took each tangent with its forward output's strides, so for an output that is not
+# contiguous (a `transpose` of a result) the graph was traced on one layout and run on another.
+# Views the trace chose could then fail, and worse, a backward formula's `grad.contiguous()` that
+# was a no-op in the trace was missing at run time: torch's CPU `native_group_norm_backward`
+# reads a gradient of another layout than its input's as if it had the input's, and returned
+# wrong gradients without an error (GroupNorm between two transposes). The Triton runners copy
+# any argument into its traced layout as well (runtime/kernels.py).
+
+
 # Note [Boxed backward]
 # ~~~~~~~~~~~~~~~~~~~~~
 # Eager's engine frees a node's saved values as soon as that node has run, so a backward of many

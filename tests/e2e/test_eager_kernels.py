@@ -399,3 +399,38 @@ def test_batch_norm_over_transposed_data_trains_as_eager(how):
         for a, b in zip(eager.parameters(), model.parameters()):
             torch.testing.assert_close(b.grad, a.grad)
         torch.testing.assert_close(model.bn.running_var, eager.bn.running_var)
+
+
+class _GroupNormTransposed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gn = nn.GroupNorm(2, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.gn(x.transpose(1, 2).contiguous()).transpose(1, 2)
+        return y.transpose(-1, -2).contiguous().transpose(-1, -2) * 2  # not contiguous
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("how", ["trace", "dynamo", "torch.compile"])
+def test_backward_of_an_output_that_is_not_contiguous_matches_eager(how):
+    # Note [Tangents are contiguous] in runtime/autograd.py: the group norm backward got a
+    # gradient of another layout than traced and returned wrong gradients, silently
+    torch.manual_seed(0)
+    model = _GroupNormTransposed()
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    if how == "torch.compile":
+        compiled = torch.compile(model, backend="aotc")
+    else:
+        compiled = aotc.compile(model, capture=how, cache=False)
+    for _ in range(2):
+        x = torch.randn(2, 5, 8, requires_grad=True)
+        ours = x.detach().clone().requires_grad_()
+        want, got = eager(x), compiled(ours)
+        assert not got.is_contiguous() and got.stride() == want.stride()
+        want.pow(2).mean().backward()
+        got.pow(2).mean().backward()
+        torch.testing.assert_close(ours.grad, x.grad)
+        torch.testing.assert_close(model.gn.weight.grad, eager.gn.weight.grad)
+        torch.testing.assert_close(model.gn.bias.grad, eager.gn.bias.grad)
