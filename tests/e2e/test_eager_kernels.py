@@ -361,6 +361,18 @@ def test_fake_tensors_give_eagers_layouts_while_aotc_compiles(op):
     assert differed, f"{op}: no layout where torch's fake strides differ (drop the rule?)"
 
 
+def _three_ways(make: type[nn.Module], how: str) -> tuple[nn.Module, nn.Module, object]:
+    """A seeded model, its eager twin, and the model compiled `how` (a capture mode of
+    aotc.compile, or "torch.compile")."""
+    torch.manual_seed(0)
+    model = make()
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    if how == "torch.compile":
+        return model, eager, torch.compile(model, backend="aotc")
+    return model, eager, aotc.compile(model, capture=how, cache=False)
+
+
 class _TimeMajorNorm(nn.Module):
     """BatchNorm1d over (batch, length, channels) data, then an activation whose backward's fake
     layout differed too."""
@@ -372,33 +384,6 @@ class _TimeMajorNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.bn(self.lin(x).transpose(1, 2)).transpose(1, 2)
         return F.elu(y + self.lin(y))
-
-
-@pytest.mark.filterwarnings("ignore")
-@pytest.mark.parametrize("how", ["trace", "dynamo", "torch.compile"])
-def test_batch_norm_over_transposed_data_trains_as_eager(how):
-    # the compiled backward viewed eager's contiguous batch-norm gradient as if it had the fake
-    # strides: "view size is not compatible" where eager runs (AOTAutograd fails the same way)
-    torch.manual_seed(0)
-    model = _TimeMajorNorm()
-    eager = copy.deepcopy(model)
-    torch._dynamo.reset()
-    if how == "torch.compile":
-        compiled = torch.compile(model, backend="aotc")
-    else:
-        compiled = aotc.compile(model, capture=how, cache=False)
-    for _ in range(3):
-        x = torch.randn(2, 5, 8, requires_grad=True)
-        ours = x.detach().clone().requires_grad_()
-        want, got = eager(x), compiled(ours)
-        assert got.stride() == want.stride()
-        want.pow(2).sum().backward()
-        got.pow(2).sum().backward()
-        torch.testing.assert_close(got, want)
-        torch.testing.assert_close(ours.grad, x.grad)
-        for a, b in zip(eager.parameters(), model.parameters()):
-            torch.testing.assert_close(b.grad, a.grad)
-        torch.testing.assert_close(model.bn.running_var, eager.bn.running_var)
 
 
 class _GroupNormTransposed(nn.Module):
@@ -413,24 +398,24 @@ class _GroupNormTransposed(nn.Module):
 
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("how", ["trace", "dynamo", "torch.compile"])
-def test_backward_of_an_output_that_is_not_contiguous_matches_eager(how):
-    # Note [Tangents are contiguous] in runtime/autograd.py: the group norm backward got a
-    # gradient of another layout than traced and returned wrong gradients, silently
-    torch.manual_seed(0)
-    model = _GroupNormTransposed()
-    eager = copy.deepcopy(model)
-    torch._dynamo.reset()
-    if how == "torch.compile":
-        compiled = torch.compile(model, backend="aotc")
-    else:
-        compiled = aotc.compile(model, capture=how, cache=False)
-    for _ in range(2):
+@pytest.mark.parametrize("make", [_TimeMajorNorm, _GroupNormTransposed])
+def test_layouts_eager_kernels_choose_train_as_eager(make, how):
+    # _TimeMajorNorm: the compiled backward viewed eager's contiguous batch-norm gradient as if it
+    # had the fake strides, "view size is not compatible" where eager runs (AOTAutograd fails the
+    # same way). _GroupNormTransposed: Note [Tangents are contiguous] in runtime/autograd.py, the
+    # group norm backward got a gradient of another layout than traced and returned wrong
+    # gradients, silently.
+    model, eager, compiled = _three_ways(make, how)
+    for _ in range(3):
         x = torch.randn(2, 5, 8, requires_grad=True)
         ours = x.detach().clone().requires_grad_()
         want, got = eager(x), compiled(ours)
-        assert not got.is_contiguous() and got.stride() == want.stride()
+        assert got.stride() == want.stride()
         want.pow(2).mean().backward()
         got.pow(2).mean().backward()
+        torch.testing.assert_close(got, want)
         torch.testing.assert_close(ours.grad, x.grad)
-        torch.testing.assert_close(model.gn.weight.grad, eager.gn.weight.grad)
-        torch.testing.assert_close(model.gn.bias.grad, eager.gn.bias.grad)
+        for a, b in zip(eager.parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad)
+        for a, b in zip(eager.buffers(), model.buffers()):
+            torch.testing.assert_close(b, a)
