@@ -1239,18 +1239,25 @@ _EXPANDS = frozenset({"expand", "expand_as", "broadcast_to"})
 
 
 def _symbolic_select(t: object, index: object) -> torch.Tensor | None:
-    """`t[i]` or `t[:, ..., i]` with `i` a symbolic int, as `t.select(dim, i)`; None otherwise.
-    Tensor indexing converts a SymInt index with `__index__`, which specializes the trace on its
-    value (`x[x.shape[0] // 2]` compiled one entry per size under dynamic=True); `select` takes
-    it as a SymInt. Eager's indexing is this `select` for such an index."""
+    """`t[i]`, `t[:, i]`, `t[j, 1:, i]`... (ints and slices only) with some index a symbolic int,
+    as the slices, then `select`s, last dim first; None otherwise. Tensor indexing converts a SymInt index
+    with `__index__`, which specializes the trace on its value (`x[x.shape[0] // 2]` compiled one
+    entry per size under dynamic=True); `select` takes it as a SymInt. Eager's indexing is these
+    `select`s for such an index."""
     if not isinstance(t, torch.Tensor):
         return None
     parts = index if type(index) is tuple else (index,)
-    if not parts or not isinstance(parts[-1], torch.SymInt) or len(parts) > t.dim():
+    if not parts or len(parts) > t.dim() or not any(type(p) is torch.SymInt for p in parts):
         return None
-    if any(p != slice(None) for p in parts[:-1]):
+    if not all(type(p) in (int, torch.SymInt, slice) for p in parts):
         return None
-    return t.select(len(parts) - 1, parts[-1])
+    slices = tuple(p if type(p) is slice else slice(None) for p in parts)
+    if any(p != slice(None) for p in slices):
+        t = t[slices]  # the slices first: they keep every dim, so the selects' dims hold
+    for dim in range(len(parts) - 1, -1, -1):
+        if type(parts[dim]) is not slice:
+            t = t.select(dim, parts[dim])
+    return t
 
 
 class SymbolicIndexing(TorchFunctionMode):

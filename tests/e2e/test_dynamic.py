@@ -252,8 +252,10 @@ def test_outputs_that_alias_inputs_with_symbolic_sizes_match_eager(name, capture
         lambda x: x[x.shape[0] - 1],
         lambda x: x[:, x.shape[1] - 2],
         lambda x: x[1 - x.shape[0]],
+        lambda x: x[1, x.shape[1] - 1],
+        lambda x: x[x.shape[0] - 2, 1:].sum(0, keepdim=True),
     ],
-    ids=["middle_row", "last_row", "column", "negative"],
+    ids=["middle_row", "last_row", "column", "negative", "element", "slice_after"],
 )
 @pytest.mark.parametrize("cache", [False, True])
 def test_dynamic_index_by_a_size_is_one_entry(index, cache, tmp_path, monkeypatch):
