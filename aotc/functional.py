@@ -154,10 +154,10 @@ def _user_frame(tb: traceback.StackSummary) -> str:
     own = [f for f in tb if not os.path.abspath(f.filename).startswith(_OWN_DIRS)]
     own = [f for f in own if not f.filename.endswith("contextlib.py")]
     own = [f for f in own if (f.filename, f.name) != ("<string>", "<lambda>")]  # make_fx's wrapper
-    files = [f for f in own if _raised_by_program(f.filename)]
-    for frame in reversed(files or own):
-        return f"{frame.filename}:{frame.lineno} ({frame.line})"
-    return "<unknown>"
+    frames = [f for f in own if _raised_by_program(f.filename)] or own
+    if not frames:
+        return "<unknown>"
+    return f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})"
 
 
 def _noted_user_line(e: BaseException) -> str | None:
@@ -1178,10 +1178,9 @@ class OverlappingWrites(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name == "__getitem__" and len(args) == 2 and not kwargs:
-            selected = _symbolic_select(*args)
-            if selected is not None:
-                return selected
+        selected = _symbolic_getitem(name, args, kwargs)
+        if selected is not None:
+            return selected
         if name in _EXPANDS and args and isinstance(args[0], torch.Tensor):
             result = func(*args, **kwargs)
             if isinstance(result, torch.Tensor) and result._base is None:
@@ -1238,12 +1237,19 @@ class OverlappingWrites(TorchFunctionMode):
 _EXPANDS = frozenset({"expand", "expand_as", "broadcast_to"})
 
 
+def _symbolic_getitem(name: str, args: tuple, kwargs: dict | None) -> torch.Tensor | None:
+    """`t[index]` (a `__getitem__` call) as `_symbolic_select`, or None."""
+    if name != "__getitem__" or len(args) != 2 or kwargs:
+        return None
+    return _symbolic_select(*args)
+
+
 def _symbolic_select(t: object, index: object) -> torch.Tensor | None:
-    """`t[i]`, `t[:, i]`, `t[j, 1:, i]`... (ints and slices only) with some index a symbolic int,
-    as the slices, then `select`s, last dim first; None otherwise. Tensor indexing converts a SymInt index
-    with `__index__`, which specializes the trace on its value (`x[x.shape[0] // 2]` compiled one
-    entry per size under dynamic=True); `select` takes it as a SymInt. Eager's indexing is these
-    `select`s for such an index."""
+    """`t[i]`, `t[:, i]`, `t[j, 1:, i]`... (ints and slices only) with some index a symbolic
+    int, as the slices, then `select`s, last dim first; None otherwise. Tensor indexing
+    converts a SymInt index with `__index__`, which specializes the trace on its value
+    (`x[x.shape[0] // 2]` compiled one entry per size under dynamic=True); `select` takes it as
+    a SymInt. Eager's indexing is these `select`s for such an index."""
     if not isinstance(t, torch.Tensor):
         return None
     parts = index if type(index) is tuple else (index,)
@@ -1266,11 +1272,8 @@ class SymbolicIndexing(TorchFunctionMode):
     to the compile's ShapeEnv."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if getattr(func, "__name__", "") == "__getitem__" and len(args) == 2 and not kwargs:
-            selected = _symbolic_select(*args)
-            if selected is not None:
-                return selected
-        return func(*args, **(kwargs or {}))
+        selected = _symbolic_getitem(getattr(func, "__name__", ""), args, kwargs)
+        return func(*args, **(kwargs or {})) if selected is None else selected
 
 
 def _unexpanded(
