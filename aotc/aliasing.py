@@ -200,14 +200,18 @@ def _own_leaf(view: torch.Tensor) -> bool:
     (`v = x.view(-1)`, then `x.requires_grad_()`), and eager's backward then raises at `v`, which
     has no accumulator. A view made under no_grad of a base that requires grad, then
     `requires_grad_()`, is such a leaf (fuzz seed 16082); autograd's gradient edge tells them
-    apart."""
+    apart. The edge is read with grad mode on and inference mode off: `get_gradient_edge` finds
+    the accumulator through a `view_as` node, which a call under `torch.inference_mode()` or
+    no_grad does not record (a view of an input that requires grad, returned from such a call,
+    raised AttributeError)."""
     base = view._base
     if not view.requires_grad or base is None:
         return False
     if not base.requires_grad:
         return True  # its own flag: nothing to inherit
     try:
-        return get_gradient_edge(view).node is not None
+        with torch.inference_mode(False), torch.enable_grad():
+            return get_gradient_edge(view).node is not None
     except (RuntimeError, AssertionError):  # "Expected gradient function to be set"
         return False
 
@@ -725,15 +729,26 @@ def _narrowings(
     return tuple(out)
 
 
+# Note [Autograd nodes' Python objects]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Walks of autograd graphs compare nodes by `id()`. torch 2.13's C++ nodes keep their Python
+# object alive, so a node has one id for as long as it lives. torch 2.11's do not: the object is
+# freed when the last Python reference goes, the next access makes a new one, and a freed
+# object's address (its id) is soon reused by another node's object. A walk that remembered only
+# ids then skipped nodes it had never visited (an `as_strided` view of a narrowed input lost its
+# input's AccumulateGrad, and the epilogue cut the output's gradient). So every node whose id is
+# kept is kept alive with it, for as long as the id is compared.
+
+
 def _graph_nodes(grad_fn: Any) -> Iterator[Any]:
     """The autograd nodes reachable from `grad_fn`, breadth-first, at most _MAX_WALK of them."""
     queue: deque[Any] = deque([grad_fn])
-    visited: set[Any] = set()
+    visited: dict[int, Any] = {}  # each node kept alive: Note [Autograd nodes' Python objects]
     while queue and len(visited) < _MAX_WALK:
         node = queue.popleft()
         if node is None or id(node) in visited:
             continue
-        visited.add(id(node))
+        visited[id(node)] = node
         yield node
         queue.extend(fn for fn, _ in node.next_functions)
 
@@ -749,11 +764,11 @@ def _reaches_elements_elsewhere(o: torch.Tensor, base: torch.Tensor) -> bool:
     held, wanted = _offsets(base), _offsets(o)
     if held is None or wanted is None or wanted <= held:
         return False
-    goal = id(_grad_fn(base)) if _has_grad_fn(base) else None
+    goal = _grad_fn(base) if _has_grad_fn(base) else None
     walked = 0
     for node in _graph_nodes(_grad_fn(o)):
         walked += 1
-        if id(node) == goal or getattr(node, "variable", None) is base:
+        if node is goal or getattr(node, "variable", None) is base:
             return False
     return walked < _MAX_WALK
 
@@ -762,12 +777,12 @@ def _reaches(o: torch.Tensor, target: torch.Tensor) -> bool:
     """Whether a gradient from `o` reaches `target` or its base (their grad_fns, or their
     accumulators)."""
     targets = [target, _root(target)]
-    goals = {id(_grad_fn(t)) for t in targets if _has_grad_fn(t)}
+    goals = [_grad_fn(t) for t in targets if _has_grad_fn(t)]  # Note [Autograd nodes' ...]
     walked = 0
     for node in _graph_nodes(_grad_fn(o)):
         walked += 1
         variable = getattr(node, "variable", None)
-        if id(node) in goals or any(variable is t for t in targets):
+        if any(node is g for g in goals) or any(variable is t for t in targets):
             return True
     return walked >= _MAX_WALK  # undecided: assume it does, as without this check
 
@@ -793,12 +808,14 @@ def _view_source(o: torch.Tensor, candidates: list[UserArg], leaves: list[object
         return candidates[0]
     if _has_grad_fn(o):
         by_node: dict[int, UserArg] = {}
+        nodes = []  # keeps by_node's nodes alive: Note [Autograd nodes' Python objects]
         by_leaf: dict[int, UserArg] = {}
         for a in candidates:
             t = leaves[a]
             assert isinstance(t, torch.Tensor)
             if _has_grad_fn(t):
-                by_node.setdefault(id(_grad_fn(t)), a)
+                nodes.append(_grad_fn(t))
+                by_node.setdefault(id(nodes[-1]), a)
             elif t.requires_grad:
                 by_leaf.setdefault(id(t), a)
         for node in _graph_nodes(_grad_fn(o)):

@@ -404,7 +404,7 @@ class CompiledFunction:
                 if isinstance(t, torch.Tensor)
             }
             with swapped(lifted, user_leaves[num_user:]), recorder.run(lifting):
-                out = fn(*args, **kwargs)
+                out = recorder.call(fn, args, kwargs)  # checks what it did to args and outputs
             return _flatten_output(out)
 
         def backward_state(user_leaves: list[object]) -> AbstractContextManager[None]:

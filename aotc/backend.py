@@ -108,6 +108,71 @@ def compile_graph(
     (the `aotc.compile` object of the default capture mode; else a `DynamoGraph`); `reason`: why
     Dynamo recompiled, for listeners; `on_graph(graph)`: gets the `DynamoGraph`, or the lazily
     compiled `CompiledFunction` of a fallback (both have `.records`)."""
+    run = _compile_graph(gm, example_inputs, opts, name, owner, reason, on_graph)
+    return _leaving_global_state(gm, run)
+
+
+# Note [Global state a Dynamo graph leaves set]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Dynamo records a program's calls that set torch's global state (`torch.set_grad_enabled`,
+# `torch.set_default_dtype`, `torch.use_deterministic_algorithms`) as nodes of its graph, and
+# relies on the graph running them: what the state is after the graph is what the program left
+# (eager's `torch.set_grad_enabled(False)` without a restore keeps grad off after the call; a
+# graph that ends inside a `with torch.no_grad():` block before a graph break leaves grad off for
+# the code after the break). aotc's compiled graphs hold only tensor ops: the setters ran while
+# tracing, and the runtime restores the caller's state around its calls. So the call ends by
+# setting each such state the way the graph's last setter of it did. Graphs without setters get
+# no wrapper; a graph that sets and restores (a `no_grad` region inside) sets what is already set.
+_GLOBAL_SETTERS = tuple(
+    fn
+    for fn in (
+        getattr(torch._C, "_set_grad_enabled", None),
+        torch.set_default_dtype,
+        getattr(torch._C, "_set_deterministic_algorithms", None),
+        getattr(torch, "use_deterministic_algorithms", None),
+        getattr(torch, "set_grad_enabled", None),
+    )
+    if fn is not None
+)
+
+
+def _leaving_global_state(gm: torch.fx.GraphModule, run: Callable[..., Any]) -> Callable[..., Any]:
+    """`run`, then the last call of each global-state setter in `gm` (Note [Global state a Dynamo
+    graph leaves set]); `run` itself when the graph has none."""
+    last: dict[object, tuple[Any, tuple[Any, ...], dict[str, Any]]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _GLOBAL_SETTERS:
+            continue
+        if any(isinstance(a, torch.fx.Node) for a in (*node.args, *node.kwargs.values())):
+            return run  # a state computed in the graph: Dynamo's graph decides (never seen)
+        kind = "grad" if "grad" in getattr(node.target, "__name__", "") else node.target
+        kind = "deterministic" if "deterministic" in getattr(node.target, "__name__", "") else kind
+        last[kind] = (node.target, tuple(node.args), dict(node.kwargs))
+    if not last:
+        return run
+    setters = tuple(last.values())
+
+    def run_and_set(*args: Any) -> Any:
+        out = run(*args)
+        for fn, fargs, fkwargs in setters:
+            fn(*fargs, **fkwargs)
+        return out
+
+    for attr in ("aotc_graph", "aotc_compiled"):
+        if hasattr(run, attr):
+            setattr(run_and_set, attr, getattr(run, attr))
+    return run_and_set
+
+
+def _compile_graph(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    opts: CompileOptions,
+    name: str,
+    owner: Any,
+    reason: str | None,
+    on_graph: Callable[[Any], None] | None,
+) -> Callable[..., Any]:
     _refuse_metadata_changes(gm)
     switch = _inference_mode_switch(gm)
     if switch is not None:  # See Note [Inference mode switches in Dynamo graphs]

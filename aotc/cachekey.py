@@ -144,6 +144,10 @@ def cache_key(
         except _Unkeyable as e:
             reason = str(e)
         except Exception as e:  # noqa: BLE001 the key trace failed: the full compile reports it
+            from aotc.recording import SideEffectsRefused
+
+            if isinstance(e, SideEffectsRefused):
+                raise  # the full compile would only make the changes again, then refuse them
             reason = f"key trace failed ({type(e).__name__})"
     else:
         return CacheKey(None, reason)

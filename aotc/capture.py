@@ -217,6 +217,7 @@ def _on_compile_start(_args: object = None) -> None:
             sound_guards_for_this_compile()
             _run_unconvertible_frames_eagerly()
             _keep_unmaterialized_functions_eager()
+            _read_the_exporting_flag()
             return
         frame = frame.f_back
 
@@ -321,11 +322,48 @@ def _set_materialize_grads(self: Any, value: bool) -> None:
 _untraceable_materialize = torch._dynamo.disable(_MATERIALIZE)
 
 
+# Note [torch.compiler.is_exporting() under Dynamo]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch 2.11's Dynamo folds `torch.compiler.is_exporting()` to the constant True in every frame
+# it traces, torch.export or not (its table of tracing-state functions; torch 2.13 reads the real
+# flag, `torch.compiler._is_exporting_flag`). A program that branches on it took the export branch
+# under the default capture mode, where eager takes the other: Hugging Face's masks never skip the
+# causal mask then (SDPA got an explicit mask instead of `is_causal=True`), and a Llama, Mixtral
+# or T5 training step under CPU bf16 autocast came out with gradients a rounding away from
+# eager's (`torch.compile(backend="eager")` does the same). For the frames converted inside a call
+# of an aotc.compile object, the compile-start callback puts the real flag into that table (False
+# outside torch.export, which sets the flag), and the compile-end callback puts True back.
+# Dynamo compiles one frame at a time under its compile lock, so no other compilation reads the
+# table meanwhile. On a torch that reads the flag itself the table entry is not consulted.
+_exporting_saved: list[object] = []  # the table's entry while aotc's compile replaced it
+
+
+def _tracing_state_table() -> dict[Any, Any] | None:
+    """Dynamo's table of the values it folds tracing-state functions to (None if none)."""
+    from torch._dynamo.variables import torch as torch_variables
+
+    table = getattr(torch_variables, "tracing_state_functions", lambda: None)()
+    return table if isinstance(table, dict) else None
+
+
+def _read_the_exporting_flag() -> None:
+    """See Note [torch.compiler.is_exporting() under Dynamo]. Called at a compile's start."""
+    table = _tracing_state_table()
+    is_exporting = torch.compiler.is_exporting
+    if table is None or is_exporting not in table or _exporting_saved:
+        return
+    _exporting_saved.append(table[is_exporting])
+    table[is_exporting] = torch.compiler._is_exporting_flag
+
+
 def _restore_config(_args: object = None) -> None:
     global _saved_config
     if _materialize_swapped[0]:  # Note [Functions that leave gradients unmaterialized]
         _FunctionCtx.set_materialize_grads = _MATERIALIZE  # type: ignore[method-assign]
         _materialize_swapped[0] = False
+    table = _tracing_state_table() if _exporting_saved else None
+    if table is not None:  # Note [torch.compiler.is_exporting() under Dynamo]
+        table[torch.compiler.is_exporting] = _exporting_saved.pop()
     if _saved_config is not None:
         for k, v in _saved_config.items():
             setattr(torch._dynamo.config, k, v)

@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch._decomp.decompositions as decompositions
 import torch.utils._pytree as pytree
 from torch._C import DispatchKey
 from torch._dispatch.python import no_python_dispatcher
@@ -149,6 +150,32 @@ def _rnn_patches() -> list[SharedPatch]:
 _RNN_PATCHES = _rnn_patches()
 
 
+# Note [Final states of torch 2.11's LSTM layer]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch 2.11's Python kernel of one LSTM layer (`one_layer_lstm` in torch/_decomp, the one the
+# `aten.lstm` kernel picks without oneDNN, as in every training trace: Note [LSTM layers in a
+# training trace] in aotc/tracer.py) returns the final states as `hx.squeeze(1)` of a
+# [1, batch, hidden] tensor: for a batch of two or more they keep the leading 1, and `h_n` came
+# out [layers, 1, batch, hidden] against eager's [layers, batch, hidden] (the metadata pass
+# refused the program, or its backward failed to broadcast). torch 2.13's kernel squeezes dim 0.
+# The layer here calls torch's and drops that leading dim where it is left, so it is a no-op on
+# torch 2.13.
+
+
+def _one_layer_lstm(
+    inp: Any, hidden: Any, params: Any, has_biases: Any, reverse: Any = False
+) -> Any:
+    """torch's `one_layer_lstm` with the final states in eager's shape (Note [Final states of
+    torch 2.11's LSTM layer])."""
+    out, (hx, cx) = _LSTM_LAYER.saved["one_layer_lstm"](inp, hidden, params, has_biases, reverse)
+    if hx.dim() > hidden[0].dim():
+        hx, cx = hx.squeeze(0), cx.squeeze(0)
+    return out, (hx, cx)
+
+
+_LSTM_LAYER = SharedPatch(decompositions, {"one_layer_lstm": _one_layer_lstm})
+
+
 # Note [Eager's interpolation kernels in the trace]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Under the Python dispatcher, `F.interpolate`'s linear, bilinear, bicubic and trilinear modes
@@ -223,9 +250,10 @@ _INTERPOLATION_PATCHES = _interpolation_patches()
 @contextlib.contextmanager
 def held() -> Iterator[None]:
     """Eager's dropout (Note [Eager's own dropout in the trace]), dropout between RNN layers
-    (Note [Dropout between the layers of an RNN]) and interpolation kernels (Note [Eager's
-    interpolation kernels in the trace]) under the Python dispatcher while held."""
+    (Note [Dropout between the layers of an RNN]), LSTM layers' final states (Note [Final states
+    of torch 2.11's LSTM layer]) and interpolation kernels (Note [Eager's interpolation kernels
+    in the trace]) under the Python dispatcher while held."""
     with contextlib.ExitStack() as stack:
-        for patch in (_PATCH, *_RNN_PATCHES, *_INTERPOLATION_PATCHES):
+        for patch in (_PATCH, *_RNN_PATCHES, _LSTM_LAYER, *_INTERPOLATION_PATCHES):
             stack.enter_context(patch.held())
         yield

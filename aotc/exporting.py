@@ -181,8 +181,10 @@ def _kernel_files(record: CompiledRecord, name: str, backend: str) -> dict[str, 
             lowered,
             (program.forward_kernels, program.backward_kernels),
         )
-        if low and gp is None
+        if low and gp is None and not (kind == "backward" and program.segments)
     ]
+    # A segmented entry's backward lowerings are its segments': one without a plain form runs
+    # as ATen calls in the artifact (Note [Segments] in passes/segments.py).
     if incomplete:
         raise ArtifactError(
             f"cannot export {name} with backend='{backend}': the Triton lowering of its "
@@ -192,7 +194,8 @@ def _kernel_files(record: CompiledRecord, name: str, backend: str) -> dict[str, 
         )
     sources = {k.key: k.source for k in record.kernels}  # a file is named by its kernel's key
     files: dict[str, str] = {}
-    for gp in (program.forward_kernels, program.backward_kernels):
+    graphs = (program.forward_kernels, program.backward_kernels)
+    for gp in (*graphs, *(seg.backward_kernels for seg in program.segments)):
         for step in gp.steps if gp is not None else ():
             if step.kernel is not None and step.kernel_file is not None:
                 key = step.kernel_file.removesuffix(".py").rsplit("_", 1)[-1]

@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from aotc import eagercomposites, eagerlayouts, hopcalls
+from aotc import eagercomposites, eagerlayouts, fxgenerators, hopcalls
 from aotc.customops import note_writing_op
 from aotc.lifting import StateCreated
 from aotc.runtime.errors import AotcError, UnsupportedError
@@ -311,6 +311,27 @@ def refused_by_functorch(e: BaseException) -> bool:
     return isinstance(cause, RuntimeError) and _FUNCTORCH_HOOKS in str(cause)
 
 
+def _undo_layers_to(depth: int) -> None:
+    """Pop the functorch layers above `depth`, each with its transform's own exit (what
+    `pop_dynamic_layer_stack_and_undo_to_depth` does on torch 2.13; torch 2.11's pops every layer
+    twice, the second time through the exit, and fails an internal assert: a jvp layer's "stack
+    is empty", or the next layer "is not a Jvp layer", which hid the run's own error)."""
+    functorch = torch._C._functorch
+    exits = {
+        functorch.TransformType.Vmap: functorch._vmap_decrement_nesting,
+        functorch.TransformType.Grad: functorch._grad_decrement_nesting,
+        functorch.TransformType.Jvp: functorch._jvp_decrement_nesting,
+        functorch.TransformType.Functionalize: functorch._func_decrement_nesting,
+    }
+    while functorch.get_dynamic_layer_stack_depth() > depth:
+        top = functorch.peek_interpreter_stack()
+        exit_layer = exits.get(top.key()) if top is not None else None
+        if exit_layer is None:  # a layer of another kind: torch's own undo
+            functorch.pop_dynamic_layer_stack_and_undo_to_depth(depth)
+            return
+        exit_layer()
+
+
 @contextlib.contextmanager
 def transform_state() -> Iterator[None]:
     """Undo, on exit, what a run that stopped half-way through a torch.func transform left set.
@@ -336,7 +357,7 @@ def transform_state() -> Iterator[None]:
             pass  # none was left entered
         raise
     finally:
-        torch._C._functorch.pop_dynamic_layer_stack_and_undo_to_depth(depth)
+        _undo_layers_to(depth)
         torch._C._set_fwd_grad_enabled(fwd_grad)
         if message is None:
             torch._C._autograd._saved_tensors_hooks_enable()
@@ -355,6 +376,8 @@ _EAGER_CHECKS = (
     "modified by an inplace operation",
     "does not require grad and does not have a grad_fn",
 )
+# Errors that say an op read tensors on two devices (eager's and fake tensors' wordings).
+_MIXED_DEVICES = ("same device", "expected device", "two different devices")
 # Errors that only fake tensors raise: the program reads tensor data into Python.
 _NEEDS_DATA = (
     "unallocated storage",
@@ -370,7 +393,9 @@ def _program_error(what: str, e: Exception, where: str, eager_ran: bool = False)
     it means for this kind of failure (each hint true for the failures it is given for)."""
     text = str(e).strip()
     reason = text.splitlines()[0][:300].rstrip(".") if text else type(e).__name__
-    if "device" in reason and ("same device" in reason or "expected device" in reason):
+    # Fake tensors' wording: torch 2.13 "Expected all tensors to be on the same device, ...",
+    # torch 2.11 "Unhandled FakeTensor Device Propagation ..., found two different devices".
+    if "device" in reason and any(p in reason for p in _MIXED_DEVICES):
         hint = (
             "Eager raises this too. Move every tensor the op reads to one device before the "
             "call (or with .to() inside the function)."
@@ -470,6 +495,7 @@ def fresh_fake(t: torch.Tensor, *, as_leaves: bool) -> torch.Tensor:
     stands for a dynamic Python float keeps its symbol (Note [Dynamic Python floats] in
     aotc/backend.py)."""
     fake = _empty_with_geometry(t)
+    _copy_lazy_bits(t, fake)
     memo = getattr(t, "item_memo", None)
     if memo is not None:
         fake.item_memo = memo  # type: ignore[attr-defined]  # FakeTensor's, set on an empty
@@ -478,9 +504,20 @@ def fresh_fake(t: torch.Tensor, *, as_leaves: bool) -> torch.Tensor:
         if not as_leaves and not t.is_leaf:
             # A non-leaf with exactly these strides (a clone would make them contiguous).
             out = _empty_with_geometry(t)
+            _copy_lazy_bits(t, out)
             with torch.enable_grad():
                 fake = out.copy_(fake)
     return fake
+
+
+def _copy_lazy_bits(t: torch.Tensor, fake: torch.Tensor) -> None:
+    """`t`'s conjugate and negative bits on `fake`: a complex input Dynamo hands over as
+    `b.conj()` is a conjugate view, and `x.resolve_conj()` must trace as a copy, not as a no-op
+    (which returned the input itself, bit set)."""
+    if t.is_conj():
+        torch._C._set_conj(fake, True)
+    if t.is_neg():
+        torch._C._set_neg(fake, True)
 
 
 def _extent(sizes: Sequence[Any], strides: Sequence[Any]) -> Any:
@@ -554,18 +591,19 @@ def compiling() -> Iterator[None]:
     torch.compiler's own (set by Dynamo for the duration of its compilations). Also sets
     `TRACING.active` (Note [Compiled functions called while aotc traces]), and holds eager's
     layouts for fake tensors (Note [Eager's layouts of normalization kernels] in
-    aotc/eagerlayouts.py)."""
+    aotc/eagerlayouts.py) and records Generators in fx traces (Note [Generators in a trace] in
+    aotc/fxgenerators.py)."""
     tracing = TRACING.enter()
     try:
         session = getattr(torch.compiler, "_compile_session_context", None)
         if session is not None:
-            with session(), hopcalls.held(), eagerlayouts.held():
+            with session(), hopcalls.held(), eagerlayouts.held(), fxgenerators.held():
                 yield
             return
         old = torch.compiler._is_compiling_flag
         torch.compiler._is_compiling_flag = True
         try:
-            with hopcalls.held(), eagerlayouts.held():
+            with hopcalls.held(), eagerlayouts.held(), fxgenerators.held():
                 yield
         finally:
             torch.compiler._is_compiling_flag = old
@@ -868,7 +906,11 @@ class EagerChecks(TorchDispatchMode):
                     "(the input's base) as an argument, or write into a .clone()."
                 )
                 return
-            self_overlap = torch._debug_has_internal_overlap(w) == 1
+            overlap = torch._debug_has_internal_overlap(w)
+            if overlap == 2 and func not in _ORDER_FREE_WRITES and overlaps_itself(w):
+                self.problem = self._message(func, None, _SELF_OVERLAP)
+                return
+            self_overlap = overlap == 1
             partial = func._schema.name.endswith("_") and any(
                 _partial_overlap(w, r) or _elements_overlap(w, r) for r in read
             )
@@ -1368,6 +1410,49 @@ _METADATA_IN_PLACE = frozenset(
         "record_stream",
     }
 )
+
+
+# Note [Writes into a tensor that overlaps itself]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# `base.as_strided((3, 3), (2, 1))` over 10 elements addresses elements 2, 4 and 6 twice.
+# Eager's overlap check refuses a write only into stride-0 dims (an `expand`); for others it
+# cannot decide cheaply (`_debug_has_internal_overlap` says "too hard") and writes element by
+# element in its kernel's order, so `x.mul_(2)` doubles each shared element twice, and what
+# `x.add_(y)` or `x.copy_(y)` leave there depends on which index the kernel visits last. aotc's
+# functional graph computes every element once from the old values, a different result, silently.
+# So such a write is refused when two of the tensor's elements really share memory
+# (`overlaps_itself`), except for writes whose result does not depend on the order
+# (`_ORDER_FREE_WRITES`: one value for every element), which the graph's scatter reproduces.
+_SELF_OVERLAP = (
+    "writes into a tensor in which several indices address the same element (an `as_strided` "
+    "view whose strides overlap): eager's result then depends on the order its kernel visits "
+    "the elements, which aotc's functional graph cannot reproduce"
+)
+_ORDER_FREE_WRITES = frozenset(
+    {torch.ops.aten.fill_.Scalar, torch.ops.aten.fill_.Tensor, torch.ops.aten.zero_.default}
+)
+
+
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two indices of `t` address the same element (see Note [Writes into a tensor that
+    overlaps itself]); False for symbolic geometry (left to eager's own check)."""
+    geometry = [(n, st) for n, st in zip(t.shape, t.stride()) if n != 1]
+    if not all(type(n) is int and type(st) is int for n, st in geometry):
+        return False
+    if any(n == 0 for n, _ in geometry):
+        return False
+    reach = 0  # the largest offset the dims with smaller strides reach
+    for n, st in sorted(geometry, key=lambda d: abs(d[1])):
+        if abs(st) <= reach:
+            break
+        reach += abs(st) * (n - 1)
+    else:
+        return False  # each stride steps past every offset below it: no overlap
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        offsets = torch.zeros((), dtype=torch.int64)
+        for n, st in geometry:
+            offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st
+        return int(offsets.unique().numel()) < offsets.numel()
 
 
 # Storages up to this many elements are compared element by element in `_elements_overlap`;

@@ -44,7 +44,10 @@ inputs' signature, (c) the global state the calls read, and (d) aotc's and torch
   signature text already.
 What the text leaves out is what does not change the compile: source lines and stack traces in
 node metadata (errors may then name the line of the program that stored the entry, as with the
-key trace), node metadata values (recomputed from the inputs), graph-module names.
+key trace), node metadata values (recomputed from the inputs), graph-module names. One fact of a
+stack trace does change it: a node of a Function's backward marked `@once_differentiable`, which
+Dynamo inlines (Note [Once-differentiable backwards] in aotc/oncediff.py); such a line ends in
+`once`.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ import torch
 import torch.fx as fx
 
 from aotc.keytrace import Unkeyable
+from aotc.oncediff import in_once_differentiable
 
 # Higher-order operators whose every callable argument is a subgraph of the graph module.
 _SUBGRAPH_HOPS = frozenset(
@@ -106,7 +110,8 @@ def _graph_lines(gm: fx.GraphModule, prefix: str, lines: list[str]) -> None:
             target = _target(node.target) if node.op == "call_function" else f".{node.target}"
             args = ", ".join(_arg(a, ids) for a in node.args)
             kwargs = ", ".join(f"{k}={_arg(v, ids)}" for k, v in node.kwargs.items())
-            lines.append(f"{prefix}{name} = {target}({args}; {kwargs})")
+            once = in_once_differentiable(str(node.meta.get("stack_trace") or ""))
+            lines.append(f"{prefix}{name} = {target}({args}; {kwargs}){' once' if once else ''}")
         else:
             raise Unkeyable(f"graph node {node.format_node()} ({node.op})")
 

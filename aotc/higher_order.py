@@ -46,6 +46,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from aotc import oncediff
 from aotc.options import CompileOptions
 from aotc.passes.partition import ancestors
 from aotc.passes.recompute import is_random
@@ -73,10 +74,12 @@ class DifferentiableBackward:
         self._fn_name = name
         self._name = f"{name}.backward"
         self._lock = threading.Lock()
-        self._ready: tuple[fx.GraphModule, tuple[int, ...]] | None = None
+        # (program, graph args it reads, whether it takes an anchor: Note [Once-differentiable
+        # backwards] in aotc/oncediff.py)
+        self._ready: tuple[fx.GraphModule, tuple[int, ...], bool] | None = None
         self._dispatch: Dispatcher | None = None
 
-    def _prepare(self) -> tuple[fx.GraphModule, tuple[int, ...]]:
+    def _prepare(self) -> tuple[fx.GraphModule, tuple[int, ...], bool]:
         with self._lock:
             if self._ready is None:
                 forward, backward = self._graphs()
@@ -101,6 +104,7 @@ class DifferentiableBackward:
             return list(program_module(*user_leaves)), spec
 
         names = [*self._names, *(f"tangent{k}" for k in range(len(self._plan.diff_outs)))]
+        names += ["once_differentiable_anchor"] if self._ready[2] else []
         return compile_signature(program, leaves, names, self._options, self._name, self._name)
 
     def __call__(
@@ -110,7 +114,7 @@ class DifferentiableBackward:
         grads: Sequence[torch.Tensor],
         rng: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
-        _, needed = self._prepare()
+        _, needed, anchored = self._prepare()
         what = f"double backward (create_graph=True) through aotc-compiled {self._fn_name}"
         changed = [i for i in needed if args[i] is None]  # written by the entry itself
         changed += [
@@ -126,15 +130,16 @@ class DifferentiableBackward:
                 "unchanged until the double backward has run."
             )
         assert self._dispatch is not None
+        leaves = [*args, *grads, *((oncediff.anchor(),) if anchored else ())]
         if rng is None:
-            return cast(tuple[torch.Tensor, ...], self._dispatch([*args, *grads], None))
+            return cast(tuple[torch.Tensor, ...], self._dispatch(leaves, None))
         # Replay the call's random draws, and leave the generator as it was (eager's double
         # backward draws nothing).
         device = self._plan.rng_device
         now = _get_rng(device)
         _set_rng(device, rng)
         try:
-            return cast(tuple[torch.Tensor, ...], self._dispatch([*args, *grads], None))
+            return cast(tuple[torch.Tensor, ...], self._dispatch(leaves, None))
         finally:
             _set_rng(device, now)
 
@@ -190,9 +195,11 @@ def compose_backward(
     forward: fx.GraphModule,
     backward: fx.GraphModule,
     plan: AutogradPlan,
-) -> tuple[fx.GraphModule, tuple[int, ...]]:
-    """(graph args, tangents) -> gradients: the forward graph cut down to the saved values (and
-    its random ops, see `_recomputed`), then the backward graph. Also the graph args it reads."""
+) -> tuple[fx.GraphModule, tuple[int, ...], bool]:
+    """(graph args, tangents[, anchor]) -> gradients: the forward graph cut down to the saved
+    values (and its random ops, see `_recomputed`), then the backward graph. Also the graph args
+    it reads, and whether it takes an anchor (the backward has nodes a once-differentiable
+    backward computed: Note [Once-differentiable backwards] in aotc/oncediff.py)."""
     fwd_graph, bwd_graph = forward.graph, backward.graph
     fwd_inputs = [n for n in fwd_graph.nodes if n.op == "placeholder"]
     needed_nodes, saved, _ = _recomputed(forward, plan.num_fwd_outs)
@@ -221,11 +228,59 @@ def compose_backward(
             graph.output(fx.map_arg(node.args[0], lambda n: env[n]))
             break
         env[node] = _copy(graph, node, env, root, "bwd")
+    tangents = [env[n] for n in bwd_inputs[n_saved:]]
+    anchored = _insert_barriers(graph, tangents)
     graph.eliminate_dead_code()
     module = fx.GraphModule(root, graph, class_name="DifferentiableBackward")
     used = {n.name for n in graph.nodes if n.op == "placeholder" and n.users}
     needed = tuple(i for i, n in enumerate(fwd_inputs) if env[n].name in used)
-    return module, needed
+    return module, needed, anchored
+
+
+def _insert_barriers(graph: fx.Graph, tangents: list[fx.Node]) -> bool:
+    """Each value that nodes of a once-differentiable backward return goes through
+    `oncediff.barrier` (its gradient inputs: the nodes it reads from outside the backward that
+    depend on a tangent). Adds the anchor placeholder when there is any."""
+    marked = [n for n in graph.nodes if n.meta.get(oncediff.ONCE_KEY)]
+    if not marked:
+        return False
+    inside = set(marked)
+    on_tangents = set(tangents)
+    for node in graph.nodes:
+        if any(a in on_tangents for a in node.all_input_nodes):
+            on_tangents.add(node)
+    returned = [n for n in marked if any(u not in inside for u in n.users)]
+    if not returned:
+        return False
+    last = next(n for n in reversed(graph.nodes) if n.op == "placeholder")
+    with graph.inserting_after(last):
+        anchor = graph.placeholder("once_differentiable_anchor")
+    for value in returned:
+        grads = [n for n in _region_inputs(value, inside) if n in on_tangents]
+        with graph.inserting_after(value):
+            joined = graph.call_function(oncediff.barrier, (value, anchor, *grads))
+        joined.meta = {k: v for k, v in value.meta.items() if k != oncediff.ONCE_KEY}
+        keep = inside | {joined}
+        value.replace_all_uses_with(joined, delete_user_cb=lambda u, keep=keep: u not in keep)
+    return True
+
+
+def _region_inputs(value: fx.Node, inside: set[fx.Node]) -> list[fx.Node]:
+    """The nodes outside `inside` that the marked nodes computing `value` read."""
+    seen: set[fx.Node] = set()
+    found: list[fx.Node] = []
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        for arg in node.all_input_nodes:
+            if arg in seen:
+                continue
+            seen.add(arg)
+            if arg in inside:
+                stack.append(arg)
+            else:
+                found.append(arg)
+    return found
 
 
 def _get_rng(device: str | None) -> torch.Tensor:

@@ -17,6 +17,8 @@ registers for it, which trace each branch into a subgraph of the graph, as Dynam
 on the tracing thread the patched `_hop_compile_and_call` calls the wrapper directly. The graph
 then holds the operator with both branches, as a graph from the default capture mode does:
 the predicate is read when the compiled graph runs, never at trace time, so no guard is needed.
+torch 2.11 has no `_hop_compile_and_call`: each operator calls `torch.compile(wrapper,
+fullgraph=True)` itself, so there `torch.compile` is the patched name (`_compile_directly`).
 
 The patched function replaces a module attribute that every thread shares, through a
 `SharedPatch` (aotc/sharedpatch.py); other threads, and calls on this thread outside a trace, get
@@ -44,6 +46,22 @@ def _call_directly(fn: Any, args: Any, kwargs: Any = None) -> Any:
 
     if not TRACING.active:
         return _PATCH.saved["_hop_compile_and_call"](fn, args, kwargs)
+    return _run_directly(fn, args, kwargs)
+
+
+def _compile_directly(model: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """`torch.compile` while held, on a torch without `_hop_compile_and_call` (2.11: each
+    control-flow operator calls `torch.compile(wrapper, backend=..., fullgraph=True)(*operands)`
+    itself; 2.13 through that function): on the tracing thread the operators' wrappers run
+    directly, as `_call_directly` runs them (Note [Control-flow operators in a trace])."""
+    from aotc.functional import TRACING
+
+    if TRACING.active and getattr(model, "__name__", "") in _OPS and kwargs.get("fullgraph"):
+        return lambda *operands, **kw: _run_directly(model, operands, kw)
+    return _COMPILE.saved["compile"](model, *args, **kwargs)
+
+
+def _run_directly(fn: Any, args: Any, kwargs: Any) -> Any:
     name = getattr(fn, "__name__", "")
     op = _OPS.get(name, f"the control-flow operator ({name})")
     try:
@@ -164,6 +182,7 @@ def _cond_backward(ctx: Any, *grads: Any) -> Any:
 # got once is cloned: the same values, one more copy in the backward graph, no refusal.
 
 _PATCH = SharedPatch(hop_utils, {"_hop_compile_and_call": _call_directly})
+_COMPILE = SharedPatch(torch, {"compile": _compile_directly})
 _BACKWARD = SharedPatch(CondAutogradOp, {"backward": staticmethod(_cond_backward)})
 
 
@@ -172,6 +191,8 @@ def held() -> Iterator[None]:
     """Control-flow operators call their operator directly on the tracing thread while held
     (Note [Control-flow operators in a trace]), and cond's backward gets distinct gradients
     (Note [One gradient for two outputs of cond])."""
-    direct = _PATCH.held() if hasattr(hop_utils, "_hop_compile_and_call") else None
-    with direct or contextlib.nullcontext(), _BACKWARD.held():
+    # torch 2.13 compiles every control-flow operator's wrapper through
+    # `_hop_compile_and_call`; torch 2.11 has no such function and calls `torch.compile`.
+    direct = _PATCH if hasattr(hop_utils, "_hop_compile_and_call") else _COMPILE
+    with direct.held(), _BACKWARD.held():
         yield

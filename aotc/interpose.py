@@ -4,7 +4,11 @@ Stage: `patch_class(cls)` / `unpatch_class(cls)` (refcounted) install recording
 `__getattribute__`, `__getattr__`, `__setattr__` and `__delattr__` on a class for the length of a
 run; `recording_module_class(cls)` is a Python module class that records the same way;
 `install_stubs()` / `remove_stubs()` replace `print`, `Tensor.register_hook` and friends, and
-Python's and NumPy's random draws, for the length of a run. `ACTIVE` lists the recorders of the
+Python's and NumPy's random draws, for the length of a run, and give tensors a `__setattr__`
+and `detach_`/`requires_grad_`/`backward` that refuse what a graph cannot replay on inputs (Note
+[Tensor state a graph does not carry]); `watch_generators()` / `unwatch_generators()` refuse
+reading or setting a torch.Generator's state, and creating one, from the program (Note
+[Generator state in strict mode]). `ACTIVE` lists the recorders of the
 runs in progress (aotc/recording.py): every recorded load and store is reported to each of them.
 Requires: called under the compile lock; a patched class is unpatched as often as patched.
 Ensures: each patch calls the original method (resolved along the MRO, skipping patches), so the
@@ -246,6 +250,165 @@ def _on_seed(rec: Recorder, orig: Callable[..., Any], *args: Any, **kwargs: Any)
     )
 
 
+# Note [Tensor state a graph does not carry]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Some things a program does to a tensor are not operators, so no trace sees them, and a compiled
+# call would not do them: on an input, the trace does them to a stand-in (a fake tensor) and the
+# caller's tensor keeps its old state. While a strict run is in progress, user code doing them is
+# refused, naming the input (or output) and the line:
+# - `x.detach_()` on an input that requires grad (eager leaves the caller's `x` detached);
+# - `x.requires_grad_(False)` / `x.requires_grad = False` on an input that requires grad (eager
+#   turns the caller's flag off; turning it on is replayed, Note [Inference traces keep
+#   requires_grad] in aotc/tracer.py);
+# - a Python attribute set on a tensor (`x.seen = True`, `y.tag = "..."`) that is an input, or
+#   an output of the call (Recorder.call checks the outputs): a compiled call returns new tensors
+#   without it and never sets it on the input. On other intermediates it is harmless (eager drops
+#   them with the tensor too) and allowed;
+# - `.backward()` / `torch.autograd.backward` whose backward reaches the program's inputs: eager
+#   accumulates into their `.grad` (or goes on into the caller's graph), which the trace cannot
+#   (their gradients are what the compiled backward computes; the trace reports "Cannot backprop
+#   through mirrored meta"). A backward that stays inside the program runs as before;
+# - `torch.autograd.grad`/`.backward()` without `retain_graph` free the graph behind what they
+#   differentiate; each call is noted (`Recorder.freeing_calls`), and Recorder.call refuses a
+#   program that returns an output whose backward needs a value that call freed (eager raises
+#   "Trying to backward through the graph a second time" when the caller backpropagates it;
+#   strict mode differentiates every output that requires grad when it compiles).
+# Library code doing the same (torch's own `Parameter`, a checkpoint's inner backward) is let
+# through: its tensors are its own business (Note [Strict capture guards] in aotc/strict.py).
+
+
+def _input_of(rec: Recorder, t: object) -> str | None:
+    found = rec.inputs.get(id(t))
+    return None if found is None else found[0]
+
+
+def _refuse_on_input(rec: Recorder, what: str, name: str, where: str, hint: str) -> None:
+    """`what`: the program's action, completed by "input <name>" (e.g. "calls detach_() on")."""
+    raise UnsupportedError(
+        f"{rec.name}: the program {what} input {name!r} at {where}. That is not an operator aotc "
+        "traces: the trace does it to a stand-in for the input, so a compiled call would leave "
+        f"your tensor as it was. {hint}"
+    )
+
+
+_OUT_OF_PLACE_HINT = (
+    "Use the out-of-place form inside the compiled function (`x = x.detach()`), do it outside "
+    "the compiled function, or use the default capture mode."
+)
+
+
+def _on_detach_(rec: Recorder, orig: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    where = _caller_line(2)
+    self = args[0] if args else None
+    name = _input_of(rec, self) if where else None
+    if name is not None and isinstance(self, Tensor) and self.requires_grad:
+        _refuse_on_input(rec, "calls detach_() (in place) on", name, where, _OUT_OF_PLACE_HINT)
+    return orig(*args, **kwargs)
+
+
+def _refuse_requires_grad_off(rec: Recorder, t: object, value: object, where: str) -> None:
+    name = _input_of(rec, t) if where else None
+    if name is not None and isinstance(t, Tensor) and t.requires_grad and not value:
+        _refuse_on_input(
+            rec,
+            "turns requires_grad off (requires_grad_(False), or .requires_grad = False) on",
+            name,
+            where,
+            "Pass `x.detach()` to the compiled function, turn the flag off before the call, or "
+            "use the default capture mode.",
+        )
+
+
+def _on_requires_grad_(rec: Recorder, orig: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    value = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
+    _refuse_requires_grad_off(rec, args[0] if args else None, value, _caller_line(2))
+    return orig(*args, **kwargs)
+
+
+def _is_data_descriptor(cls: type, name: str) -> bool:
+    for klass in cls.__mro__:
+        found = vars(klass).get(name, MISSING)
+        if found is not MISSING:
+            return hasattr(type(found), "__set__")
+    return False
+
+
+_OBJECT_SETATTR = object.__setattr__
+
+
+def _tensor_setattr(self: Tensor, name: str, value: object) -> None:
+    """`Tensor.__setattr__` during a run: torch's own code sets attributes on the trace's
+    tensors thousands of times per trace, so the common case (library code) is one frame and a
+    cached file lookup."""
+    rec = ACTIVE[-1] if ACTIVE else None
+    if rec is not None and name[:2] != "__":
+        code = sys._getframe(1).f_code
+        if is_user_file(code.co_filename) and threading.get_ident() == rec.thread:
+            _check_tensor_setattr(rec, self, name, value, user_line(2))
+    _OBJECT_SETATTR(self, name, value)
+
+
+def _check_tensor_setattr(
+    rec: Recorder, self: Tensor, name: str, value: object, where: str
+) -> None:
+    if name == "requires_grad":
+        _refuse_requires_grad_off(rec, self, value, where)
+    elif not _is_data_descriptor(type(self), name):  # a Python attribute (`grad`, `data`: above)
+        input_name = _input_of(rec, self)
+        if input_name is not None:
+            _refuse_on_input(
+                rec,
+                f"sets Python attribute {name!r} on",
+                input_name,
+                where,
+                "Set it outside the compiled function (before or after the call), or use the "
+                "default capture mode.",
+            )
+        rec.tensor_attributes[id(self)] = (self, name, where)
+
+
+_FREES_GRAPH_ARGS = {"grad": 3, "backward": 2}  # position of retain_graph (create_graph next)
+
+
+def _retains_graph(orig: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    pos = _FREES_GRAPH_ARGS.get(getattr(orig, "__name__", ""), 2)
+    retain = kwargs.get("retain_graph", args[pos] if len(args) > pos else None)
+    create = kwargs.get("create_graph", args[pos + 1] if len(args) > pos + 1 else False)
+    return bool(create) if retain is None else bool(retain)
+
+
+def _on_autograd(rec: Recorder, orig: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    where = _caller_line(2)
+    nested = torch._C._current_graph_task_id() != -1  # called inside a backward
+    if not where or nested:
+        return orig(*args, **kwargs)
+    name = getattr(orig, "__name__", "?")
+    what = _AUTOGRAD_CALLS.get(getattr(orig, "__qualname__", name), f"{name}()")
+    if not _retains_graph(orig, args, kwargs):
+        rec.freeing_calls.append((what, where))
+    try:
+        return orig(*args, **kwargs)
+    except RuntimeError as e:
+        if "mirrored meta" not in str(e):
+            raise
+        raise UnsupportedError(
+            f"{rec.name}: {what} at {where} backpropagates into the compiled function's inputs: "
+            "eager would accumulate gradients into the .grad of the tensors it comes from (or go "
+            "on into the caller's autograd graph), which strict mode (capture='trace') cannot "
+            "trace, since the gradients of the inputs are what the compiled backward computes. "
+            "Return the loss and call .backward() after the call, take the gradients inside "
+            "with torch.autograd.grad(loss, inputs) and return them, or use the default "
+            "capture mode."
+        ) from e
+
+
+_AUTOGRAD_CALLS = {
+    "Tensor.backward": "Tensor.backward()",
+    "backward": "torch.autograd.backward()",
+    "grad": "torch.autograd.grad()",
+}
+
+
 def _on_clock(rec: Recorder, orig: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     where = _caller_line(2)
     if where:
@@ -279,6 +442,12 @@ def _stub_targets() -> list[tuple[object, str, Callable[..., Any]]]:
         (Tensor, "register_hook", _on_hook),
         (Tensor, "register_post_accumulate_grad_hook", _on_hook),
         (Tensor, "retain_grad", _on_hook),
+        # See Note [Tensor state a graph does not carry]
+        (Tensor, "detach_", _on_detach_),
+        (Tensor, "requires_grad_", _on_requires_grad_),
+        (Tensor, "backward", _on_autograd),
+        (torch.autograd, "backward", _on_autograd),
+        (torch.autograd, "grad", _on_autograd),
     ]
     targets += [(random, n, _on_random) for n in _RANDOM_NAMES if hasattr(random, n)]
     targets += [(time, n, _on_clock) for n in ("time", "time_ns", "perf_counter", "monotonic")]
@@ -373,7 +542,109 @@ def _property_targets() -> list[tuple[object, str, object]]:
     return [
         (Tensor, "grad", property(_get_grad, _set_grad, _del_grad, doc=_GRAD.__doc__)),
         (Tensor, "data", property(_get_data, _set_data, doc=_DATA.__doc__)),
+        (Tensor, "__setattr__", _tensor_setattr),  # Note [Tensor state a graph does not carry]
     ]
+
+
+# Note [Generator state in strict mode]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A random op given a generator (`torch.rand(2, generator=g)`) is traced with the generator
+# itself as a constant (Note [Generators in a trace] in aotc/fxgenerators.py): compiled calls draw
+# from it as eager does. What the program does to the generator's *state* is no op, so it would
+# happen only while tracing: `g.manual_seed(3)` (eager reseeds on every call), `s = g.get_state()`
+# ... `g.set_state(s)` (eager draws the same numbers twice), `g.initial_seed()` (a value frozen in
+# the graph); and a generator the program creates (`torch.Generator().manual_seed(5)`) would be
+# the one created while tracing, drawn from by every compiled call, where eager makes a fresh one
+# per call. `torch.manual_seed()` and friends are refused by their stubs above; these are refused
+# the same way, by name and line. torch.Generator is a C type whose methods cannot be replaced,
+# so a run whose user code names one of these methods (or `Generator`: CodeFacts.uses, checked
+# before each run and for each function walked during it) watches C calls with a profile
+# function for its length (`sys.setprofile`, this thread only: ~35% more trace time, so only
+# then), and stands a class for `torch.Generator` whose instance checks are the real class's and
+# whose construction from user code refuses. A run under another profiler (cProfile) cannot
+# watch calls: the recorder then falls back on comparing each generator's state after the run
+# (aotc/recording.py), which misses a state set back to what it was.
+GENERATOR_NAMES = frozenset(
+    {"Generator", "manual_seed", "seed", "initial_seed", "get_state", "set_state",
+     "graphsafe_get_state", "graphsafe_set_state", "clone_state", "get_offset", "set_offset"}
+)  # fmt: skip
+REAL_GENERATOR = torch._C.Generator
+_GENERATOR_HINT = (
+    "Create and seed the generator outside the compiled function and pass it in as an argument "
+    "(random ops inside draw from it on every call, as in eager), or use the default capture mode."
+)
+
+
+def _generator_calls(frame: Any, event: str, arg: Any) -> None:
+    """The profile function of a run that watches generators (Note [Generator state in strict
+    mode])."""
+    if event != "c_call" or not isinstance(getattr(arg, "__self__", None), REAL_GENERATOR):
+        return
+    name = getattr(arg, "__name__", "")
+    rec = ACTIVE[-1] if ACTIVE else None
+    if name not in GENERATOR_NAMES or rec is None or threading.get_ident() != rec.thread:
+        return
+    code = frame.f_code
+    if not is_user_file(code.co_filename):
+        return
+    where = format_line(code.co_filename, frame.f_lineno)
+    raise UnsupportedError(
+        f"{rec.name}: torch.Generator.{name}() at {where} reads or sets a generator's state. "
+        "That is not an operator aotc traces: it would run once, while aotc traces the program, "
+        "and compiled calls would draw from the generator as they find it. " + _GENERATOR_HINT
+    )
+
+
+class _GeneratorClass(type):
+    """The metaclass of the stand-in for torch.Generator: instance and subclass checks are the
+    real class's; constructing one from user code refuses."""
+
+    def __instancecheck__(cls, obj: object) -> bool:
+        return isinstance(obj, REAL_GENERATOR)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, REAL_GENERATOR)
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        rec = ACTIVE[-1] if ACTIVE else None
+        where = _caller_line(1)
+        if where and rec is not None and threading.get_ident() == rec.thread:
+            raise UnsupportedError(
+                f"{rec.name}: the program creates a torch.Generator at {where}. A graph would "
+                "keep the one generator made while aotc traces, and every compiled call would "
+                "go on drawing from it, where eager makes a fresh one on each call. "
+                + _GENERATOR_HINT
+            )
+        return REAL_GENERATOR(*args, **kwargs)
+
+
+class _Generator(metaclass=_GeneratorClass):
+    """torch.Generator while a run watches generators (see Note [Generator state in strict
+    mode])."""
+
+
+_WATCHING: list[object] = []  # the profile functions replaced (one per watching run)
+
+
+def watch_generators() -> bool:
+    """Start watching (Note [Generator state in strict mode]); False if this thread has another
+    profile function (its calls cannot be watched then). Undo with `unwatch_generators`."""
+    if sys.getprofile() not in (None, _generator_calls):
+        return False
+    with _PATCH_LOCK:
+        if not _WATCHING:
+            setattr(torch, "Generator", _Generator)  # noqa: B010 (a stand-in, for the run)
+        _WATCHING.append(sys.getprofile())
+    sys.setprofile(_generator_calls)
+    return True
+
+
+def unwatch_generators() -> None:
+    with _PATCH_LOCK:
+        previous = _WATCHING.pop()
+        if not _WATCHING:
+            setattr(torch, "Generator", REAL_GENERATOR)  # noqa: B010
+    sys.setprofile(previous)  # type: ignore[arg-type]
 
 
 _STUB_COUNT = 0

@@ -272,15 +272,26 @@ def _lowered_graph_ids(program: object) -> set[int]:
     fields = program.get("f") if isinstance(program, dict) else None
     if not isinstance(fields, dict):
         raise CacheError("bad program record")
+    # A segment's backward is lowered like the whole backward (Note [Segments]).
+    segments = fields.get("segments")
+    records = [fields]
+    if isinstance(segments, dict) and isinstance(segments.get("T"), list):
+        records += [
+            seg["f"]
+            for seg in segments["T"]
+            if isinstance(seg, dict) and isinstance(seg.get("f"), dict)
+        ]
     out = set()
-    for graph, lowering in (("forward", "forward_kernels"), ("backward", "backward_kernels")):
-        lowered = fields.get(lowering)
-        if not isinstance(lowered, dict):
-            continue
-        decomposed = lowered.get("f", {}).get("decomposed")
-        for ref in (fields.get(graph), decomposed):
-            if isinstance(ref, dict) and isinstance(ref.get("G"), int):
-                out.add(ref["G"])
+    pairs = (("forward", "forward_kernels"), ("backward", "backward_kernels"))
+    for record in records:
+        for graph, lowering in pairs:
+            lowered = record.get(lowering)
+            if not isinstance(lowered, dict):
+                continue
+            decomposed = lowered.get("f", {}).get("decomposed")
+            for ref in (record.get(graph), decomposed):
+                if isinstance(ref, dict) and isinstance(ref.get("G"), int):
+                    out.add(ref["G"])
     return out
 
 

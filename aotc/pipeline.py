@@ -41,6 +41,7 @@ from torch.utils._pytree import TreeSpec
 
 from aotc import eagercomposites, persist
 from aotc.cachekey import CacheKey
+from aotc.disabledhooks import compiling_in_region, seen_by_program
 from aotc.functional import FlatProgram, compiling, refused_by_functorch, transform_state
 from aotc.higher_order import (
     DifferentiableBackward,
@@ -59,6 +60,13 @@ from aotc.passes.kernelize import KERNEL_LISTENERS, generate_graph, graph_device
 from aotc.passes.lowering import lower, view_output_positions
 from aotc.passes.partition import PartitionResult, partition
 from aotc.passes.recompute import Executor, executor_for
+from aotc.passes.segments import (
+    SEGMENTS_KEY,
+    Segmentation,
+    padded_backward,
+    split_backward,
+    strip_markers,
+)
 from aotc.passes.select import triton_target
 from aotc.persist import Inspection
 from aotc.runtime import heap, precompile
@@ -70,6 +78,7 @@ from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.kernels import CompiledGraph, KernelSource, KernelStep
 from aotc.runtime.launch import make_callable
 from aotc.runtime.lazy import Deferred
+from aotc.runtime.outspec import keep_sizes
 from aotc.runtime.schema import (
     CallingConvention,
     FwdOut,
@@ -78,6 +87,7 @@ from aotc.runtime.schema import (
     OutputKind,
     UserArg,
 )
+from aotc.runtime.segments import SegmentProgram
 from aotc.runtime.steps import GraphProgram, build_compiled_graph, graph_program
 from aotc.runtime.wrappers import CompiledEntry, RuntimePlan
 from aotc.stages import Stage, StageRunner
@@ -187,6 +197,8 @@ class CompiledRecord:
                 ("04_forward.py", self.partition.forward.format("forward", names, saved)),
                 ("05_backward.py", self.partition.backward.format("backward", names, saved)),
             ]
+        for i, seg in enumerate(self.program.segments):  # Note [Segments] in passes/segments.py
+            out.append((f"05_backward_segment{i}.py", _segment_text(i, seg)))
         out.append(("06_epilogue.txt", self.epilogue.format() + "\n"))
         if self.kernels:
             out.append(("09_fusion.txt", self.fusion_text))
@@ -198,6 +210,18 @@ class CompiledRecord:
 
     def format(self) -> str:
         return "\n".join(text for _, text in self.stages)
+
+
+def _segment_text(i: int, seg: SegmentProgram) -> str:
+    """One segment node's backward, as the dump shows it."""
+    owned = ", ".join(f"fwd_out{k}" for k in seg.owned)
+    takes = ", ".join(f"fwd_out{k}" for k in seg.consumes) or "nothing"
+    saved = ", ".join(str(p) for p in seg.saved) or "none"
+    grads = ", ".join(f"node arg {a}" for a in seg.autograd.grad_args)
+    return (
+        f"# stage: backward segment {i}\n# returns {owned}; takes {takes} after the graph args\n"
+        f"# keeps saved values {saved}; gradients of {grads}\n{seg.backward.code.strip()}\n"
+    )
 
 
 def graph_arg_names(convention: CallingConvention, names: Sequence[str]) -> tuple[str, ...]:
@@ -265,13 +289,28 @@ def compile_signature(
     device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), None)
     fused = executor_for(options.backend, options.triton_interpret, device) is Executor.TRITON
     try:
-        # Tracing saves fake tensors for autograd; the user's saved-tensor hooks must not see
-        # them. See Note [No hooks pushed for torch.func] for the second attempt.
-        user_hooks = torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
-        try:
+        # See Note [Compiling where saved-tensor hooks are disabled] in aotc/disabledhooks.py
+        with compiling_in_region():
+            program = seen_by_program(program)
+            # Tracing saves fake tensors for autograd; the user's saved-tensor hooks must not
+            # see them. See Note [No hooks pushed for torch.func] for the second attempt.
+            user_hooks = torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+            try:
+                with (
+                    transform_state(),
+                    torch.autograd.graph.saved_tensors_hooks(_identity, _identity),
+                    no_anomaly_checks(),
+                    compiling(),
+                    eagercomposites.fusing(fused),
+                ):
+                    return _compile_signature(
+                        program, leaves, names, options, name, source, fake_mode, graph
+                    )
+            except Exception as e:
+                if user_hooks or not refused_by_functorch(e):
+                    raise
             with (
                 transform_state(),
-                torch.autograd.graph.saved_tensors_hooks(_identity, _identity),
                 no_anomaly_checks(),
                 compiling(),
                 eagercomposites.fusing(fused),
@@ -279,13 +318,6 @@ def compile_signature(
                 return _compile_signature(
                     program, leaves, names, options, name, source, fake_mode, graph
                 )
-        except Exception as e:
-            if user_hooks or not refused_by_functorch(e):
-                raise
-        with transform_state(), no_anomaly_checks(), compiling(), eagercomposites.fusing(fused):
-            return _compile_signature(
-                program, leaves, names, options, name, source, fake_mode, graph
-            )
     except Exception as e:
         if type(e).__module__.startswith("torch._dynamo"):
             raise  # Dynamo's own control flow (restart analysis), not a failure
@@ -385,15 +417,18 @@ def _compile_signature(
         hit = stages.run(Stage.CACHE_LOAD, persist.decode_hit, stored, options) if stored else None
         if hit is not None and (facts is None or facts.replay(hit.shape_guards)):
             lowerings = _stored_lowerings(hit, options)
+            # Segments' backwards are lowered again (their kernels are not stored apart).
+            seg_lowerings = _lower_segments(stages, hit.program, options)
             if lowerings is None:
                 lowerings = _lower_both(stages, hit.program, options)
-                _check_kernels(hit, lowerings, name)
+                _check_kernels(hit, lowerings, name, seg_lowerings)
             times = stages.seconds
             cold = {k: v for k, v in hit.stage_seconds}
             info = _Described(name, source, leaves, names, options)
             hit_entry = stages.run(
-                Stage.ASSEMBLE, _assemble, hit.program, lowerings, hit.inspection, info, times, cold
-            )
+                Stage.ASSEMBLE, _assemble, hit.program, lowerings, hit.inspection, info, times,
+                cold, seg_lowerings,
+            )  # fmt: skip
             persist.store_verdicts_later(options)
             return hit_entry
         stages.merge(Stage.CACHE_LOAD, into=Stage.CACHE_KEY)  # a miss: reading was keying
@@ -424,25 +459,39 @@ def _compile_signature(
     plan = stages.run(
         Stage.EPILOGUE, _runtime_plan, name, convention, metadata, joint, part, leaves, grad_enabled
     )
+    # See Note [Segments] in passes/segments.py
+    segmentation = joint.module.meta.get(SEGMENTS_KEY)
+    segments: tuple[SegmentProgram, ...] = ()
+    if segmentation is not None:
+        if part is not None:
+            segments = _segment_programs(segmentation, part, plan)
+            part = dataclasses.replace(part, backward=strip_markers(part.backward))
+        joint, cleaned = strip_markers(joint), strip_markers(cleaned)
     fwd_module = part.forward.module if part is not None else joint.module
     bwd_module = part.backward.module if part is not None else None
     lowerings = (
         _lower(stages, "forward", fwd_module, options),
-        _lower(stages, "backward", bwd_module, options) if bwd_module is not None else None,
+        # A segmented entry runs its segments' backwards, not the whole one.
+        _lower(stages, "backward", bwd_module, options)
+        if bwd_module is not None and not segments
+        else None,
     )
-    compiled, storable = _program(plan, fwd_module, bwd_module, lowerings)
+    seg_lowerings = tuple(
+        _lower(stages, f"backward{s}", seg.backward, options) for s, seg in enumerate(segments)
+    )
+    compiled, storable = _program(plan, fwd_module, bwd_module, lowerings, segments, seg_lowerings)
     inspection = Inspection(training, metadata.meta, part, joint, cleaned)
     info = _Described(name, source, leaves, names, options)
     entry = stages.run(
         Stage.ASSEMBLE, _assemble, compiled, lowerings, Deferred.of(inspection), info,
-        stages.seconds, {},
+        stages.seconds, {}, seg_lowerings,
     )  # fmt: skip
     shape_guards = None
     if key is not None and facts is not None and snapshot is not None:
         # See Note [Symbolic cache entries]: stored only with the guards it added, and only as
         # ATen graphs (a Triton lowering of symbolic graphs would need its node values).
         shape_guards = facts.added_guards(snapshot)
-        if shape_guards is None or any(lowerings):
+        if shape_guards is None or any(lowerings) or any(seg_lowerings):
             storable = False
     if key is not None and key.key is not None and storable:
         stored_entry = persist.CacheEntry(compiled, inspection, tuple(stages.seconds.items()))
@@ -452,8 +501,8 @@ def _compile_signature(
         )
         stages.run(
             Stage.CACHE_STORE, persist.store_verified, key, program, leaves, names, options,
-            grad_enabled, stored_entry, _kernel_texts(lowerings), observed, shape_guards,
-            (fwd_low, bwd_low),
+            grad_enabled, stored_entry, _kernel_texts(lowerings, seg_lowerings), observed,
+            shape_guards, (fwd_low, bwd_low),
         )  # fmt: skip
     persist.store_verdicts_later(options)
     return entry
@@ -591,11 +640,93 @@ def _runtime_plan(
         autograd=autograd_plan,
         detach_args=detach,
         # The user program's output structure: a TreeSpec (pytree.tree_flatten's), typed
-        # `object` by FlatProgram.
-        out_spec=cast(TreeSpec, metadata.out_spec),
+        # `object` by FlatProgram. See Note [Size outputs] in runtime/outspec.py
+        out_spec=keep_sizes(cast(TreeSpec, metadata.out_spec)),
         enable_grad=part is not None and not grad_enabled,
         refuse_saved_hooks=metadata.refuses_saved_hooks,
     )
+
+
+def _segment_programs(
+    segmentation: Segmentation, part: PartitionResult, plan: RuntimePlan
+) -> tuple[SegmentProgram, ...]:
+    """The entry's autograd nodes (Note [Segments] in passes/segments.py), or () when it runs
+    as one node: a plan whose node does more than one node's work can be split into (inputs it
+    writes, leaves it makes, sizes it saves, outputs eager refuses a backward for) keeps one."""
+    ag = plan.autograd
+    epilogue = plan.epilogue
+    if (
+        ag is None
+        or ag.refused
+        or ag.anchor
+        or ag.num_saved_symints
+        or epilogue.mutations
+        or epilogue.versions
+        or epilogue.make_require_grad
+        or plan.refuse_saved_hooks
+        or sorted(k for owned in segmentation.owned for k in owned) != sorted(ag.diff_outs)
+    ):
+        return ()
+    split = split_backward(part.backward, segmentation, ag.num_graph_args)
+    if split is None:
+        return ()
+    position = {k: p for p, k in enumerate(ag.diff_outs)}
+    owned_at = [frozenset(position[k] for k in sb.owned) for sb in split]
+    # reach[s]: the outputs whose backward runs segment s (its own, and every consumer's)
+    reach = list(owned_at)
+    for s in reversed(range(len(split))):
+        for t in range(s + 1, len(split)):
+            if any(k in split[t].consumes for k in split[s].owned):
+                reach[s] = reach[s] | reach[t]
+    every = frozenset(range(len(ag.diff_outs)))
+
+    def assign(
+        items: tuple[int, ...], deps: tuple[tuple[int, ...], ...] | None, s: int
+    ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...] | None]:
+        """The watched items segment s checks, with their deps among its own outputs: an item
+        eager saves in the nodes of segment s (its deps are s's reach) is checked whenever s
+        runs; one whose deps match no segment is checked by each segment owning one of them."""
+        order = {k: p for p, k in enumerate(split[s].owned)}
+        own = tuple(
+            order[ag.diff_outs[p]]
+            for p in sorted(owned_at[s], key=lambda p: order[ag.diff_outs[p]])
+        )
+        kept: list[tuple[int, tuple[int, ...]]] = []
+        for i, item in enumerate(items):
+            d = every if deps is None else frozenset(deps[i])
+            if any(r == d for r in reach):
+                if reach[s] == d:
+                    kept.append((item, own))
+            elif d & owned_at[s]:
+                kept.append((item, tuple(sorted(order[ag.diff_outs[p]] for p in d & owned_at[s]))))
+        full = tuple(range(len(split[s].owned)))
+        if all(dep == full for _, dep in kept):
+            return tuple(item for item, _ in kept), None
+        return tuple(item for item, _ in kept), tuple(dep for _, dep in kept)
+
+    programs = []
+    for s, sb in enumerate(split):
+        watch, watch_deps = assign(ag.watch, ag.watch_deps, s)
+        outs, out_deps = assign(ag.watch_outputs, ag.watch_output_deps, s)
+        plan_s = AutogradPlan(
+            num_graph_args=ag.num_graph_args + len(sb.consumes),
+            num_fwd_outs=len(sb.owned),
+            diff_outs=tuple(FwdOut(i) for i in range(len(sb.owned))),
+            num_saved=len(sb.saved),
+            grad_args=tuple(
+                GraphArg(d.arg) for d in sb.backward.outputs if isinstance(d, GradOutput)
+            ),
+            grad_deps=_grad_dependencies(sb.backward, sb.owned),
+            watch_args=ag.watch_args,
+            rng_device=ag.rng_device,
+            watch=tuple(GraphArg(g) for g in watch),
+            watch_deps=watch_deps,
+            watch_outputs=outs,
+            watch_output_deps=out_deps,
+            unversioned_saved=tuple(i for i, p in enumerate(sb.saved) if p in ag.unversioned_saved),
+        )
+        programs.append(SegmentProgram(sb.owned, sb.consumes, sb.saved, plan_s, sb.backward.module))
+    return tuple(programs)
 
 
 def _watched_inputs(
@@ -723,6 +854,18 @@ def _lower_both(
     )
 
 
+def _lower_segments(
+    stages: StageRunner, program: CompiledProgram, options: CompileOptions
+) -> tuple[CompiledGraph | None, ...]:
+    """A hit's segment backwards, lowered again from their stored decomposed graphs."""
+    return tuple(
+        _lower(stages, f"backward{s}", seg.backward, options, seg.backward_kernels.decomposed)
+        if seg.backward_kernels is not None
+        else None
+        for s, seg in enumerate(program.segments)
+    )
+
+
 def _stored_lowerings(hit: persist.CacheHit, options: CompileOptions) -> Lowerings | None:
     """A trusted hit's lowerings, built from the kernels the cold compile generated (Note
     [Trusted entries] in runtime/cache.py); None: generate them again (an untrusted entry, or
@@ -779,10 +922,15 @@ def _built_lowering(program: GraphProgram, stored: persist.StoredLowering) -> Co
     )
 
 
-def _check_kernels(hit: persist.CacheHit, lowerings: Lowerings, name: str) -> None:
+def _check_kernels(
+    hit: persist.CacheHit,
+    lowerings: Lowerings,
+    name: str,
+    seg_lowerings: tuple[CompiledGraph | None, ...] = (),
+) -> None:
     """Generation is a pure function of the graph: kernels that differ from the stored ones are
     a bug in it (logged; the regenerated kernels run)."""
-    made = _kernel_texts(lowerings)
+    made = _kernel_texts(lowerings, seg_lowerings)
     if made != hit.kernels:
         logging.getLogger("aotc.cache").warning(
             "cache hit for %s: the regenerated Triton kernels differ from the stored "
@@ -793,8 +941,15 @@ def _check_kernels(hit: persist.CacheHit, lowerings: Lowerings, name: str) -> No
         )
 
 
-def _kernel_texts(lowerings: Lowerings) -> tuple[persist.KernelText, ...]:
-    return tuple(persist.KernelText(k.name, k.source) for c in lowerings if c for k in c.kernels)
+def _kernel_texts(
+    lowerings: Lowerings, seg_lowerings: tuple[CompiledGraph | None, ...] = ()
+) -> tuple[persist.KernelText, ...]:
+    return tuple(
+        persist.KernelText(k.name, k.source)
+        for c in (*lowerings, *seg_lowerings)
+        if c
+        for k in c.kernels
+    )
 
 
 def _program(
@@ -802,6 +957,8 @@ def _program(
     forward: fx.GraphModule,
     backward: fx.GraphModule | None,
     lowerings: Lowerings,
+    segments: tuple[SegmentProgram, ...] = (),
+    seg_lowerings: tuple[CompiledGraph | None, ...] = (),
 ) -> tuple[CompiledProgram, bool]:
     """The compiled program as data, and whether the disk cache may store it: it describes the
     lowerings completely (a size expression outside the plain grammar of runtime/symexpr.py
@@ -811,7 +968,7 @@ def _program(
     programs: list[GraphProgram | None] = []
     complete = True
     files: dict[str, str] = {}
-    for compiled in lowerings:
+    for compiled in (*lowerings, *seg_lowerings):
         if compiled is None:
             programs.append(None)
             continue
@@ -821,13 +978,21 @@ def _program(
             programs.append(graph_program(compiled, files))
         except ValueError as e:
             logging.getLogger("aotc.kernels").info(
-                "the %s lowering has no plain form: %s", ("forward", "backward")[len(programs)], e
+                "the %s lowering has no plain form: %s",
+                ("forward", "backward")[len(programs)] if len(programs) < 2 else "segment",
+                e,
             )
             programs.append(None)
             complete = False
         if compiled.symbols:
             complete = False
-    return CompiledProgram(plan, forward, backward, programs[0], programs[1]), complete
+    segments = tuple(
+        dataclasses.replace(seg, backward_kernels=gp) for seg, gp in zip(segments, programs[2:])
+    )
+    return (
+        CompiledProgram(plan, forward, backward, programs[0], programs[1], segments),
+        complete,
+    )
 
 
 def _assemble(
@@ -837,8 +1002,10 @@ def _assemble(
     info: _Described,
     times: dict[str, float],
     cold_times: dict[str, float],
+    seg_lowerings: tuple[CompiledGraph | None, ...] = (),
 ) -> CompiledEntry:
-    """The one assembly of a compiled signature, for a cold compile and a cache hit alike."""
+    """The one assembly of a compiled signature, for a cold compile and a cache hit alike.
+    `seg_lowerings`: the Triton lowerings of the segments' backwards (Note [Segments])."""
     fwd, bwd = lowerings
     # A hit's program carries the name of the compile that stored it.
     program = dataclasses.replace(program, plan=dataclasses.replace(program.plan, name=info.name))
@@ -852,11 +1019,15 @@ def _assemble(
         stage_seconds=times,
         input_names=tuple(info.names),
         cold_stage_seconds=cold_times,
-        lowered=(fwd is not None, bwd is not None),
-        kernels=tuple(k for c in lowerings if c for k in c.kernels),
+        lowered=(fwd is not None, bwd is not None or any(seg_lowerings)),
+        kernels=tuple(k for c in (*lowerings, *seg_lowerings) if c for k in c.kernels),
         fusion_text="".join(
             f"# {label} graph\n{c.fusion_text}"
-            for label, c in (("forward", fwd), ("backward", bwd))
+            for label, c in (
+                ("forward", fwd),
+                ("backward", bwd),
+                *((f"backward segment {i}", c) for i, c in enumerate(seg_lowerings)),
+            )
             if c
         ),
     )
@@ -867,7 +1038,17 @@ def _assemble(
         info.options,
         info.name,
     )
-    entry = assemble(program, lowerings, record, higher)
+    segment_highers = tuple(
+        _differentiable_backward(
+            _segment_graphs(program, seg),
+            dataclasses.replace(program.plan, autograd=_composed_plan(program.plan, seg)),
+            info.names,
+            info.options,
+            f"{info.name}.segment{s}",
+        )
+        for s, seg in enumerate(program.segments)
+    )
+    entry = assemble(program, lowerings, record, higher, segment_highers, seg_lowerings)
     if (dev := graph_device(program.forward)) is None or dev.type == "cpu":
         heap.settle()  # Note [Settled heap thresholds] in runtime/heap.py
     _log_record(record, program.forward, program.backward)
@@ -915,6 +1096,22 @@ def _differentiable_backward(
         return None
     names = graph_arg_names(plan.convention, names)
     return DifferentiableBackward(graphs, plan.autograd, names, options, name)  # type: ignore[arg-type]
+
+
+def _segment_graphs(
+    program: CompiledProgram, seg: SegmentProgram
+) -> Callable[[], tuple[fx.GraphModule, fx.GraphModule | None]]:
+    """The graphs a segment's differentiable backward composes (built on first use)."""
+    assert program.plan.autograd is not None
+    num_saved = program.plan.autograd.num_saved
+    return lambda: (program.forward, padded_backward(seg.backward, seg.saved, num_saved))
+
+
+def _composed_plan(plan: RuntimePlan, seg: SegmentProgram) -> AutogradPlan:
+    """What a segment's differentiable backward composes: the entry's forward (its graph args,
+    outputs and saved values) with the segment's backward, padded to every saved value."""
+    assert plan.autograd is not None
+    return dataclasses.replace(plan.autograd, diff_outs=seg.owned, grad_args=seg.autograd.grad_args)
 
 
 def _log_record(record: CompiledRecord, fwd: fx.GraphModule, bwd: fx.GraphModule | None) -> None:

@@ -153,11 +153,13 @@ class Recorder:
         mode = get_proxy_mode()
         if mode is not None:
             self.forward_names = frozenset(n.name for n in mode.tracer.graph.nodes)
+        graph = None if mode is None else mode.tracer.graph
+        entered: list[fx.Node] = []  # the graph's last node when each running grad_fn began
         handles = []
         for grad_fn in _autograd_nodes(outputs):
             seq = grad_fn._sequence_nr()
-            handles.append(grad_fn.register_prehook(_enter_hook(seq)))
-            handles.append(grad_fn.register_hook(_leave_hook))
+            handles.append(grad_fn.register_prehook(_enter_hook(seq, graph, entered)))
+            handles.append(grad_fn.register_hook(_leave_hook(graph, entered)))
         try:
             yield
         finally:
@@ -219,18 +221,36 @@ def _autograd_nodes(outputs: Sequence[torch.Tensor]) -> list[Any]:
     return out
 
 
-def _enter_hook(seq: int) -> Callable[[Any], None]:
+def _enter_hook(seq: int, graph: fx.Graph | None, entered: list[fx.Node]) -> Callable[[Any], None]:
     def enter(grad_outputs: Any) -> None:
         fx_traceback.set_grad_fn_seq_nr(seq)
         fx_traceback.current_meta["autograd_backward"] = True
+        if graph is not None:
+            entered.append(_last_node(graph))
 
     return enter
 
 
-def _leave_hook(grad_inputs: Any, grad_outputs: Any) -> None:
-    fx_traceback.reset_grad_fn_seq_nr()
-    if "in_grad_fn" not in fx_traceback.current_meta:
-        fx_traceback.current_meta.pop("autograd_backward", None)
+def _leave_hook(graph: fx.Graph | None, entered: list[fx.Node]) -> Callable[[Any, Any], None]:
+    def leave(grad_inputs: Any, grad_outputs: Any) -> None:
+        fx_traceback.reset_grad_fn_seq_nr()
+        if "in_grad_fn" not in fx_traceback.current_meta:
+            fx_traceback.current_meta.pop("autograd_backward", None)
+        if graph is not None and entered:
+            # torch 2.13's tracer copies `autograd_backward` from the current meta onto each node
+            # it creates; torch 2.11's does not, so the nodes this grad_fn traced (those after
+            # the graph's last node when it began) are marked here, on every torch.
+            node = entered.pop().next
+            while node.op != "root":
+                node.meta["autograd_backward"] = True
+                node = node.next
+
+    return leave
+
+
+def _last_node(graph: fx.Graph) -> fx.Node:
+    """The node new nodes are appended after (make_fx appends at the end)."""
+    return graph._root.prev  # fx.Graph's nodes are a ring through this sentinel
 
 
 def run_with_node_meta(gm: fx.GraphModule) -> Callable[..., Any]:

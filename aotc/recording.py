@@ -1,16 +1,19 @@
 """Recording what a traced program reads from Python state, and undoing what it writes.
 
 Stage: `Recorder(name)`, given its roots before the first trace (`track_function(fn)`,
-`track(value, label)`); `with recorder.run(lifting_containers): program(...)` around every run
-of the program during one compilation. Afterwards `reads` (attribute loads), `slot_reads` (the
-globals and closure cells the program's code can load) and `side_effects` hold what
-aotc/strict.py turns into the entry's guards and warnings.
+`track(value, label)`); `with recorder.run(lifting_containers): recorder.call(fn, args, kwargs)`
+around every run of the program during one compilation. Afterwards `reads` (attribute loads),
+`slot_reads` (the globals and closure cells the program's code can load) and `side_effects` hold
+what aotc/strict.py turns into the entry's guards and warnings; a run that made a change the
+graph cannot replay raises `SideEffectsRefused` when it ends.
 Requires: one compilation at a time per recorder, on the thread that created it.
 Ensures: every attribute load the program makes on a tracked object, during a run, is in
 `reads` with the user's line; every object such a load returns is tracked before the program
-sees it; Python state the program changed (attributes, globals, cells, containers) is restored
-when the run ends, and each change is described in `side_effects`. See Note [Strict capture
-guards] in aotc/strict.py for what is tracked and why that is complete.
+sees it; Python state the program changed (attributes, globals, cells, containers, and what
+aotc/statewatch.py compares: torch's global state, standard-library objects' state, containers
+passed as arguments) is restored when the run ends where it can be, and each change is described
+in `side_effects`. See Note [Strict capture guards] in aotc/strict.py for what is tracked and
+why that is complete.
 
 How loads are seen: for the duration of a run, the class of every tracked object gets recording
 `__getattribute__`/`__getattr__`/`__setattr__`/`__delattr__` methods that call the original and
@@ -28,6 +31,7 @@ import inspect
 import operator
 import sys
 import threading
+import traceback
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -35,14 +39,19 @@ from typing import Any
 
 import torch
 
+from aotc import statewatch
+from aotc.dataclasstree import flatten_tree
 from aotc.interpose import (
     ACTIVE,
+    GENERATOR_NAMES,
     can_patch,
     install_stubs,
     patch_class,
     recording_module_class,
     remove_stubs,
     unpatch_class,
+    unwatch_generators,
+    watch_generators,
 )
 from aotc.lifting import StateCreated
 from aotc.runtime.errors import UnsupportedError
@@ -128,6 +137,11 @@ class SlotRead:
 # in aotc/strict.py).
 
 
+class SideEffectsRefused(UnsupportedError):
+    """The program changed Python state that outlives the call (Note [Python side effects in
+    strict mode] in aotc/strict.py): raised at the end of the run that made the changes."""
+
+
 class Recorder:
     """What one compilation's runs of the program read and wrote; see the module docstring."""
 
@@ -162,13 +176,30 @@ class Recorder:
         # id -> (name, is an argument) of the run's input tensors: Note [.grad and .data of
         # inputs in strict mode] in aotc/interpose.py
         self.inputs: dict[int, tuple[str, bool]] = {}
+        # per run, see Note [Tensor state a graph does not carry] in aotc/interpose.py:
+        # id -> (tensor, attribute, user line) of Python attributes set on non-input tensors
+        self.tensor_attributes: dict[int, tuple[Tensor, str, str]] = {}
+        self.freeing_calls: list[tuple[str, str]] = []  # (call, user line) without retain_graph
+        # See Note [State strict mode compares around a run] in aotc/statewatch.py
+        self._hidden: dict[int, tuple[object, str]] = {}  # id -> (library object, label)
+        self._hidden_before: dict[int, statewatch.HiddenState] = {}  # per run
+        self._torch_state: list[object] = []  # per run: statewatch.read_torch_state()
+        self._watching = False  # per run: Note [Generator state in strict mode]
+        # id -> (tensor, label) of the tensors the walk met (named when an op refuses one)
+        self._tensor_labels: dict[int, tuple[Tensor, str]] = {}
+        self.arguments_seen: dict[str, object] = {}  # "argument <name>" -> a non-tensor leaf
 
     # ------------------------------------------------------------ the walk
 
     def track(self, value: object, label: str, depth: int = 0) -> None:
         """Make `value`, and what it reaches, recorded (see Note [Strict capture guards])."""
-        if depth > _MAX_DEPTH or value is MISSING or isinstance(value, Tensor):
+        if isinstance(value, Tensor):
+            self._tensor_labels.setdefault(id(value), (value, label))
             return
+        if depth > _MAX_DEPTH or value is MISSING:
+            return
+        if depth == 0 and label.startswith("argument "):
+            self.arguments_seen.setdefault(label, value)
         if is_constant(value) or id(value) in self._seen:
             return
         self._seen[id(value)] = value
@@ -212,6 +243,10 @@ class Recorder:
         elif _is_trackable(value):
             self._track_object(value, label)
             self._walk_attrs(value, label, depth)
+        elif statewatch.has_hidden_state(value):
+            self._hidden[id(value)] = (value, label)
+            if self._running:
+                self._read_hidden(value)
 
     def track_function(self, fn: object, label: str) -> None:
         if isinstance(fn, types.MethodType):
@@ -262,6 +297,8 @@ class Recorder:
             return
         self._codes.append((code, label))
         facts = code_facts(code)
+        if self._running and not self._watching and not GENERATOR_NAMES.isdisjoint(facts.uses):
+            self._watching = watch_generators()  # Note [Generator state in strict mode]
         globals_ = fn.__globals__
         module = globals_.get("__name__", "?")
         for name, line in facts.load_globals.items():
@@ -361,6 +398,13 @@ class Recorder:
         self._slot_snapshots = {k: s.reader() for k, s in self.slot_reads.items() if s.write}
         for container, label in list(self._containers.values()):
             self._snapshot(container, label)
+        # See Note [State strict mode compares around a run] in aotc/statewatch.py
+        self._torch_state = statewatch.read_torch_state()
+        self._hidden_before = {}
+        for value, _ in list(self._hidden.values()):
+            self._read_hidden(value)
+        self.tensor_attributes = {}
+        self.freeing_calls = []
         install_stubs()
         for obj in list(self.tracked.values()):
             cls = type(obj)
@@ -368,12 +412,24 @@ class Recorder:
                 self._swap_module(obj)
             elif cls not in self._patched and patch_class(cls):
                 self._patched.append(cls)
+        names = (code_facts(code).uses for code, _ in self._codes)
+        self._watching = any(not GENERATOR_NAMES.isdisjoint(n) for n in names) and (
+            watch_generators()  # Note [Generator state in strict mode] in aotc/interpose.py
+        )
         ACTIVE.append(self)
         created: list[str] = []
         try:
             yield
+        except (RuntimeError, AssertionError) as e:  # fake tensors raise AssertionError
+            unliftable = statewatch.unliftable_tensor(e, self._tensor_labels)
+            if unliftable is None:
+                raise
+            raise UnsupportedError(self._unliftable_message(unliftable, e)) from e
         finally:
             ACTIVE.remove(self)
+            if self._watching:
+                unwatch_generators()
+                self._watching = False
             self._running = False
             for cls in reversed(self._patched):
                 unpatch_class(cls)
@@ -389,6 +445,104 @@ class Recorder:
                 "which it did not hold before (lazy initialization); a graph cannot replay "
                 "creating state. Run that first call eagerly, then compile."
             )
+        refused = self.refusal()
+        if refused is not None:  # at once: the later runs would only make the changes again
+            raise refused
+
+    def call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """`fn(*args, **kwargs)` inside `run()`, checking what the call did to its arguments
+        and returned (Note [State strict mode compares around a run] in aotc/statewatch.py, Note
+        [Tensor state a graph does not carry] in aotc/interpose.py)."""
+        containers = statewatch.snapshot_arguments(fn, args, kwargs)
+        out = fn(*args, **kwargs)
+        for snap in statewatch.changed_arguments(containers):
+            where = self._use_line(snap.label)
+            self.side_effect(
+                f"argument {snap.label}",
+                f"the program modifies {snap.label} (a {type(snap.container).__name__})"
+                + (f" at {where}" if where else "")
+                + ": the compiled function passes the graph the tensors of its arguments and "
+                "hands the program its own copy of their containers, so your "
+                f"{type(snap.container).__name__} would not change.",
+                where,
+            )
+        leaves, _ = flatten_tree(out)
+        for k, leaf in enumerate(leaves):
+            found = self.tensor_attributes.get(id(leaf))
+            if found is not None and found[0] is leaf:
+                self.side_effect(
+                    f"output attribute {k}",
+                    f"the program sets Python attribute {found[1]!r} on a tensor it returns "
+                    f"(output {k}) at {found[2]}: compiled calls return new tensors without it.",
+                    found[2],
+                )
+        freed = statewatch.freed_outputs(leaves) if self.freeing_calls else []
+        if freed:
+            what, where = self.freeing_calls[0]
+            raise UnsupportedError(
+                f"{self.name}: {what} at {where} frees the autograd graph of what it "
+                "differentiates (retain_graph is not set), and the program returns "
+                f"output {freed[0]} (in the flattened outputs), whose backward needs values of "
+                "that graph: eager raises 'Trying to backward through the graph a second time' "
+                "when the caller backpropagates it. Strict mode (capture='trace') differentiates "
+                "every output that requires grad when it compiles, so it cannot compile this. "
+                "Return that output .detach()ed, pass retain_graph=True, or use the default "
+                "capture mode."
+            )
+        return out
+
+    def refusal(self) -> SideEffectsRefused | None:
+        """The error refusing the compilation for the side effects recorded so far (see Note
+        [Python side effects in strict mode] in aotc/strict.py), or None."""
+        refused = [message for message, _, refuse in self.side_effects.values() if refuse]
+        if not refused:
+            return None
+        listed = "\n".join(f"  - {m}" for m in refused)
+        return SideEffectsRefused(
+            f"{self.name}: the program changes Python state that outlives the call:\n{listed}\n"
+            "Strict mode (capture='trace') runs the Python code only while it traces; compiled "
+            "calls replay the graph and would never make these changes, so the state (and "
+            "anything the program later computes from it) would differ from eager. Move them "
+            "outside the compiled function (return the value and update the state there), or "
+            "use the default capture mode, which runs Python side effects on every call."
+        )
+
+    def _read_hidden(self, value: object) -> None:
+        if id(value) not in self._hidden_before:
+            state = statewatch.read_hidden_state(value, check_stable=True)
+            if state is not None:
+                self._hidden_before[id(value)] = state
+
+    def _unliftable_message(self, label: str, error: BaseException) -> str:
+        frames = traceback.extract_tb(error.__traceback__)
+        lines = [format_line(f.filename, f.lineno) for f in frames if is_user_file(f.filename)]
+        where = lines[-1] if lines else "an unknown line"
+        roots = [
+            r for r in self.arguments_seen if label == r or label.startswith((f"{r}.", f"{r}["))
+        ]
+        root = max(roots, key=len) if roots else label.split(".")[0].split("[")[0]
+        holder = self.arguments_seen.get(root)
+        kind = f"a {type(holder).__name__}" if holder is not None else "an object"
+        if (
+            holder is not None
+            and hasattr(type(holder), "__torch_function__")
+            and not isinstance(holder, Tensor)
+        ):
+            kind += ", whose class defines __torch_function__"
+        if not label.startswith("argument "):
+            return (
+                f"{self.name}: the program reads tensor {label} at {where}, which aotc could not "
+                "lift as a graph input. Pass it as an argument, or use the default capture mode."
+            )
+        return (
+            f"{self.name}: the program reads tensor {label} at {where}, held by {root} "
+            f"({kind}). Strict mode (capture='trace') makes graph inputs of tensor arguments, of "
+            "tensors in lists, tuples, dicts and dataclasses passed as arguments, and of the "
+            "tensors of modules and optimizers (passed, or reached through closures and "
+            "globals); not of tensors held by other objects passed as arguments. Pass the "
+            "tensor itself as an argument (or inside a dataclass, a dict or a tuple), or use "
+            "the default capture mode."
+        )
 
     def _swap_module(self, module: types.ModuleType) -> None:
         cls = type(module)
@@ -571,7 +725,35 @@ class Recorder:
                 f"the program assigns {slot.label}" + (f" at {where}" if where else "") + ".",
                 where,
             )
+        self._undo_hidden_state()
         return created
+
+    def _undo_hidden_state(self) -> None:
+        """See Note [State strict mode compares around a run] in aotc/statewatch.py."""
+        for state, old, now in statewatch.changed_torch_state(self._torch_state):
+            where = self._use_line(*state.setters)
+            self.side_effect(
+                f"torch state {state.label}",
+                f"the program leaves {state.label} changed ({old!r} -> {now!r}; "
+                + (f"set at {where}" if where else "set somewhere in the program")
+                + "): eager keeps the change after the call, compiled calls would not make it.",
+                where,
+            )
+        for key, before in self._hidden_before.items():
+            value, label = self._hidden[key]
+            now = statewatch.read_hidden_state(value)
+            if now is None or now.frozen == before.frozen:
+                continue
+            restored = statewatch.restore_hidden_state(value, before)
+            where = self._use_line(label)
+            self.side_effect(
+                f"hidden state {label}",
+                f"the program changes the state of {label} (a {type(value).__name__})"
+                + (f", used at {where}" if where else "")
+                + (" (put back)" if restored else " (it stays changed: it cannot be put back)")
+                + ": compiled calls would not change it.",
+                where,
+            )
 
     def _restore_container(self, container: Any, copy: list[Any]) -> bool:
         """Put back what the run changed in one container; True if it changed anything."""
@@ -618,6 +800,18 @@ class Recorder:
             line = code_facts(code).mutations.get(leaf)
             if line is not None:
                 return format_line(code.co_filename, line)
+        return ""
+
+    def _use_line(self, *names: str) -> str:
+        """The first line of the walked user code that mutates or loads one of `names` (a
+        label's last name: "argument xs" -> xs, "global counter" -> counter), or ""."""
+        leaves = [n.rsplit(".", 1)[-1].split(" ")[-1].split("[")[0] for n in names]
+        for field in ("mutations", "uses"):
+            for code, _ in self._codes:
+                table = getattr(code_facts(code), field)
+                for leaf in leaves:
+                    if leaf in table:
+                        return format_line(code.co_filename, table[leaf])
         return ""
 
     def _store_line(self, key: tuple[object, ...], label: str) -> str:

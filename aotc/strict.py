@@ -69,6 +69,12 @@ contents the program changed (so every run of one compilation starts from the sa
 each change refuses the compilation (Note [Python side effects in strict mode]). Python/NumPy
 random draws and tensor hooks registered inside the program raise at once.
 
+State the walk cannot record loads of (a class of the standard library: `argparse.Namespace`,
+`types.SimpleNamespace`, an iterator, `random.Random`) is guarded as a whole: an object of that
+kind that the program read (a global, a cell, an attribute, a non-tensor argument) gets one item
+comparing pickling's view of its state (Note [State strict mode compares around a run] in
+aotc/statewatch.py), so `args.scale = 3.0` recompiles.
+
 Note [Python side effects in strict mode]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A compiled call replays the graph and runs none of the program's Python. A change the program
@@ -88,18 +94,41 @@ whenever the trace swaps fake parameters in, which eager calls on the real ones 
 absent or None, optimizer state) is not a side effect of this kind: that call runs eagerly and
 the next one compiles (Note [State created on the first call] in aotc/recording.py).
 
+Beyond attribute, global and cell stores, the same refusal covers what the recorder compares
+around each run (Note [State strict mode compares around a run] in aotc/statewatch.py): changes
+to containers passed as arguments (the program gets copies of them), to the state of
+standard-library objects (`next(it)`, `r.random()` on a `random.Random`, `q.put(...)`,
+`next(counter)` on an `itertools.count`), and torch's global state left changed at the end
+(`torch.set_grad_enabled(False)`, `torch.set_default_dtype(...)`,
+`torch.use_deterministic_algorithms(True)`, `torch.autograd.set_detect_anomaly(True)`). The
+refusal is raised at the end of the first run that made a change (the key trace's included),
+after the recorder put back what it can, so a change the recorder cannot undo (an
+`itertools.count` advanced) happens once, as in one eager call. Python attributes set on input
+or output tensors, `detach_()` and `requires_grad_(False)` on inputs, and a torch.Generator's
+state read or set (or a generator created) inside the program are refused at the line that does
+it (Notes [Tensor state a graph does not carry] and [Generator state in strict mode] in
+aotc/interpose.py).
+
 What is refused, with the value named: NumPy arrays the program reads (in-place changes to
 them cannot be seen), containers with more than `MAX_GUARDED_ELEMENTS` non-constant elements or
 nested deeper than `MAX_GUARD_DEPTH`, backward module hooks (of submodules or global) and
 optimizer step hooks inside the program, DDP and FSDP2 modules inside it, random draws, tensor
-hooks and retain_grad() inside it.
+hooks and retain_grad() inside it, the changes above, and tensors held by objects passed as
+arguments that are neither tensors, containers, modules nor optimizers (a plain object's tensor
+attribute, a `__torch_function__` object, `functools.partial(f, t=tensor)`): their tensors are
+not graph inputs, and the refusal names the tensor, the argument and the line.
 
 What is assumed, and documented (docs/guide.md): library code and library module state are
 constant (a custom attention function registered into a library's registry is library state);
 methods of classes are not monkeypatched at the class level while compiled entries live; reads
 that bypass attribute lookup (`object.__getattribute__(obj, name)`, `vars(obj)[name]` on a
 tracked object, `gc`, files, environment variables) are not seen; an object argument that
-compares equal to another (a custom `__eq__`) is taken as interchangeable with it.
+compares equal to another (a custom `__eq__`) is taken as interchangeable with it; objects of
+other libraries than the standard library and torch.Generator (a tokenizer's Rust object) keep
+no state the program changes, and standard-library objects whose state pickling cannot read
+(locks, files) none either; under another profiler (`sys.setprofile`, cProfile) a generator
+state set back to what it was inside the program is not seen (Note [Generator state in strict
+mode] in aotc/interpose.py).
 
 Cost per call: one C-level pass over the item readers comparing identities (see
 runtime/stateguard.py). A function that reads no Python state pays for two items (the default
@@ -118,6 +147,7 @@ from typing import Any, cast
 
 import torch
 
+from aotc import statewatch
 from aotc.lifting import Lifted
 from aotc.recording import TRACED_HOOK_DICTS, AttrRead, Recorder
 from aotc.runtime.errors import UnsupportedError
@@ -138,6 +168,8 @@ def build_state_guard(rec: Recorder, lifted: Lifted, name: str) -> StateGuard | 
         builder.attr(read)
     for slot in rec.slot_reads.values():
         builder.value(slot.reader, slot.value, slot.label, slot.where, 0)
+    for label, value in rec.arguments_seen.items():  # keyed by identity: guard their state too
+        builder.hidden_state(value, label, "")
     builder.torch_state()
     if rec.module_calls:
         builder.global_hooks("torch.nn.modules.module", _MODULE_GLOBAL_HOOKS)
@@ -149,10 +181,8 @@ def build_state_guard(rec: Recorder, lifted: Lifted, name: str) -> StateGuard | 
 def report_side_effects(rec: Recorder) -> None:
     """See Note [Python side effects in strict mode]: warn for each `print` the compiled calls
     skip; refuse the compilation for every change of state (and clock read) the program made."""
-    refused = []
     for message, where, refuse in rec.side_effects.values():
         if refuse:
-            refused.append(message)
             continue
         filename, _, line = where.split(" (", 1)[0].rpartition(":")
         text = (
@@ -163,16 +193,9 @@ def report_side_effects(rec: Recorder) -> None:
             warnings.warn_explicit(text, SideEffectWarning, filename, int(line))
         else:
             warnings.warn(text, SideEffectWarning, stacklevel=4)
-    if refused:
-        listed = "\n".join(f"  - {m}" for m in refused)
-        raise UnsupportedError(
-            f"{rec.name}: the program changes Python state that outlives the call:\n{listed}\n"
-            "Strict mode (capture='trace') runs the Python code only while it traces; compiled "
-            "calls replay the graph and would never make these changes, so the state (and "
-            "anything the program later computes from it) would differ from eager. Move them "
-            "outside the compiled function (return the value and update the state there), or "
-            "use the default capture mode, which runs Python side effects on every call."
-        )
+    refused = rec.refusal()
+    if refused is not None:
+        raise refused
 
 
 _HOOK_DICTS = frozenset(
@@ -269,6 +292,7 @@ class _Builder:
                 "capture mode."
             )
         self.add(reader, value, Compare.IDENTITY, label, where)
+        self.hidden_state(value, label, where)
         if isinstance(value, tuple):
             for i, item in enumerate(value):
                 if isinstance(item, (list, dict, set, tuple)) and not is_constant(item):
@@ -276,6 +300,19 @@ class _Builder:
                                depth + 1)  # fmt: skip
         elif isinstance(value, (list, dict, set)) or type(value).__name__ == "deque":
             self.contents(value, label, where, depth)
+
+    def hidden_state(self, value: object, label: str, where: str) -> None:
+        """A standard-library object whose attribute loads cannot be recorded (an
+        `argparse.Namespace`, a `types.SimpleNamespace`): guard its state as a whole (Note [State
+        strict mode compares around a run] in aotc/statewatch.py)."""
+        if id(value) in self._contents or not statewatch.guarded_hidden_state(value):
+            return
+        self._contents.add(id(value))
+        read = statewatch.read_hidden_state(value, check_stable=True)
+        state = None if read is None else read.frozen
+        if state is not None:
+            self.add(partial(statewatch.hidden_state_key, value), state, Compare.EQUAL,
+                     f"the state of {label}", where)  # fmt: skip
 
     def contents(self, container: object, label: str, where: str, depth: int) -> None:
         if id(container) in self._contents:

@@ -46,6 +46,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from aotc import oncediff
 from aotc.functional import (
     NESTED_BACKWARD,
     VIEW_METADATA_IN_PLACE,
@@ -70,6 +71,8 @@ from aotc.passes.descriptors import (
     TangentInput,
 )
 from aotc.passes.ir import JointGraph
+from aotc.passes.pin_dtypes import pin_default_dtypes
+from aotc.passes.segments import SEGMENTS_KEY, Segmentation
 from aotc.provenance import Recorder, recording
 from aotc.rngreplay import RandomDraws
 from aotc.runtime.convention import apply_convention, expand_graph_args
@@ -81,6 +84,7 @@ from aotc.runtime.schema import (
     MutationAliasInfo,
     OutputKind,
 )
+from aotc.segmenting import mark_segments
 
 
 def trace_joint(
@@ -94,6 +98,7 @@ def trace_joint(
 ) -> JointGraph:
     graph_args = apply_convention(convention, leaves)
     meta, plan = metadata.meta, metadata.fwd_plan
+    default_dtype = torch.get_default_dtype()  # the graph runs under it: the entry guards on it
     constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
     num_primals = len(graph_args)
     # See Note [Mutated inputs that require grad]
@@ -122,12 +127,23 @@ def trace_joint(
 
     refused = {k for k, _ in metadata.refused}
     hooked = True  # the trace runs under identity hooks (see below)
+    # See Note [Segments] in passes/segments.py: calls that write their inputs, make leaves or
+    # share storage between inputs keep one node (their epilogue and watches are per node).
+    segmentable = (
+        training
+        and not refused
+        and not convention.synthetic_bases
+        and not meta.leaf_changes
+        and all(info.mutation is info.mutation.NONE for info in meta.inputs)
+    )
+    found: list[Segmentation | None] = [None]
 
     # See Note [Autocast casts of parameters]
     cast_once = frozenset(cached_cast_args(graph_args))
     cast_cache = torch.is_autocast_cache_enabled()  # the caller's (make_fx turns it off)
 
     def joint(*flat: torch.Tensor) -> tuple[list[object], list[object]]:
+        found[0] = None
         primals = [
             to_functional_leaf(p) if g in cast_once else to_functional(p)
             for g, p in enumerate(flat[:num_primals])
@@ -156,6 +172,13 @@ def trace_joint(
                 # See Note [State during the traced backward]
                 around = getattr(program, "aotc_backward_state", None)
                 if diff and wrt:
+                    found[0] = (
+                        mark_segments(
+                            diff, [tangent_outs[i] for i in take], [primals[g] for g in wrt]
+                        )
+                        if segmentable and hooked
+                        else None
+                    )
                     leaves = [primals[g] for g in sorted(cast_once)]
                     before = [p.grad for p in leaves]
                     with (
@@ -163,6 +186,7 @@ def trace_joint(
                         # See Note [The traced backward runs without autocast]
                         torch._C._DisableAutocast(),
                         recorder.backward(diff),
+                        oncediff.marking(diff),  # Note [Once-differentiable backwards]
                         around(ran) if around is not None else contextlib.nullcontext(),
                     ):
                         got = torch.autograd.grad(
@@ -224,6 +248,11 @@ def trace_joint(
             ):
                 module = make_fx(joint, record_stack_traces=True)(*primals, *tangents)
         recorder.annotate(module)
+        oncediff.mark_from_stack_traces(module)  # Functions Dynamo captured
+        if found[0] is not None:
+            module.meta[SEGMENTS_KEY] = found[0]
+        # See Note [Factory ops follow the default dtype] in passes/pin_dtypes.py
+        pin_default_dtypes(module, default_dtype)
         # See Note [Random ops the traced backward draws again] in aotc/rngreplay.py
         draws.pair(module, recorder.forward_names)
 

@@ -5,7 +5,8 @@ Stage: helpers, no records of their own besides `CodeFacts`.
 Ensures: `is_user_file(path)` is False for torch, aotc, the standard library and installed packages
 (library code: its state is taken as constant, see Note [Strict capture guards] in aotc/strict.py);
 `code_facts(code)` lists the globals a code object (and the code nested in it) loads and stores,
-the cells it stores, and the names it calls mutating methods on, each with its first line.
+the cells it stores, the names it calls mutating methods on, and every name it loads (locals,
+cells, globals, attributes), each with its first line.
 """
 
 from __future__ import annotations
@@ -154,6 +155,7 @@ class CodeFacts:
     store_globals: dict[str, int]
     store_derefs: dict[str, int]
     mutations: dict[str, int]  # `name.append(...)`-like calls: the loaded name -> line
+    uses: dict[str, int]  # every name loaded (local, cell, global, attribute) -> first line
 
 
 # id(code) -> (code, facts): keyed by identity, since hashing a code object hashes its constants
@@ -173,6 +175,7 @@ def _scan(code: types.CodeType) -> CodeFacts:
     stores: dict[str, int] = {}
     derefs: dict[str, int] = {}
     mutations: dict[str, int] = {}
+    uses: dict[str, int] = {}
     todo = [code]
     while todo:
         current = todo.pop()
@@ -181,6 +184,8 @@ def _scan(code: types.CodeType) -> CodeFacts:
         for ins in dis.get_instructions(current):
             if ins.positions is not None and ins.positions.lineno is not None:
                 line = ins.positions.lineno
+            if ins.opname in _LOADS_A_NAME and isinstance(ins.argval, str):
+                uses.setdefault(ins.argval, line)
             if ins.opname == "LOAD_GLOBAL":
                 loads.setdefault(ins.argval, line)
             elif ins.opname == "STORE_GLOBAL" or ins.opname == "DELETE_GLOBAL":
@@ -197,4 +202,10 @@ def _scan(code: types.CodeType) -> CodeFacts:
                 mutations.setdefault(previous.argval, line)
             previous = ins
         todo.extend(c for c in current.co_consts if isinstance(c, types.CodeType))
-    return CodeFacts(loads, stores, derefs, mutations)
+    return CodeFacts(loads, stores, derefs, mutations, uses)
+
+
+_LOADS_A_NAME = frozenset(
+    {"LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE", "LOAD_GLOBAL", "LOAD_NAME", "LOAD_ATTR",
+     "LOAD_METHOD", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR", "LOAD_FAST_LOAD_FAST"}
+)  # fmt: skip

@@ -97,12 +97,9 @@ _TEMPLATES = {
     "abs": "tl.abs({0})",
     "sin": "tl.sin({0})",
     "cos": "tl.cos({0})",
-    "tanh": "(2.0 / (1.0 + tl.exp(-2.0 * {0})) - 1.0)",
     "sigmoid": "(1.0 / (1.0 + tl.exp(-{0})))",
     "relu": "tl.where({0} < 0, 0, {0})",
     "erf": "tl.math.erf({0})",
-    "log1p": "tl.log(1.0 + {0})",
-    "expm1": "(tl.exp({0}) - 1.0)",
     "reciprocal": "(1.0 / {0})",
     "silu": "({0} / (1.0 + tl.exp(-{0})))",
     "sign": "(({0} > 0).to(tl.int8) - ({0} < 0).to(tl.int8))",
@@ -139,6 +136,21 @@ _TEMPLATES = {
     "remainder": "({0} - _floordiv({0}, {1}) * {1})",
     "fmod": "({0} - _truncdiv({0}, {1}) * {1})",
 }
+
+
+# Note [Accurate tanh, log1p and expm1]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The textbook formulas cancel for small |x|: `2 / (1 + exp(-2x)) - 1`, `log(1 + x)` and
+# `exp(x) - 1` all give 0 for x = 1e-10 (eager: 1e-10), and so did everything built on them by
+# decompositions (softplus(-20), logsigmoid(20) and mish(-20) gave 0 instead of ~2e-9, celu(-1e-6)
+# was 4.6% off; float64 tanh(1e-10) 8e-8 relative). On CUDA these ops call libdevice (`__nv_tanhf`,
+# `__nv_log1pf`, `__nv_expm1f` and their double versions, what eager's CUDA kernels call too). The
+# interpreter has no libdevice, so a kernel defines `_expm1` (Kahan: `(u - 1) * x / log(u)` with
+# `u = exp(x)`, exact where `u` rounds to 1), `_log1p` (Goldberg: `log(u) * x / (u - 1)` with
+# `u = 1 + x`) and `_tanh` (`-e / (e + 2)` with `e = expm1(-2|x|)`, the sign and a zero's sign
+# put back), all in fp64, and rounds once to the op's type: within an ulp of eager's float32
+# results, a few ulps of its float64 ones.
+_ACCURATE = frozenset({"tanh", "log1p", "expm1"})
 
 
 class CodegenError(Exception):
@@ -343,6 +355,8 @@ class _Emitter:
             if e.dtype == torch.bool:
                 return f"({args[0]} != 0)"
             src = self.dtype_of(e.args[0])
+            if isinstance(e.args[0], Const):  # a literal has no `.to` (`2.5.to(...)` failed)
+                args = [f"tl.full([], {args[0]}, {_TL[src]})"]
             code = f"{args[0]}.to({_TL[e.dtype]})"
             if e.dtype in _STORE_TL and src != e.dtype:
                 code = f"{self.round_half(args[0], e.dtype)}.to(tl.float32)"
@@ -360,6 +374,15 @@ class _Emitter:
                 for a, x in zip(args, e.args, strict=True)
             ]
             return f"libdevice.pow({typed[0]}, {typed[1]})"
+        if e.name in _ACCURATE:  # Note [Accurate tanh, log1p and expm1]
+            (arg,) = args
+            if isinstance(e.args[0], Const):
+                arg = f"tl.full([], {arg}, {_TL[e.dtype]})"
+            elif _TL.get(self.dtype_of(e.args[0])) != _TL[e.dtype]:
+                arg = f"{arg}.to({_TL[e.dtype]})"
+            if self.interpret:
+                return f"_{e.name}({arg}).to({_TL[e.dtype]})"
+            return f"libdevice.{e.name}({arg})"
         if e.name not in _TEMPLATES:
             raise CodegenError(f"no Triton template for op {e.name}")
         return _TEMPLATES[e.name].format(*args)
@@ -772,11 +795,40 @@ def _truncdiv(a, b):
 """,
     "_round_half_even": """@triton.jit
 def _round_half_even(x):
-    # torch.round: to the nearest integer, ties to even (exact: no x + 0.5)
+    # torch.round: to the nearest integer, ties to even (exact: no x + 0.5); a zero result keeps
+    # x's sign, as nearbyint's (round(-0.5) is -0.0)
     f = tl.floor(x)
     d = x - f
     up = (d > 0.5) | ((d == 0.5) & ((f - 2.0 * tl.floor(f * 0.5)) != 0))
-    return tl.where(up, f + 1.0, f)
+    r = tl.where(up, f + 1.0, f)
+    return tl.where(r == 0, x * 0.0, r)
+""",
+    "_expm1": """@triton.jit
+def _expm1(x):
+    # expm1 in Triton's interpreter (Note [Accurate tanh, log1p and expm1]), in fp64
+    xf = x.to(tl.float64)
+    u = tl.exp(xf)
+    um1 = u - 1.0
+    r = tl.where(um1 == 0.0, xf, um1 * xf / tl.log(tl.where(um1 == 0.0, 2.0, u)))
+    r = tl.where(um1 == -1.0, -1.0, r)
+    return tl.where(u == float("inf"), u, r)
+""",
+    "_log1p": """@triton.jit
+def _log1p(x):
+    # log1p in Triton's interpreter (Note [Accurate tanh, log1p and expm1]), in fp64
+    xf = x.to(tl.float64)
+    u = 1.0 + xf
+    d = u - 1.0
+    r = tl.where(d == 0.0, xf, tl.log(u) * (xf / tl.where(d == 0.0, 1.0, d)))
+    return tl.where(u == float("inf"), u, r)
+""",
+    "_tanh": """@triton.jit
+def _tanh(x):
+    # tanh in Triton's interpreter (Note [Accurate tanh, log1p and expm1]), in fp64
+    xf = x.to(tl.float64)
+    e = _expm1(-2.0 * tl.abs(xf))
+    t = -e / (e + 2.0)
+    return tl.where(xf < 0, -t, tl.where(xf == 0, xf, t))
 """,
     "_pow": """@triton.jit
 def _pow(x, y):

@@ -28,6 +28,7 @@ from torch._decomp import core_aten_decompositions, get_decompositions
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from aotc.passes.pin_dtypes import pin_default_dtypes
 from aotc.passes.split_reduction import split_reductions
 
 aten = torch.ops.aten
@@ -163,6 +164,8 @@ def decompose(module: fx.GraphModule) -> fx.GraphModule:
         )(*args)
     # Random ops stay even if unused (fx treats them as pure inside a Dynamo compilation).
     traced.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure(impure_random=True))
+    # Factory calls inside decompositions: see Note [Factory ops follow the default dtype]
+    pin_default_dtypes(traced, None)
     traced.recompile()
     return split_reductions(traced)
 

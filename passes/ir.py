@@ -24,6 +24,7 @@ from aotc.passes.descriptors import (
     describe,
 )
 from aotc.passes.provenance import describe_source, source_of
+from aotc.runtime import fxnames  # noqa: F401  Note [Op names that are Python keywords]
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,6 +69,7 @@ from aotc.runtime.errors import AotcError, GuardError
 from aotc.runtime.guards import signature_check, signature_key
 from aotc.runtime.kernels import CompiledGraph
 from aotc.runtime.launch import make_callable
+from aotc.runtime.segments import SegmentProgram
 from aotc.runtime.steps import GraphProgram
 from aotc.runtime.symbolic import coarse_key, make_guard
 from aotc.runtime.wrappers import CompiledEntry, RuntimePlan, describe_change
@@ -104,6 +105,9 @@ class CompiledProgram:
     # sources are not part of the record: each kernel step names its file (`kernel_file`).
     forward_kernels: GraphProgram | None
     backward_kernels: GraphProgram | None
+    # The autograd nodes of a call whose outputs have eager's node boundaries between them
+    # (Note [Segments] in passes/segments.py); empty: one node, running `backward`.
+    segments: tuple[SegmentProgram, ...] = ()
 
     @property
     def lowered(self) -> tuple[bool, bool]:
@@ -128,6 +132,8 @@ def assemble(
     lowerings: tuple[CompiledGraph | None, CompiledGraph | None] = (None, None),
     record: object = None,
     higher: HigherOrder | None = None,
+    segment_highers: tuple[HigherOrder | None, ...] = (),
+    segment_lowerings: tuple[CompiledGraph | None, ...] = (),
 ) -> CompiledEntry:
     """The callable of `program`. `lowerings`: the forward and backward graphs' Triton lowerings
     (None: that graph runs as ATen calls); `record`: what `aotc.inspect` shows for it;
@@ -138,7 +144,17 @@ def assemble(
     backward = None
     if program.backward is not None:
         backward = bwd.callable if bwd is not None else make_callable(program.backward)
-    return CompiledEntry(program.plan, forward, backward, record, higher, program.backward)
+    return CompiledEntry(
+        program.plan,
+        forward,
+        backward,
+        record,
+        higher,
+        program.backward,
+        program.segments,
+        segment_highers,
+        tuple(c.callable if c is not None else None for c in segment_lowerings),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -430,7 +446,10 @@ class LoadedArtifact:
             _lowering(program.forward_kernels, kernels),
             _lowering(program.backward_kernels, kernels),
         )
-        self.entry = assemble(program, lowerings)
+        segment_lowerings = tuple(
+            _lowering(seg.backward_kernels, kernels) for seg in program.segments
+        )
+        self.entry = assemble(program, lowerings, segment_lowerings=segment_lowerings)
         self._call = self.entry.call
         n = artifact.num_user_leaves
         plain = pytree.tree_flatten((tuple(range(n)), {}))[1] == artifact.in_spec

@@ -106,10 +106,17 @@ def make_autograd_function(
     higher: HigherOrder | None = None,
     written: frozenset[int] = frozenset(),
     bwd_graph: Any = None,
+    rng_state: Callable[[], torch.Tensor] | None = None,
+    kept_args: int | None = None,
 ) -> type[torch.autograd.Function]:
     """`written`: graph args the entry's epilogue writes into (Note [Graph args for double
     backward]); `bwd_graph`: the backward fx graph, pruned when some outputs get no gradient
-    (Note [Absent gradients] in runtime/absent.py; None: absent gradients are zeros)."""
+    (Note [Absent gradients] in runtime/absent.py; None: absent gradients are zeros);
+    `rng_state`: where the forward reads the generator state of the call (default: the device's
+    generator now; a segment node reads the state from before the call's forward graph ran,
+    Note [Segments] in passes/segments.py); `kept_args`: how many leading args the node keeps for
+    a double backward (None: all; a segment node keeps its graph args, not the outputs of other
+    segments it takes)."""
     n_out = plan.num_fwd_outs
     diff = plan.diff_outs
     n_args = plan.num_graph_args
@@ -139,7 +146,9 @@ def make_autograd_function(
     dwatch = plan.watch_args
     rng = plan.rng_device
     unversioned = tuple(n_out + i for i in plan.unversioned_saved)
-    get_rng = torch.cuda.get_rng_state if rng == "cuda" else torch.random.get_rng_state
+    get_rng = rng_state or (
+        torch.cuda.get_rng_state if rng == "cuda" else torch.random.get_rng_state
+    )
 
     def forward(ctx, holder: list, *args: torch.Tensor):  # type: ignore[no-untyped-def]
         if anchored:
@@ -158,7 +167,7 @@ def make_autograd_function(
         if written:
             ctx.aotc_args = tuple(None if i in written else a for i, a in enumerate(args))
         else:
-            ctx.aotc_args = args
+            ctx.aotc_args = args if kept_args is None else args[:kept_args]
         # Every saved tensor goes through save_for_backward, so saved-tensor hooks
         # (saved_tensors_hooks, save_on_cpu) around the call see exactly these values.
         if unversioned:
@@ -222,7 +231,11 @@ def make_autograd_function(
             ctx.aotc_args = ctx.aotc_versions = ctx.aotc_rng = None
         if not all(map(_is_contiguous, grads)):
             grads = tuple(g if g.is_contiguous() else g.contiguous() for g in grads)
-        saved = ctx.saved_tensors + ctx.aotc_sizes if has_sizes else ctx.saved_tensors
+        saved = (
+            (ctx.saved_tensors if n_tensors > n_out else ()) + ctx.aotc_sizes
+            if has_sizes
+            else (ctx.saved_tensors if n_tensors > n_out else ())
+        )
         # The backward graph carries its dtypes already (Note [Graphs run without autocast]).
         if release and boxed is not None:  # Note [Boxed backward]
             box = [*saved, *grads]
@@ -252,7 +265,11 @@ def make_autograd_function(
         if not keep_graph():
             ctx.aotc_args = ctx.aotc_versions = ctx.aotc_rng = None
         grads = tuple(g if g is None or g.is_contiguous() else g.contiguous() for g in grads)
-        saved = ctx.saved_tensors + ctx.aotc_sizes if has_sizes else ctx.saved_tensors
+        saved = (
+            (ctx.saved_tensors if n_tensors > n_out else ()) + ctx.aotc_sizes
+            if has_sizes
+            else (ctx.saved_tensors if n_tensors > n_out else ())
+        )
         with torch._C._DisableAutocast() if any_autocast() else contextlib.nullcontext():
             return pruned(*saved, *grads)  # type: ignore[no-any-return]
 
@@ -314,6 +331,7 @@ def make_autograd_function(
                 "watch_output_deps": watch_out_deps,
                 "boxed": boxed,
                 "clear_saved": clear_saved,
+                "kept_args": kept_args,
                 "absent": (lambda ctx, grads: place(run_absent(ctx, grads)))
                 if absent_run is not None
                 else None,
@@ -328,8 +346,27 @@ def make_autograd_function(
             # Whether apply fills its holder: see Note [No holder when every output is
             # differentiable]. Callers that get False pass None, or a list of n_out Nones.
             "aotc_fills_holder": not generated or fills_holder(plan),
+            **_CLASS_DEFAULTS,  # Note [Class attributes apply reads]
         },
     )
+
+
+# Note [Class attributes apply reads]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# On every call, torch's C `Function.apply` reads a few attributes of the Function class by
+# name (`_backward_cls`, `forward`, `setup_context`, `boxed_grads_call`,
+# `clear_saved_tensors_on_access`), each through a lookup that torch's fresh name string makes
+# miss Python's attribute cache: the lookup walks the metaclass's and then the class's MRO dict by
+# dict until it finds the name. The last three are defined two classes up, on
+# `_SingleLevelFunction`; the class repeats them (the same objects, so apply sees no override:
+# `setup_context` is the base's own staticmethod) and each lookup stops at its first dict
+# (callgrind: ~900 fewer instructions a call on bench/overhead.py's tiny step). Attributes a torch
+# version does not have are left out.
+_CLASS_DEFAULTS: dict[str, Any] = {
+    name: torch.autograd.function._SingleLevelFunction.__dict__[name]
+    for name in ("setup_context", "boxed_grads_call", "clear_saved_tensors_on_access")
+    if name in torch.autograd.function._SingleLevelFunction.__dict__
+}
 
 
 def fills_holder(plan: AutogradPlan) -> bool:
@@ -455,7 +492,11 @@ def _generate_node(
     if snap:
         fl += ["    try:", *(f"        {line}" for line in snap)]
         fl += ["    except RuntimeError:", "        ctx.aotc_versions = ctx.aotc_watch = None"]
-    fl += ["    outs = fwd(*args)", "    ctx.aotc_args = args"]
+    kept = namespace.get("kept_args")
+    fl += [
+        "    outs = fwd(*args)",
+        f"    ctx.aotc_args = {'args' if kept is None else f'args[:{kept}]'}",
+    ]
     # `to_save` is what `ctx.save_for_backward(*tensors)` sets (a tuple); set here without the
     # Python frame of that method. Autograd reads it after forward returns, as it would then.
     saved = "".join(f"outs[{k}], " for k in range(n_out, n_tensors))
@@ -520,8 +561,8 @@ def _generate_node(
         indent = "    "
     if svars:
         bl.append(f"{indent}{''.join(v + ', ' for v in svars)}= ctx.saved_tensors")
-    else:
-        bl.append(f"{indent}ctx.saved_tensors")  # unpacking is what eager's backward does too
+    # Nothing saved: nothing to unpack. Eager's nodes that save no tensor run any number of
+    # backwards (`o[0].backward(); o[1].backward()` through `x + 1`), and so does this one.
     if plan.num_saved_symints:
         bl.append(f"{indent}sizes = ctx.aotc_sizes")
         svars.append("*sizes")
@@ -875,12 +916,14 @@ class SavedValues:
 def autograd_nodes(roots: Iterable[object]) -> Iterator[Any]:
     """Every autograd graph node reachable from the tensors among `roots`, each once."""
     stack = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    visited: set[int] = set()
+    # Each node kept alive with its id: torch 2.11 frees a node's Python object with its last
+    # reference and reuses its id (Note [Autograd nodes' Python objects] in aotc/aliasing.py).
+    visited: dict[int, Any] = {}
     while stack:
         node = stack.pop()
         if node is None or id(node) in visited:
             continue
-        visited.add(id(node))
+        visited[id(node)] = node
         yield node
         stack.extend(fn for fn, _ in node.next_functions if fn is not None)
 

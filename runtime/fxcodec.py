@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from torch import fx
 
+from aotc.runtime import fxnames  # noqa: F401  Note [Op names that are Python keywords]
 from aotc.runtime.codec import Uncachable, _list, decode, encode
 from aotc.runtime.errors import CacheError
-from aotc.runtime.schema import NODE_SOURCE_KEY, NodeSource
+from aotc.runtime.schema import NODE_SOURCE_KEY, ONCE_DIFFERENTIABLE_KEY, NodeSource
 from aotc.runtime.valuetensor import ValueTensor
 
 _NAMESPACES = ("aten", "prims")
@@ -226,6 +227,8 @@ def encode_graph(module: fx.GraphModule) -> dict[str, Any]:
         source = node.meta.get(NODE_SOURCE_KEY)
         if isinstance(source, NodeSource):  # for inspection of a hit (aotc/provenance.py)
             item["source"] = [source.module, source.module_type, source.line, source.backward]
+        if node.meta.get(ONCE_DIFFERENTIABLE_KEY):  # the differentiable backward reads it
+            item["once_differentiable"] = True
         nodes.append(item)
     encoded: dict[str, Any] = {"nodes": nodes, "consts": consts}
     if subgraphs:
@@ -276,6 +279,8 @@ def decode_graph(value: Any, on_device: bool = False) -> fx.GraphModule:
             node.meta[NODE_SOURCE_KEY] = NodeSource(
                 str(module), str(kind), str(line), bool(backward)
             )
+        if item.get("once_differentiable") is True:
+            node.meta[ONCE_DIFFERENTIABLE_KEY] = True
         env[name] = node
     try:
         from torch.fx._lazy_graph_module import _LazyGraphModule

@@ -38,7 +38,17 @@ def signature_key(leaves: Sequence[object]) -> tuple[object, ...]:
     ptrs: list[int] = []
     for t in leaves:
         if isinstance(t, Tensor):
-            parts.append((t.dtype, t.device, t.shape, t.stride(), t.requires_grad, t.is_leaf))
+            part: tuple[object, ...] = (
+                t.dtype,
+                t.device,
+                t.shape,
+                t.stride(),
+                t.requires_grad,
+                t.is_leaf,
+            )
+            if t.is_conj() or t.is_neg():  # See Note [Conjugate and negative bits]
+                part += (t.is_conj(), t.is_neg())
+            parts.append(part)
             ptrs.append(t.untyped_storage().data_ptr())
         elif isinstance(t, slice):  # unhashable before Python 3.12
             parts.append((slice, t.start, t.stop, t.step))
@@ -47,6 +57,19 @@ def signature_key(leaves: Sequence[object]) -> tuple[object, ...]:
     pattern = _alias_pattern(leaves, ptrs) if len(set(ptrs)) != len(ptrs) else None
     autocast = _autocast_state() if torch._C._is_any_autocast_enabled() else None
     return (tuple(parts), pattern, torch.is_grad_enabled(), autocast)
+
+
+# Note [Conjugate and negative bits]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# `b.conj()` and `z.conj().imag` are views with a lazy conjugate or negative bit: their values
+# read as conjugated (negated), and ops such as `resolve_conj`, `view_as_real` and `.real`
+# behave differently on them. A graph traced on a plain tensor folds `resolve_conj()` away, so it
+# must not run on a conjugate view, nor one traced on a view on a plain tensor. A tensor with
+# either bit keys with two more fields (the bits), so its key differs from a plain tensor's, and
+# such signatures get no generated check (the key path handles them, as for shared storage). The
+# checks of signatures of plain tensors refuse tensors with a bit: the C tensor check compares
+# their dispatch keys (Conjugate, Negative), and the Python conditions read the bits of complex
+# leaves (a real tensor gets the negative bit only as `.imag` of a conjugate view).
 
 
 # Note [Guard checks]
@@ -126,7 +149,10 @@ def _signature_conditions(
             dtype, device, shape, stride, requires_grad, is_leaf = part
             tensors.append(leaf)
             if tensor_check is not None and i < exact:
-                conds.append(f"{leaf}.is_leaf is {bool(is_leaf)}")
+                # The C check proves requires_grad, and a tensor that does not require grad is
+                # always a leaf (it has no grad_fn): only the others' leafness is read.
+                if requires_grad or not is_leaf:
+                    conds.append(f"{leaf}.is_leaf is {bool(is_leaf)}")
                 continue
             namespace[f"c{i}_dtype"], namespace[f"c{i}_device"] = dtype, device
             namespace[f"c{i}_shape"], namespace[f"c{i}_stride"] = shape, stride
@@ -139,6 +165,8 @@ def _signature_conditions(
                 f"{leaf}.requires_grad is {bool(requires_grad)}",
                 f"{leaf}.is_leaf is {bool(is_leaf)}",
             ]
+            if dtype.is_complex:  # Note [Conjugate and negative bits]
+                conds += [f"not {leaf}.is_conj()", f"not {leaf}.is_neg()"]
         elif i < exact:  # a plain-tensor call cannot have this leaf
             conds.append("False")
         elif part[0] is slice:
@@ -157,7 +185,11 @@ def _signature_conditions(
         conds.append(f"len({{{ptrs}}}) == {len(tensors)}")
     conds.append(f"grad_enabled() is {bool(grad_enabled)}")
     conds.append("not any_autocast()")
-    conds.append("not functorch_active()")  # Note [Calls after a guard hit] in fastpath.py
+    if tensor_check is None or not exact:
+        # Note [Calls after a guard hit] in fastpath.py. The C check compares each tensor's
+        # dispatch keys with the thread's included ones, which a functorch transform extends
+        # (its DynamicLayer keys): it fails under a transform, so it stands for this read.
+        conds.append("not functorch_active()")
     return n, conds, namespace
 
 

@@ -59,6 +59,7 @@ kernel) decides nothing and is tried again next time.
 
 from __future__ import annotations
 
+import keyword
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -124,7 +125,7 @@ def make_callable(module: fx.GraphModule) -> Callable[..., Any]:
             else:
                 fn = const(target, getattr(target, "__name__", "fn"))
             args = [fmt(a) for a in node.args]
-            args += [f"{k}={fmt(v)}" for k, v in node.kwargs.items()]
+            args += [_keyword_arg(k, fmt(v)) for k, v in node.kwargs.items()]
             body.append(f"    {name} = {fn}({', '.join(args)})")
         elif node.op == "output":
             body.append(f"    return {fmt(tuple(node.args[0]))}")
@@ -376,6 +377,12 @@ def _dispatched(
     except Exception:  # noqa: BLE001 no meta kernel, bad arguments: keep _op
         return None
     return seen if len(seen) == 1 else None
+
+
+def _keyword_arg(name: str, value: str) -> str:
+    """`name=value` in a call, or `**{'name': value}` for a name Python reserves (Note [Op names
+    that are Python keywords] in runtime/fxnames.py)."""
+    return f"{name}={value}" if not keyword.iskeyword(name) else f"**{{{name!r}: {value}}}"
 
 
 def _keep(line: str, returned: set[str]) -> str:

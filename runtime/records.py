@@ -13,7 +13,9 @@ from aotc.runtime import (
     autograd,
     epilogue,
     kernels,
+    outspec,  # noqa: F401  registers SizeOutput for output specs (Note [Size outputs])
     schema,
+    segments,
     steps,
     symexpr,
     symsizes,
@@ -42,6 +44,7 @@ RUNTIME_RECORDS: tuple[type, ...] = (
     epilogue.EpiloguePlan,
     autograd.AutogradPlan,
     wrappers.RuntimePlan,
+    segments.SegmentProgram,
     kernels.KernelSource,
     kernels.KernelFigures,
     kernels.BufferSpec,

@@ -289,6 +289,9 @@ class FwdOutputPlan:
 
 
 NODE_SOURCE_KEY = "aotc_source"  # node.meta[NODE_SOURCE_KEY]: NodeSource
+# node.meta[ONCE_DIFFERENTIABLE_KEY] = True: computed by a `@once_differentiable` backward (Note
+# [Once-differentiable backwards] in aotc/oncediff.py); kept by the cache's graph codec.
+ONCE_DIFFERENTIABLE_KEY = "aotc_once_differentiable"
 
 
 @dataclass(frozen=True, slots=True)

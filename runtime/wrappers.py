@@ -41,6 +41,7 @@ from aotc.runtime.errors import GuardError, UnsupportedError
 from aotc.runtime.fastpath import make_fast_call
 from aotc.runtime.guards import MISS, explain_bad_leaves, remember_probe, signature_key
 from aotc.runtime.schema import CallingConvention, GraphArg
+from aotc.runtime.segments import SegmentNodes, SegmentProgram
 
 log = logging.getLogger("aotc.recompiles")
 
@@ -95,6 +96,7 @@ class CompiledEntry:
         "_mutates",
         "_anchor",
         "_enable_grad",
+        "_segments",
     )
 
     def __init__(
@@ -105,11 +107,28 @@ class CompiledEntry:
         record: object = None,
         higher: HigherOrder | None = None,
         backward_graph: Any = None,
+        segments: Sequence[SegmentProgram] = (),
+        segment_highers: Sequence[HigherOrder | None] = (),
+        segment_backwards: Sequence[Callable[..., Any] | None] = (),
     ) -> None:
         """`backward_graph`: the fx graph `bwd` runs (pruned for outputs that get no gradient,
-        Note [Absent gradients] in runtime/absent.py)."""
+        Note [Absent gradients] in runtime/absent.py). `segments`: the entry's autograd nodes
+        when it has several (Note [Segments] in passes/segments.py), with their differentiable
+        backwards; `bwd` and `higher` are then unused."""
         self.plan = plan
         self.record = record
+        self._segments: SegmentNodes | None = None
+        if segments:
+            assert plan.autograd is not None
+            self._segments = SegmentNodes(
+                fwd,
+                segments,
+                plan.autograd.num_graph_args,
+                plan.autograd.num_fwd_outs,
+                plan.name,
+                segment_highers or (None,) * len(segments),
+                segment_backwards or (None,) * len(segments),
+            )
         if plan.autograd is None:
             fwd = _without_grad(fwd)  # an inference entry's outputs never require grad
         self._fwd = fwd
@@ -117,7 +136,7 @@ class CompiledEntry:
         self._apply: Callable[..., Any] | None = None
         self._diff: tuple[int, ...] = ()
         self._holder_size = 0
-        if plan.autograd is not None:
+        if plan.autograd is not None and self._segments is None:
             assert bwd is not None
             written = frozenset(
                 m.target for m in plan.epilogue.mutations if m.kind is StepKind.COPY
@@ -145,6 +164,8 @@ class CompiledEntry:
         self.call: Callable[[list[object]], object]
         if self._mutates:
             self.call = self._call_locked
+        elif self._segments is not None:
+            self.call = self._call_general
         else:
             fast = make_fast_call(
                 plan, fwd, self._apply, self._call_general, fills_holder=self._holder_size == 0
@@ -178,6 +199,8 @@ class CompiledEntry:
         for a in plan.epilogue.make_require_grad:
             cast(torch.Tensor, leaves[a]).requires_grad_()
         args = apply_convention(plan.convention, leaves)
+        if self._segments is not None:
+            return self._run_segments(leaves, args)
         if self._fn is not None:
             if self._detach:
                 args = [a.detach() if i in self._detach else a for i, a in enumerate(args)]
@@ -208,6 +231,22 @@ class CompiledEntry:
         result = build_outputs(plan.epilogue, leaves, fwd_outs, early)
         if self._fn is not None and self._watch_outputs:
             watch_outputs(diff, result, self._watch_outputs)
+        return self._unflatten(result)
+
+    def _run_segments(self, leaves: list[object], args: list[Any]) -> object:
+        """`_run` for an entry of several autograd nodes (Note [Segments] in
+        passes/segments.py); such entries write no input (runtime/segments.py)."""
+        plan = self.plan
+        assert self._segments is not None
+        if self._detach:
+            args = [a.detach() if i in self._detach else a for i, a in enumerate(args)]
+        regrad = self._enable_grad and not torch.is_inference_mode_enabled()
+        with torch.enable_grad() if regrad else _NO_CHANGE:
+            fwd_outs, diffs = self._segments.run(args)
+        result = build_outputs(plan.epilogue, leaves, fwd_outs, None)
+        for diff, seg_plan in zip(diffs, self._segments.plans):
+            if seg_plan.watch_outputs:
+                watch_outputs(diff, result, seg_plan.watch_outputs)
         return self._unflatten(result)
 
 

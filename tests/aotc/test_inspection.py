@@ -355,7 +355,10 @@ def test_stack_traces_match_torch_fx_own(monkeypatch):
     def anchored(x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.gelu(x).sum() + block(x).sum()
 
-    fx_proxy._register_stack_trace_anchor(anchored)
+    # torch 2.13 keeps the frames of registered anchors; torch 2.11 has no anchors
+    anchors = hasattr(fx_proxy, "_register_stack_trace_anchor")
+    if anchors:
+        fx_proxy._register_stack_trace_anchor(anchored)
 
     def program(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         loss = block.mlp(x * w).sum() + anchored(x * w)
@@ -379,7 +382,7 @@ def test_stack_traces_match_torch_fx_own(monkeypatch):
     assert len(walked) > 10  # the nodes' stacks were walked by aotc's stand-in
     assert traces(ours) == traces(theirs)
     assert sum("in forward" in t for _, t in traces(ours)) > 5
-    assert any("in anchored" in t for _, t in traces(ours))
+    assert any("in anchored" in t for _, t in traces(ours)) == anchors
 
 
 def test_stack_trace_stand_in_is_restored_after_concurrent_traces():

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import copy
 import gc
+import inspect
 import warnings
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -431,6 +433,11 @@ def test_dynamic_option_maps_to_dynamo(dynamic, expected):
     assert len(aotc.inspect(compiled)) == expected
 
 
+@pytest.mark.skipif(
+    "isolate_recompiles" not in inspect.signature(torch._dynamo.eval_frame._optimize).parameters,
+    reason="torch 2.11's Dynamo has no per-object recompile limit (torch 2.13's isolate_recompiles):"
+    " its global recompile_limit applies, counted per code object",
+)
 def test_recompile_limit_falls_back_to_eager_and_warns():
     def f(x, k):
         return x * k
@@ -1034,6 +1041,25 @@ def test_function_that_leaves_gradients_unmaterialized(capture, materialize):
     )
 
 
+@pytest.mark.parametrize("capture", ["dynamo", "trace"])
+def test_program_branching_on_is_exporting_takes_eagers_branch(capture):
+    """Note [torch.compiler.is_exporting() under Dynamo]: outside torch.export the program sees
+    False, as in eager (torch 2.11's Dynamo folds it to True), and Dynamo's own table is back
+    afterwards."""
+    from torch._dynamo.variables import torch as torch_variables
+
+    def f(x):
+        return x * 2 if torch.compiler.is_exporting() else x * 3
+
+    table = getattr(torch_variables, "tracing_state_functions", dict)()
+    before = table.get(torch.compiler.is_exporting)
+    compiled = aotc.compile(f, capture=capture)
+    torch._dynamo.reset()
+    x = torch.randn(3)
+    torch.testing.assert_close(compiled(x), f(x), rtol=0, atol=0)
+    assert table.get(torch.compiler.is_exporting) is before
+
+
 class _SavesInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):  # type: ignore[no-untyped-def]
@@ -1192,3 +1218,48 @@ def test_a_graph_aotc_cannot_trace_is_refused_with_the_users_line():
     torch._dynamo.reset()
     want = _write_through_as_strided(x.clone())
     assert torch.equal(aotc.compile(_write_through_as_strided)(x.clone()), want)
+
+
+def _leaves_grad_off(x: torch.Tensor) -> torch.Tensor:
+    y = x * 2
+    torch.set_grad_enabled(False)
+    return y + 1
+
+
+def _leaves_float64(x: torch.Tensor) -> torch.Tensor:
+    y = x * 2
+    torch.set_default_dtype(torch.float64)
+    return y + 1
+
+
+def _no_grad_region(x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        y = x * 2
+    return x * y
+
+
+@pytest.mark.parametrize("via", ("default", "torch_compile"))
+@pytest.mark.parametrize(
+    "program,state",
+    [
+        (_leaves_grad_off, torch.is_grad_enabled),
+        (_leaves_float64, torch.get_default_dtype),
+        (_no_grad_region, torch.is_grad_enabled),
+    ],
+)
+def test_global_state_the_graph_leaves_set(via: str, program: Any, state: Any) -> None:
+    """Note [Global state a Dynamo graph leaves set] in aotc/backend.py: the state after the
+    call is what the program left, as in eager."""
+    results = []
+    for run in (program, aotc.compile(program, cache=False) if via == "default" else None):
+        torch._dynamo.reset()
+        if run is None:
+            run = torch.compile(program, backend="aotc")
+        try:
+            x = torch.randn(3, requires_grad=True)
+            out = run(x)
+            results.append((state(), out.requires_grad, out.dtype))
+        finally:
+            torch.set_grad_enabled(True)
+            torch.set_default_dtype(torch.float32)
+    assert results[0] == results[1]

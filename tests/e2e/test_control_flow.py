@@ -216,7 +216,13 @@ def test_branch_modifying_its_input_without_grad() -> None:
         x, y = torch.randn(5), torch.randn(5).abs() * sign
         ours = x.clone()
         with torch.no_grad():
-            expected, got = fn(x, y), compiled(ours, y)
+            try:
+                expected = fn(x, y)
+            except Exception as e:  # torch 2.11's eager refuses the branch's write (2.13 runs it)
+                with pytest.raises(type(e)):
+                    compiled(ours, y)
+                continue
+            got = compiled(ours, y)
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
         torch.testing.assert_close(ours, x, rtol=0, atol=0)  # the input was modified as in eager
     strict = _compile(fn, "trace")
@@ -225,11 +231,14 @@ def test_branch_modifying_its_input_without_grad() -> None:
 
 
 def test_torch_calls_outside_a_trace_keep_their_own_path() -> None:
-    original = hop_utils._hop_compile_and_call
+    # torch 2.13's operators compile through `_hop_compile_and_call`, 2.11's call torch.compile
+    has_hop_call = hasattr(hop_utils, "_hop_compile_and_call")
+    owner, name = (hop_utils, "_hop_compile_and_call") if has_hop_call else (torch, "compile")
+    original = getattr(owner, name)
     compiled = _compile(_branchy, "trace")
     x, y = torch.randn(4, requires_grad=True), torch.randn(4)
     _check(_branchy, compiled, [x, y])
-    assert hop_utils._hop_compile_and_call is original  # restored after the trace
+    assert getattr(owner, name) is original  # restored after the trace
 
 
 def test_graphs_with_cond_are_cached_with_their_branches(tmp_path: Any) -> None:

@@ -389,6 +389,42 @@ def test_18_writes_into_expanded_tensors_that_eager_refuses():
             fn(torch.randn(1, 4), torch.randn(3, 4))
 
 
+def _overlapping_view():
+    base = torch.randn(10)
+    return base, base.as_strided((3, 3), (2, 1))  # elements 2, 4 and 6 are addressed twice
+
+
+@pytest.mark.parametrize("write", ["mul_", "add_", "copy_"])
+@pytest.mark.parametrize("mode", ["trace", "torch_compile"])
+def test_18_writes_into_a_tensor_that_overlaps_itself_are_refused(write, mode):
+    """`x.mul_(2)` on a view whose indices share elements (not through stride 0, which eager
+    checks): eager doubles shared elements twice, the functional graph once (Note [Writes into a
+    tensor that overlaps itself]). Refused by op and line instead of a silent difference."""
+
+    def f(x, y):
+        getattr(x, write)(y if write != "mul_" else 2)
+        return x
+
+    compiled = dynamo(f) if mode == "torch_compile" else aotc.compile(f, capture="trace")
+    _, x = _overlapping_view()
+    with pytest.raises(aotc.UnsupportedError, match=rf"{write}.*several indices address the same"):
+        compiled(x, torch.randn(3, 3))
+
+
+def test_18_order_free_writes_into_a_tensor_that_overlaps_itself_match_eager():
+    """The same views written with one value everywhere (`fill_`, `zero_`), and written where no
+    two indices share an element (`x[:, ::2]`): eager's results, in every capture mode."""
+
+    def f(base, x):
+        x.fill_(3.0)
+        x[1].zero_()
+        base[::3].mul_(2)  # strided, not overlapping
+        return base * 1, x + 1
+
+    for mode in ("trace", "dynamo"):
+        assert_matches_eager(f, _overlapping_view, capture=mode, backward=False)
+
+
 def test_19_unused_random_op():
     def f(a):
         v = a * 2
@@ -442,3 +478,64 @@ def test_gradient_from_a_zero_backward_formula_is_zeros_not_none(capture):
     a, b = make()
     aotc.compile(f, capture=capture)(a, b).sum().backward()
     assert b.grad is not None and not b.grad.any()
+
+
+def _factories_under_float64(x):
+    torch.set_default_dtype(torch.float64)
+    try:
+        made = (
+            torch.ones(3),
+            torch.zeros(3),
+            torch.full((3,), 1.5),
+            torch.arange(0.0, 3.0),
+            torch.linspace(0, 1, 3),
+            torch.scalar_tensor(2.5),
+            torch.empty(3).fill_(0.25),
+            torch.rand(3),
+            torch.randn(3),
+        )
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return [m + x for m in made], torch.ones(3) * x  # the last one: float32 again
+
+
+@pytest.mark.parametrize("mode", ["trace", "dynamo", "torch_compile"])
+def test_factory_calls_after_set_default_dtype_inside_keep_its_dtype(mode, tmp_path):
+    """`torch.set_default_dtype(torch.float64)` inside the program: eager's factory calls after it
+    make float64 tensors. Their nodes had no dtype and took the call's float32 when the graph ran
+    (Note [Factory ops follow the default dtype]); a disk-cache hit keeps the dtypes."""
+    f = _factories_under_float64
+
+    def make():
+        return (leaf(3),)  # float32: each sum has the factory's dtype
+
+    for _ in range(2):  # the second compile reads the first one's cache entry
+        torch._dynamo.reset()
+        compiled = (
+            torch.compile(f, backend="aotc", options=dict(cache_dir=str(tmp_path)))
+            if mode == "torch_compile"
+            else aotc.compile(f, capture=mode, cache_dir=str(tmp_path))
+        )
+        assert_matches_eager(f, make, compiled=compiled)
+        assert torch.get_default_dtype() == torch.float32
+    if mode == "trace":
+        assert "cache_load" in aotc.inspect(compiled)[0].stage_seconds
+
+
+def test_promotion_to_a_default_dtype_the_program_set_is_refused():
+    """`torch.arange(3) / 2` computes in the default dtype and has no dtype to pin: refused by
+    name and line rather than computed in the call's default (float32 for eager's float64)."""
+
+    def f(x):
+        torch.set_default_dtype(torch.float64)
+        try:
+            z = torch.arange(3) / 2
+        finally:
+            torch.set_default_dtype(torch.float32)
+        return z + x
+
+    with pytest.raises(
+        aotc.UnsupportedError, match=r"aten.div.Tensor \(at .*torch.arange\(3\) / 2"
+    ):
+        aotc.compile(f, capture="trace")(torch.randn(3))
+    assert torch.get_default_dtype() == torch.float32

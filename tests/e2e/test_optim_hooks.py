@@ -152,3 +152,71 @@ def test_hooks_that_change_values_change_the_gradient_as_in_eager():
         results.append(torch.autograd.grad(out, w)[0])
     torch.testing.assert_close(results[1], results[0])
     torch.testing.assert_close(results[0], 2 * x)
+
+
+_DISABLED = "saved tensor hooks are disabled here"
+
+
+def _compiled(how, fn):
+    torch._dynamo.reset()
+    if how == "torch_compile":
+        return torch.compile(fn, backend="aotc")
+    return aotc.compile(fn, capture=how)
+
+
+def _sigmoid_of_mm(x, w):
+    return (x @ w).sigmoid()
+
+
+@pytest.mark.parametrize("how", ["trace", "dynamo", "torch_compile"])
+def test_compiling_inside_disable_saved_tensors_hooks(how):
+    """The first call (the compile) inside `disable_saved_tensors_hooks(msg)`: aotc's own hooks
+    were refused with the user's message (Note [Compiling where saved-tensor hooks are
+    disabled]). It matches eager, and the region is still disabled after the call."""
+    compiled = _compiled(how, _sigmoid_of_mm)
+    for _ in range(2):
+        results = []
+        for fn in (_sigmoid_of_mm, compiled):
+            torch.manual_seed(0)
+            x, w = torch.randn(3, 4), torch.randn(4, 5, requires_grad=True)
+            with torch.autograd.graph.disable_saved_tensors_hooks(_DISABLED):
+                out = fn(x, w)
+                assert torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() == (
+                    _DISABLED
+                )
+            out.sum().backward()
+            results.append((out, w.grad))
+        torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+    assert torch._C._autograd._saved_tensors_hooks_is_enabled()
+
+
+def _saves_on_cpu(x, w):
+    with torch.autograd.graph.save_on_cpu(pin_memory=False):
+        return (x @ w).sigmoid()
+
+
+def _reads_the_region(x, w):
+    enabled = torch._C._autograd._saved_tensors_hooks_is_enabled()
+    with torch.autograd.graph.disable_saved_tensors_hooks("inner"):
+        inner = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
+    after = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
+    return (x @ w).tanh(), enabled, inner, after
+
+
+@pytest.mark.parametrize("how", ["trace", "torch_compile"])
+def test_the_program_sees_the_disabled_region_as_in_eager(how):
+    """Inside the region the program's own saved-tensor hooks are refused with the user's
+    message, as in eager, and (strict mode) what it reads of the hook state is eager's."""
+    with torch.autograd.graph.disable_saved_tensors_hooks(_DISABLED):
+        for fn in (_saves_on_cpu, _compiled(how, _saves_on_cpu)):
+            with pytest.raises(RuntimeError, match=_DISABLED):
+                fn(torch.randn(3, 4), torch.randn(4, 5, requires_grad=True))
+        if how != "trace":
+            # A Dynamo graph calls torch's disable itself (a node), which refuses aotc's hooks
+            # in or out of a region: not covered here.
+            return
+        x, w = torch.randn(3, 4), torch.randn(4, 5, requires_grad=True)
+        want, got = _reads_the_region(x, w), _compiled(how, _reads_the_region)(x, w)
+    assert got[1:] == want[1:] == (False, "inner", _DISABLED)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    assert torch._C._autograd._saved_tensors_hooks_is_enabled()

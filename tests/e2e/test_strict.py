@@ -9,8 +9,13 @@ compares with eager after the change.
 
 from __future__ import annotations
 
+import argparse
 import copy
+import dataclasses
+import functools
+import itertools
 import logging
+import queue
 import random
 import sys
 import types
@@ -19,9 +24,11 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
 
 import aotc
+from aotc import statewatch
 from aotc.strict import SideEffectWarning
 from tests.conftest import assert_matches_eager, assert_module_matches_eager
 
@@ -467,6 +474,33 @@ def test_default_dtype_change_recompiles():
         assert out.dtype == f(x).dtype == torch.float64
     finally:
         torch.set_default_dtype(old)
+
+
+def _sizes(x):
+    return x * 2, x.shape, {"size": x.size(), "dims": (x.size(1), x[0].shape)}
+
+
+@pytest.mark.parametrize("path", ["compile", "cache hit", "export"])
+def test_size_outputs_stay_torch_size(path, tmp_path):
+    """`return x.shape`: a torch.Size, as in eager (torch's pytree rebuilt it as a tuple, whose
+    `.numel()` raises; Note [Size outputs]), after a disk-cache hit and from an exported artifact."""
+    make = lambda: (torch.randn(3, 4, requires_grad=True),)  # noqa: E731
+    if path == "export":
+        compiled = aotc.load(aotc.export(_sizes, *make(), path=tmp_path / "art"))
+    else:
+        for _ in range(2 if path == "cache hit" else 1):
+            compiled = strict(_sizes, cache_dir=str(tmp_path))
+            assert_matches_eager(_sizes, make, compiled=compiled)
+        hit = "cache_load" in aotc.inspect(compiled)[0].stage_seconds
+        assert hit == (path == "cache hit")
+    want, got = _sizes(*make()), compiled(*make())
+    sizes = [pytree.tree_leaves(o, is_leaf=_is_size)[1:] for o in (want, got)]  # after the tensor
+    assert [(type(s), s) for s in sizes[1]] == [(type(s), s) for s in sizes[0]]
+    assert got[1].numel() == 12
+
+
+def _is_size(x):
+    return isinstance(x, torch.Size)
 
 
 # ---------------------------------------------------------------- module hooks
@@ -1330,6 +1364,35 @@ def test_inference_tensors_in_inference_mode_match_eager():
         assert [g.untyped_storage().data_ptr() == ptr for g in got] == [True, True, False]
 
 
+def _inference_flags(t, x):
+    version = None if t.is_inference() else t._version
+    return t.requires_grad, t.is_leaf, t.grad_fn is None, t._base is x, t.is_inference(), version
+
+
+@pytest.mark.parametrize("nonleaf", [False, True])
+def test_views_of_an_input_that_requires_grad_returned_under_inference_mode(nonleaf):
+    """A call under `torch.inference_mode()` returning a view of a normal input that requires
+    grad: reading the view's gradient edge raised AttributeError (aotc/aliasing.py `_own_leaf`).
+    Values, flags, the backward through it and the refused in-place write are eager's."""
+    compiled = strict(_views)
+    for _ in range(2):
+        seen = []
+        for fn in (_views, compiled):
+            torch.manual_seed(0)
+            x = torch.randn(3, requires_grad=True)
+            x = x * 1 if nonleaf else x
+            with torch.inference_mode():
+                outs = fn(x)
+            outs[1].sum().backward()  # no history: runs, as eager's, and reaches nothing
+            with pytest.raises(RuntimeError, match="created in inference mode"):
+                outs[0].mul_(2)
+            seen.append(([_inference_flags(o, x) for o in outs], outs))
+        (want_flags, want), (got_flags, got) = seen
+        assert got_flags == want_flags
+        for w, g in zip(want, got):
+            close(g.detach(), w.detach())
+
+
 def _detached_then_grad_mode_back_on(x):
     v = x.detach().requires_grad_()
     with torch.inference_mode(False):
@@ -1515,3 +1578,403 @@ def test_compiled_objects_called_inside_a_compiled_program(inner_capture, outer_
     compiled = aotc.compile(twin, capture=outer_capture)
     x = torch.randn(2, 3)
     close(compiled(x), model(x))
+
+
+# ---------------------------------------------------------------- state a graph cannot replay
+# Note [State strict mode compares around a run] in aotc/statewatch.py, Note [Tensor state a
+# graph does not carry] and Note [Generator state in strict mode] in aotc/interpose.py: each case
+# is refused at the first call, naming the value and the user's line, or matches eager.
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+    step: int = 0
+
+
+def _appends_to_argument(x, xs):
+    xs.append(1)
+    return x * len(xs)
+
+
+def _rebinds_argument_item(x, xs):
+    xs[0] = xs[0] * 2
+    return x * xs[0]
+
+
+def _counts_in_argument(x, d):
+    d["n"] = d.get("n", 0) + 1
+    return x * d["n"]
+
+
+def _steps_argument(x, batch):
+    batch.step += 1
+    return x * batch.x
+
+
+@pytest.mark.parametrize(
+    "fn, make, line_text",
+    [
+        (_appends_to_argument, lambda: [], "xs.append(1)"),
+        (_rebinds_argument_item, lambda: [torch.ones(1)], "xs[0] = xs[0] * 2"),
+        (_counts_in_argument, lambda: {}, 'd["n"] = d.get("n", 0) + 1'),
+        (_steps_argument, lambda: _Batch(torch.ones(1)), "batch.step += 1"),
+    ],
+    ids=["list_append", "list_setitem", "dict_setitem", "dataclass_field"],
+)
+def test_changes_to_container_arguments_are_refused(fn, make, line_text):
+    """Containers in the arguments reach the program as copies (their tensors are graph inputs):
+    eager changes the caller's list, dict or dataclass on every call, a compiled call never."""
+    state = make()
+    before = copy.copy(state)
+    with pytest.raises(aotc.UnsupportedError, match="changes Python state") as info:
+        strict(fn)(torch.ones(1), state)
+    message = str(info.value)
+    assert "argument" in message and line_text in message and __file__ in message, message
+    assert type(state)(before) == state if not isinstance(state, _Batch) else state.step == 0
+
+
+ITEMS_COUNTER = itertools.count()
+
+
+def _draws_from_iterator(x, it):
+    return x * next(it)
+
+
+def _draws_from_global_counter(x, _unused):
+    return x * next(ITEMS_COUNTER)
+
+
+def _draws_from_random_instance(x, r):
+    return x * r.random()
+
+
+def _puts_into_queue(x, q):
+    q.put(1)
+    return x * q.qsize()
+
+
+CALLS = types.SimpleNamespace(calls=0)
+
+
+def _sets_namespace_field(x, _unused):
+    CALLS.calls += 1
+    return x * 2
+
+
+@pytest.mark.parametrize(
+    "fn, make, put_back",
+    [
+        (_draws_from_iterator, lambda: iter([1, 2, 3]), True),
+        (_draws_from_random_instance, lambda: random.Random(0), True),
+        (_puts_into_queue, queue.Queue, True),
+        (_sets_namespace_field, lambda: CALLS, True),
+        (_draws_from_global_counter, lambda: None, False),
+    ],
+    ids=["iterator", "random_Random", "queue", "namespace", "global_itertools_count"],
+)
+def test_library_objects_whose_state_the_program_changes_are_refused(fn, make, put_back):
+    """Objects of the standard library keep state the recorder cannot see change attribute by
+    attribute: it is compared before and after the run (pickling's view of it), refused by name
+    and line, and put back where the object takes it back."""
+    state = make()
+    before = statewatch.read_hidden_state(state) if state is not None else None
+    with pytest.raises(aotc.UnsupportedError, match="changes the state of") as info:
+        strict(fn)(torch.ones(1), None if state is CALLS else state)
+    assert __file__ in str(info.value)
+    assert ("(put back)" in str(info.value)) == put_back, info.value
+    if before is not None:
+        assert statewatch.read_hidden_state(state).frozen == before.frozen  # as before the call
+
+
+SETTINGS = argparse.Namespace(scale=2.0)
+
+
+def test_standard_library_objects_the_program_reads_are_guarded():
+    """`argparse.Namespace` / `types.SimpleNamespace` attributes cannot be recorded as they are
+    read (C or standard-library classes): their whole state is guarded, so a change recompiles
+    (the entry kept the first values)."""
+    opts = types.SimpleNamespace(shift=1.0)
+
+    def reads_settings(x):
+        return x * SETTINGS.scale + opts.shift
+
+    compiled = strict(reads_settings)
+    try:
+        for scale, shift in [(2.0, 1.0), (3.0, 1.0), (3.0, -4.0), (2.0, 1.0)]:
+            SETTINGS.scale, opts.shift = scale, shift
+            x = torch.randn(3)
+            close(compiled(x), reads_settings(x), f"scale {scale}, shift {shift}")
+    finally:
+        SETTINGS.scale = 2.0
+    assert any("the state of" in r for r in compiled.recompile_reasons), compiled.recompile_reasons
+
+
+def _seeds_generator_argument(x, g):
+    g.manual_seed(3)
+    return torch.rand(2, generator=g) + x
+
+
+def _restores_generator_state(x, g):
+    s = g.get_state()
+    a = torch.rand(2, generator=g)
+    g.set_state(s)
+    return x + a - torch.rand(2, generator=g)
+
+
+def _creates_generator(x, _unused):
+    g = torch.Generator().manual_seed(5)
+    return x + torch.rand(2, generator=g)
+
+
+@pytest.mark.parametrize(
+    "fn, line_text",
+    [
+        (_seeds_generator_argument, "g.manual_seed(3)"),
+        (_restores_generator_state, "s = g.get_state()"),
+        (_creates_generator, "torch.Generator().manual_seed(5)"),
+    ],
+    ids=["manual_seed", "get_state_set_state", "created_inside"],
+)
+def test_generator_state_set_inside_the_program_is_refused(fn, line_text):
+    """Note [Generator state in strict mode]: eager reseeds (or restores, or creates) on every
+    call; a graph would do it once, while tracing. Refused as torch.manual_seed() is."""
+    g = torch.Generator().manual_seed(7)
+    state = g.get_state()
+    with pytest.raises(aotc.UnsupportedError, match="Generator") as info:
+        strict(fn)(torch.zeros(2), g)
+    assert line_text in str(info.value) and __file__ in str(info.value), info.value
+    assert torch.equal(g.get_state(), state)
+    assert torch.Generator is torch._C.Generator  # the stand-in is gone after the run
+
+
+def _draws_from_generator(x, g):
+    seed = 3  # a name the watch looks for: the run watches generator calls, and allows this
+    return x + torch.rand(2, generator=g) * seed
+
+
+def test_generator_arguments_draw_as_in_eager():
+    compiled = strict(_draws_from_generator)
+    g_eager, g_compiled = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    for _ in range(3):
+        x = torch.randn(2)
+        close(compiled(x, g_compiled), _draws_from_generator(x, g_eager))
+    assert torch.equal(g_compiled.get_state(), g_eager.get_state())
+
+
+def _detaches_input(x):
+    x.detach_()
+    return x * 2
+
+
+def _turns_off_requires_grad(x):
+    x.requires_grad_(False)
+    return x * 2
+
+
+def _assigns_requires_grad(x):
+    x.requires_grad = False
+    return x * 2
+
+
+def _tags_input(x):
+    x.seen = True
+    return x * 2
+
+
+def _tags_output(x):
+    y = x * 2
+    y.tag = "hello"
+    return y
+
+
+@pytest.mark.parametrize(
+    "fn, line_text, what",
+    [
+        (_detaches_input, "x.detach_()", "detach_()"),
+        (_turns_off_requires_grad, "x.requires_grad_(False)", "requires_grad off"),
+        (_assigns_requires_grad, "x.requires_grad = False", "requires_grad off"),
+        (_tags_input, "x.seen = True", "attribute 'seen'"),
+        (_tags_output, 'y.tag = "hello"', "attribute 'tag'"),
+    ],
+    ids=["detach_", "requires_grad_False", "requires_grad_assign", "input_attr", "output_attr"],
+)
+def test_tensor_state_changes_a_graph_does_not_carry_are_refused(fn, line_text, what):
+    """Note [Tensor state a graph does not carry]: eager changes the caller's tensor (or returns
+    a tensor with the attribute); compiled calls would not."""
+    leaf = torch.randn(3, requires_grad=True)
+    x = leaf * 1 if fn is _detaches_input else leaf
+    with pytest.raises(aotc.UnsupportedError, match="") as info:
+        strict(fn)(x)
+    message = str(info.value)
+    assert what in message and line_text in message and __file__ in message, message
+    assert x.requires_grad and not hasattr(x, "seen")
+
+
+def _tags_intermediate(x):
+    y = x * 2
+    y.tag = "scratch"  # dropped with y, in eager too
+    z = x.clone()
+    z.detach_()  # not an input
+    return y.sin() + z
+
+
+def test_tensor_attributes_and_detach_on_intermediates_match_eager():
+    assert_matches_eager(
+        _tags_intermediate, lambda: torch.randn(4, requires_grad=True), capture="trace"
+    )
+
+
+def _grad_off(x):
+    torch.set_grad_enabled(False)
+    return x * 2
+
+
+def _enters_no_grad(x):
+    torch.no_grad().__enter__()
+    return x * 2
+
+
+def _double_default(x):
+    torch.set_default_dtype(torch.float64)
+    return x * 2
+
+
+def _deterministic(x):
+    torch.use_deterministic_algorithms(True)
+    return x * 2
+
+
+def _anomaly(x):
+    torch.autograd.set_detect_anomaly(True)
+    return x * 2
+
+
+@pytest.mark.parametrize(
+    "fn, line_text, what",
+    [
+        (_grad_off, "torch.set_grad_enabled(False)", "grad mode"),
+        (_enters_no_grad, "torch.no_grad().__enter__()", "grad mode"),
+        (_double_default, "torch.set_default_dtype(torch.float64)", "default dtype"),
+        (_deterministic, "torch.use_deterministic_algorithms(True)", "deterministic"),
+        (_anomaly, "torch.autograd.set_detect_anomaly(True)", "anomaly detection"),
+    ],
+    ids=["set_grad_enabled", "no_grad_enter", "default_dtype", "deterministic", "anomaly"],
+)
+def test_torch_state_left_changed_is_refused_and_put_back(fn, line_text, what):
+    """Eager leaves the state set after the call; a compiled call would not set it. Refused by
+    name and line; the compile leaves the caller's state as it was."""
+    before = statewatch.read_torch_state()
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(aotc.UnsupportedError, match="leaves") as info:
+        strict(fn)(x)
+    message = str(info.value)
+    assert what in message and line_text in message, message
+    assert "control flow" not in message
+    assert statewatch.read_torch_state() == before
+
+
+def _grad_off_and_back(x):
+    torch.set_grad_enabled(False)
+    y = x * 2
+    torch.set_grad_enabled(True)
+    return y + x.sin()
+
+
+def test_torch_state_restored_before_the_end_matches_eager():
+    assert_matches_eager(
+        _grad_off_and_back, lambda: torch.randn(4, requires_grad=True), capture="trace"
+    )
+
+
+class _HoldsTensor:
+    def __init__(self, t):
+        self.t = t
+
+
+class _TorchFunctionBox:
+    def __init__(self, t):
+        self.t = t
+
+    @classmethod
+    def __torch_function__(cls, func, types=(), args=(), kwargs=None):
+        args = [a.t if isinstance(a, _TorchFunctionBox) else a for a in args]
+        return func(*args, **(kwargs or {})) + 100
+
+
+def _adds_attribute(x, o):
+    return x + o.t
+
+
+def _adds_box(x, o):
+    return torch.add(x, o)
+
+
+def _calls_partial(x, p):
+    return p(x)
+
+
+def _scales(x, t):
+    return x * t
+
+
+@pytest.mark.parametrize(
+    "fn, make, named",
+    [
+        (_adds_attribute, lambda: _HoldsTensor(torch.ones(2)), "argument o.t"),
+        (_adds_box, lambda: _TorchFunctionBox(torch.ones(2)), "__torch_function__"),
+        (_calls_partial, lambda: functools.partial(_scales, t=torch.ones(2)), "p.keywords['t']"),
+    ],
+    ids=["object_attribute", "torch_function", "partial"],
+)
+def test_tensors_held_by_object_arguments_are_refused_by_name(fn, make, named):
+    """Eager runs these. Strict mode lifts tensors from tensor arguments, containers, modules,
+    optimizers, closures and globals, not from other objects passed as arguments: the message
+    names the tensor, the argument holding it and the line (it said "neither an argument nor
+    reachable")."""
+    fn(torch.ones(2), make())  # eager runs it
+    with pytest.raises(aotc.UnsupportedError, match="held by argument") as info:
+        strict(fn)(torch.ones(2), make())
+    message = str(info.value)
+    assert named in message and __file__ in message and "neither an argument" not in message
+
+
+def _grad_then_return_loss(x, w):
+    loss = (x * w).sum()
+    (gw,) = torch.autograd.grad(loss, w)
+    return loss, gw
+
+
+def _backward_inside(x, w):
+    loss = (x * w).sum()
+    loss.backward()
+    return loss.detach()
+
+
+def test_autograd_calls_inside_the_program_are_refused_with_what_to_do():
+    """`torch.autograd.grad(loss, w)` without retain_graph, returning `loss`: eager raises when
+    the caller backpropagates `loss`; strict mode differentiates it while compiling, so it says
+    which call freed the graph (it said "backward through the graph a second time", an aotc
+    bug). `loss.backward()` reaching an argument: eager fills `w.grad`; the message names the
+    call (it said "Cannot backprop through mirrored meta")."""
+    w = torch.ones(2, requires_grad=True)
+    loss, _ = _grad_then_return_loss(torch.ones(2), w)
+    with pytest.raises(RuntimeError, match="second time"):
+        loss.backward()
+    with pytest.raises(aotc.UnsupportedError, match=r"torch\.autograd\.grad\(\) at") as info:
+        strict(_grad_then_return_loss)(torch.ones(2), w)
+    assert "retain_graph" in str(info.value) and "aotc bug" not in str(info.value)
+    with pytest.raises(aotc.UnsupportedError, match=r"Tensor\.backward\(\) at") as info:
+        strict(_backward_inside)(torch.ones(2), torch.ones(2, requires_grad=True))
+    message = str(info.value)
+    assert "loss.backward()" in message and "mirrored meta" not in message, message
+
+    def grad_only(x, w):  # returns the gradient only: compiles, as before
+        return torch.autograd.grad((x * w).sin().sum(), w)[0]
+
+    assert_matches_eager(
+        grad_only,
+        lambda: (torch.randn(3), torch.randn(3, requires_grad=True)),
+        capture="trace",
+        backward=False,
+    )

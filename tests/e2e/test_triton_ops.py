@@ -149,6 +149,86 @@ def test_rounding_and_classification(graphs, caplog) -> None:
     )
 
 
+def _magnitudes(dtype: torch.dtype) -> torch.Tensor:
+    """Random values of every magnitude from 1e-30 to ~30 (both signs), with zeros, the
+    boundaries of the ops' cases and non-finite values."""
+    mags = 10.0 ** torch.empty(5, 40, dtype=torch.float64).uniform_(-30, 1.5)
+    signs = torch.where(torch.rand(5, 40) < 0.5, -1.0, 1.0).to(torch.float64)
+    x = (mags * signs).to(dtype)
+    special = [0.0, -0.0, 1e-10, -1e-10, 1e-6, -1e-6, 20.0, -20.0, 88.0, -88.0]
+    x[0, : len(special)] = torch.tensor(special, dtype=dtype)
+    x[1, :3] = torch.tensor([float("inf"), float("-inf"), float("nan")], dtype=dtype)
+    return x.requires_grad_()
+
+
+# Relative: ~2 ulp of float32; ~4 ulp of float64 (mish composes three ops, each within 1-2)
+_ULPS = {torch.float32: 2.5e-7, torch.float64: 1e-15}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_tanh_log1p_expm1_and_what_is_built_on_them_keep_small_values(graphs, caplog, dtype):
+    """tanh, log1p and expm1 were `2/(1+exp(-2x))-1`, `log(1+x)`, `exp(x)-1`: 0 for x = 1e-10,
+    and softplus(-20), logsigmoid(20), mish(-20) 0 instead of ~2e-9 (Note [Accurate tanh, log1p
+    and expm1]). Each within a few ulp of eager, relative, at every magnitude (no absolute slack)."""
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (
+            torch.tanh(x),
+            torch.log1p(x.abs()),
+            torch.log1p(-x.abs().clamp(max=0.5)),
+            torch.expm1(x.clamp(max=80.0)),
+            F.softplus(x),
+            F.logsigmoid(x),
+            F.mish(x),
+            F.celu(x),
+        )
+
+    rel = _ULPS[dtype]
+    check(
+        graphs,
+        caplog,
+        f,
+        lambda: _magnitudes(dtype),
+        ("aten.tanh", "aten.log1p", "aten.expm1"),
+        rtol=rel,
+        atol=0.0,
+        grad_tol=(1e-5, 1e-6),  # sums of eight gradients, of order 1
+    )
+
+
+def test_factories_of_another_dtype_run_in_kernels(graphs, caplog) -> None:
+    """`full`/`scalar_tensor` whose dtype differs from the tensor they meet (the dtype pinned from
+    a `set_default_dtype` inside the program, Note [Factory ops follow the default dtype]): the
+    kernel cast the literal (`2.5.to(tl.float64)`, an AttributeError) and fell back to ATen."""
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        torch.set_default_dtype(torch.float64)
+        try:
+            a, b = torch.scalar_tensor(2.5), torch.full((3, 5), 0.1)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        return (a + x) * b + torch.scalar_tensor(1.5, dtype=torch.float16) * x
+
+    check(graphs, caplog, f, lambda: torch.randn(3, 5, requires_grad=True), ("aten.full",))
+
+
+def test_round_of_a_negative_half_is_negative_zero(graphs, caplog) -> None:
+    """round(-0.5) is -0.0 in eager (nearbyint); the kernel gave +0.0. Signs of zeros compared."""
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x) * 1.0
+
+    def args() -> torch.Tensor:
+        x = torch.randn(4, 9)
+        x[0] = torch.tensor([-0.5, -0.4, -0.0, 0.0, 0.5, -1.5, 2.5, -2.5, float("nan")])
+        return x
+
+    check(graphs, caplog, f, args, ("aten.round",), backward=False)
+    compiled = torch.compile(f, backend="aotc", options={"backend": "triton"})
+    x = args()
+    assert torch.equal(torch.signbit(compiled(x)), torch.signbit(f(x)))
+
+
 @pytest.mark.parametrize("n", [7, 3000])  # persistent and looped rows
 def test_argmax_argmin_ties_and_nan(graphs, caplog, n: int) -> None:
     def f(x: torch.Tensor) -> tuple[torch.Tensor, ...]:

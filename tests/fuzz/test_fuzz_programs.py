@@ -150,10 +150,16 @@ def test_dynamo_own_failure_counts_as_refusal_only_when_every_backend_fails(name
     trace capture runs the program like eager."""
     f, make, error = DYNAMO_OWN_FAILURES[name]
     torch._dynamo.reset()
-    with pytest.raises(error):
+    try:
         torch.compile(f, backend="eager")(*make())
+        dynamo_failed = False  # torch 2.11's Dynamo runs split_view_then_version_bump
+    except error:
+        dynamo_failed = True
     torch._dynamo.reset()
     outcome = check(f, make, backward=[], mode="dynamo")
-    assert outcome.verdict is Verdict.REFUSED, outcome
-    assert "Dynamo itself" in outcome.detail, outcome.detail
+    if dynamo_failed:
+        assert outcome.verdict is Verdict.REFUSED, outcome
+        assert "Dynamo itself" in outcome.detail, outcome.detail
+    else:  # nothing to refuse: the default mode matches eager
+        assert outcome.verdict is Verdict.MATCH, outcome
     assert check(f, make, backward=[], mode="trace").verdict is Verdict.MATCH

@@ -49,6 +49,7 @@ def build(program: list[str]):
 )
 @given(program=st.lists(st.sampled_from(OPS), min_size=1, max_size=8))
 def test_random_programs_partition_soundly(program):
+    torch._dynamo.reset()  # every `f` shares one code object: torch 2.11 counts its recompiles
     f = build(program)
 
     def make():

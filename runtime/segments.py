@@ -1,0 +1,164 @@
+"""Segment nodes: a compiled training call as one autograd node per segment.
+
+Record: `SegmentProgram` (one segment: the forward outputs its node returns, the outputs of
+earlier segments it takes, which saved values it keeps, its autograd plan and backward graph).
+Stage: `SegmentNodes(fwd, segments, num_graph_args, num_fwd_outs, name, highers)` once per entry;
+`.run(args)` per call.
+Requires: `fwd(*graph_args)` returns the entry's forward outputs then its saved values; each
+segment's plan takes the graph args then its consumed outputs as node arguments (in that order)
+and its backward computes the gradients its plan's `grad_args` name; segments are in creation
+order (a segment's consumed outputs are owned by earlier ones). See Note [Segments] in
+passes/segments.py.
+Ensures: `run` runs the forward graph once, inside the first segment's node, and creates one node
+per segment; it returns every forward output (an owned output from its segment's node, the rest as
+the graph produced them) and each node's returned tuple.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from aotc.runtime.autograd import AutogradPlan, HigherOrder, make_autograd_function
+from aotc.runtime.launch import make_callable
+from aotc.runtime.schema import FwdOut
+from aotc.runtime.steps import GraphProgram
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentProgram:
+    owned: tuple[FwdOut, ...]  # the entry's diff outputs this segment's node returns
+    consumes: tuple[FwdOut, ...]  # earlier segments' outputs its node takes after the graph args
+    saved: tuple[int, ...]  # positions among the entry's saved values that its node keeps
+    autograd: AutogradPlan  # the node's plan (its args: graph args, then `consumes`)
+    backward: fx.GraphModule  # (its saved values, gradients of `owned`) -> its gradients
+    backward_kernels: GraphProgram | None = None  # its Triton lowering (None: ATen calls)
+
+
+class SegmentNodes:
+    """The autograd Functions of a segmented entry, and the call that creates its nodes."""
+
+    __slots__ = ("_nodes", "_num_fwd_outs", "_stash", "_rng", "plans")
+
+    def __init__(
+        self,
+        fwd: Callable[..., tuple[torch.Tensor, ...]],
+        segments: Sequence[SegmentProgram],
+        num_graph_args: int,
+        num_fwd_outs: int,
+        name: str,
+        highers: Sequence[HigherOrder | None],
+        backwards: Sequence[Callable[..., Any] | None] = (),
+    ) -> None:
+        """`backwards`: per segment, the callable of its Triton lowering (None: its graph runs
+        as ATen calls)."""
+        stash = threading.local()  # this thread's call in flight: the forward graph's results
+        self._stash = stash
+        self._num_fwd_outs = n_out = num_fwd_outs
+        rng = segments[0].autograd.rng_device
+        self._rng: Callable[[], torch.Tensor] | None = None
+        if rng is not None:
+            self._rng = torch.cuda.get_rng_state if rng == "cuda" else torch.random.get_rng_state
+        nodes: list[tuple[Callable[..., Any], type[torch.autograd.Function], tuple, tuple]] = []
+        for s, seg in enumerate(segments):
+            picks = (*seg.owned, *(n_out + p for p in seg.saved))
+            fwd_s = (
+                _first_forward(fwd, stash, picks, num_graph_args) if s == 0 else _rest(stash, picks)
+            )
+            higher = highers[s]
+            lowered = backwards[s] if s < len(backwards) else None
+            fn = make_autograd_function(
+                fwd_s,
+                lowered if lowered is not None else make_callable(seg.backward),
+                seg.autograd,
+                f"{name}.segment{s}",
+                _graph_args_only(higher, num_graph_args) if higher is not None else None,
+                bwd_graph=seg.backward,
+                rng_state=(lambda: stash.rng) if rng is not None else None,
+                kept_args=num_graph_args if seg.consumes else None,
+            )
+            _direct(fn)
+            # torch's stubs declare `apply` on Function only, not on its C base.
+            apply = super(torch.autograd.Function, fn).apply  # type: ignore[misc]
+            nodes.append((apply, fn, seg.owned, seg.consumes))
+        self._nodes = tuple(nodes)
+        self.plans = tuple(seg.autograd for seg in segments)
+
+    def run(self, args: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[tuple]]:
+        stash = self._stash
+        functorch = torch._C._are_functorch_transforms_active()
+        if self._rng is not None:
+            stash.rng = self._rng()
+        produced: dict[int, torch.Tensor] = {}
+        diffs: list[tuple] = []
+        try:
+            for apply, fn, owned, consumes in self._nodes:
+                node_args = (*args, *(produced[k] for k in consumes)) if consumes else args
+                holder: list[torch.Tensor] = []
+                diff = fn.apply(holder, *node_args) if functorch else apply(holder, *node_args)
+                diffs.append(diff)
+                for k, t in zip(owned, diff):
+                    produced[k] = t
+            outs = stash.outs
+        finally:
+            stash.outs = stash.rng = None
+        return [produced.get(k, outs[k]) for k in range(self._num_fwd_outs)], diffs
+
+
+def _first_forward(
+    fwd: Callable[..., tuple[torch.Tensor, ...]],
+    stash: threading.local,
+    picks: tuple[int, ...],
+    num_graph_args: int,
+) -> Callable[..., tuple[torch.Tensor, ...]]:
+    def run(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outs = fwd(*args[:num_graph_args])
+        stash.outs = outs
+        return tuple(outs[i] for i in picks)
+
+    return run
+
+
+def _rest(
+    stash: threading.local, picks: tuple[int, ...]
+) -> Callable[..., tuple[torch.Tensor, ...]]:
+    def run(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outs = stash.outs
+        return tuple(outs[i] for i in picks)
+
+    return run
+
+
+def _graph_args_only(higher: HigherOrder, num_graph_args: int) -> HigherOrder:
+    """A segment node's differentiable backward recomputes from the graph args alone (its
+    consumed outputs are computed from them; the node keeps only the graph args)."""
+
+    def run(
+        args: Sequence[object],
+        versions: Sequence[int | None],
+        grads: Sequence[torch.Tensor],
+        rng: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, ...]:
+        return higher(args[:num_graph_args], versions, grads, rng)
+
+    return run
+
+
+def _direct(fn: type[torch.autograd.Function]) -> None:
+    """Note [Direct backward] in runtime/wrappers.py, for segment nodes."""
+    backward_cls = getattr(fn, "_backward_cls", None)
+    if (
+        backward_cls is not None
+        and fn.vjp is torch.autograd.Function.vjp
+        and not getattr(fn, "boxed_grads_call", False)
+        and backward_cls.apply is torch.autograd.function.BackwardCFunction.apply
+    ):
+        backward_cls.apply = fn.backward
+
+
+__all__ = ["SegmentNodes", "SegmentProgram"]

@@ -1,0 +1,397 @@
+"""Outputs computed from other outputs, and independent outputs: one autograd node per segment.
+
+Each test runs a program eagerly and through aotc (strict capture, the default Dynamo capture,
+torch.compile's backend) on identical fresh random inputs, and compares what eager's node
+boundaries decide: hooks and `.grad` of returned tensors other outputs are computed from,
+`autograd.grad` with respect to such outputs, and separate backwards through independent outputs
+without `retain_graph`. See Note [Segments] in passes/segments.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import aotc
+from tests.triton_helpers import DEVICES
+
+MODES = ("trace", "default", "torch_compile")
+
+
+def compiled(fn: Any, mode: str) -> Any:
+    torch._dynamo.reset()
+    if mode == "trace":
+        return aotc.compile(fn, capture="trace", cache=False)
+    if mode == "default":
+        return aotc.compile(fn, cache=False)
+    return torch.compile(fn, backend="aotc")
+
+
+def same(a: object, b: object) -> None:
+    if a is None or b is None:
+        assert a is None and b is None, (a, b)
+        return
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def segments_of(fn: Any) -> int:
+    """How many autograd nodes the (strict) entry creates per call."""
+    (record,) = aotc.inspect(fn)
+    return len(record.program.segments)
+
+
+def chained(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    y = x * 2
+    return y, y.sin()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hook_on_an_output_another_output_is_computed_from(mode: str) -> None:
+    """The hook sees, and changes, the whole gradient at `y`: its own and the one from `z`."""
+    fn = compiled(chained, mode)
+    x = torch.randn(5)
+    results = []
+    for run in (chained, fn):
+        xi = x.clone().requires_grad_()
+        seen: list[torch.Tensor] = []
+        y, z = run(xi)
+        y.register_hook(lambda g: seen.append(g.clone()) or g * 10)
+        (y.sum() + z.sum()).backward()
+        results.append((xi.grad, seen[0]))
+    (want, want_seen), (got, got_seen) = results
+    same(got_seen, want_seen)
+    same(got, want)
+    if mode == "trace":
+        assert segments_of(fn) == 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_retain_grad_and_autograd_grad_of_an_output(mode: str) -> None:
+    fn = compiled(chained, mode)
+    x = torch.randn(4)
+    want: list[Any] = []
+    got: list[Any] = []
+    for run, into in ((chained, want), (fn, got)):
+        xi = x.clone().requires_grad_()
+        y, z = run(xi)
+        y.retain_grad()
+        (y * 3 + z).sum().backward(retain_graph=True)
+        into.append(y.grad)
+        into.append(torch.autograd.grad(z.sum(), y, retain_graph=True)[0])
+        into.append(torch.autograd.grad(z.sum(), [y, xi], allow_unused=True))
+        into.append(xi.grad)
+    for a, b in zip(got, want):
+        if isinstance(a, tuple):
+            for u, v in zip(a, b):
+                same(u, v)
+        else:
+            same(a, b)
+
+
+class Classifier(torch.nn.Module):
+    """Returns its features and the logits computed from them (Grad-CAM's pattern)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.head = torch.nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        feats = F.relu(self.conv(x))
+        return feats, self.head(feats.mean((2, 3)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grad_cam_hook_on_returned_features(mode: str) -> None:
+    torch.manual_seed(0)
+    model = Classifier()
+    fn = compiled(model, mode)
+    x = torch.randn(2, 3, 6, 6)
+    results = []
+    for run in (model, fn):
+        model.zero_grad(set_to_none=True)
+        grads: list[torch.Tensor] = []
+        feats, logits = run(x)
+        feats.register_hook(grads.append)
+        logits[0, logits[0].argmax()].backward()
+        results.append((grads[0], model.conv.weight.grad, model.head.weight.grad))
+    for a, b in zip(*results):
+        same(a, b)
+
+
+def independent(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (x @ w).sigmoid(), x * 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_separate_backwards_through_independent_outputs(mode: str) -> None:
+    """Eager frees each node's saved values after its backward: the two outputs share none."""
+    fn = compiled(independent, mode)
+    x, w = torch.randn(3, 4), torch.randn(4, 5)
+    results = []
+    for run in (independent, fn):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        a, b = run(xi, wi)
+        a.sum().backward()
+        first = xi.grad.clone()
+        b.sum().backward()
+        results.append((first, xi.grad, wi.grad))
+    for a, b in zip(*results):
+        same(a, b)
+
+
+@pytest.mark.parametrize("mode", ("trace", "default"))
+def test_second_backward_through_a_shared_saved_value_raises_as_in_eager(mode: str) -> None:
+    """Both outputs are computed from one node that saves its input: eager refuses the second
+    backward, and so does aotc."""
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x.exp()
+        return h * 2, h * 3
+
+    fn = compiled(f, mode)
+    for run in (f, fn):
+        a, b = run(torch.randn(3, requires_grad=True))
+        a.sum().backward()
+        with pytest.raises(RuntimeError, match="second time"):
+            b.sum().backward()
+
+
+def hidden_states(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    h1 = torch.tanh(x @ w)
+    h2 = torch.tanh(h1 @ w) + h1
+    h3 = torch.tanh(h2 @ w) + h2
+    return h1, h2, h3, (h3 * h3).mean()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_retained_hidden_states(mode: str) -> None:
+    """A chain of returned hidden states (`output_hidden_states=True`): each state's `.grad`
+    holds the whole gradient of the loss."""
+    fn = compiled(hidden_states, mode)
+    x, w = torch.randn(3, 4), torch.randn(4, 4)
+    results = []
+    for run in (hidden_states, fn):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        *hs, loss = run(xi, wi)
+        for h in hs:
+            h.retain_grad()
+        loss.backward()
+        results.append([h.grad for h in hs] + [xi.grad, wi.grad])
+    for a, b in zip(*results):
+        same(a, b)
+    if mode == "trace":
+        assert segments_of(fn) == 4
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_only_some_outputs_get_gradients(mode: str) -> None:
+    """None stays None: an input only an unused output depends on gets no gradient."""
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        y = x * w
+        return y, y.cos(), w.sqrt()
+
+    fn = compiled(f, mode)
+    x, w = torch.randn(4), torch.rand(4) + 0.5
+    for pick in ((0,), (1,), (2,), (0, 1), (1, 2)):
+        results = []
+        for run in (f, fn):
+            xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+            outs = run(xi, wi)
+            sum(outs[i].sum() for i in pick).backward()
+            results.append((xi.grad, wi.grad))
+        for a, b in zip(*results):
+            same(a, b)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_double_backward_through_segments(mode: str) -> None:
+    fn = compiled(chained, mode)
+    x = torch.randn(4)
+    results = []
+    for run in (chained, fn):
+        xi = x.clone().requires_grad_()
+        y, z = run(xi)
+        (g,) = torch.autograd.grad((y * y).sum() + z.sum(), xi, create_graph=True)
+        (gg,) = torch.autograd.grad(g.sum(), xi)
+        results.append((g.detach(), gg))
+    for a, b in zip(*results):
+        same(a, b)
+
+
+def test_a_hidden_boundary_keeps_one_node() -> None:
+    """Two outputs computed from a hidden shared value: eager's boundary is a tensor the call
+    does not return, so the call keeps one node (and its gradients are eager's)."""
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x.exp()
+        return h.sin(), h.cos()
+
+    fn = compiled(f, "trace")
+    x = torch.randn(3)
+    results = []
+    for run in (f, fn):
+        xi = x.clone().requires_grad_()
+        a, b = run(xi)
+        (a.sum() + 2 * b.sum()).backward()
+        results.append(xi.grad)
+    same(results[1], results[0])
+    assert segments_of(fn) == 0
+
+
+def test_single_output_without_saved_values_runs_two_backwards() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    fn = compiled(f, "trace")
+    results = []
+    for run in (f, fn):
+        x = torch.ones(2, 2, requires_grad=True)
+        out = run(x)
+        out[0].sum().backward()
+        out[1].sum().backward()
+        results.append(x.grad)
+    same(results[1], results[0])
+
+
+@pytest.mark.parametrize("mode", ("trace", "default"))
+def test_dropout_in_segments(mode: str) -> None:
+    """Random ops run once, in the one forward graph; the segment nodes share its draws."""
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = F.dropout(x * 2, 0.5, training=True)
+        return y, (y * y).sum()
+
+    fn = compiled(f, mode)
+    x = torch.randn(16)
+    results = []
+    for run in (f, fn):
+        torch.manual_seed(3)
+        xi = x.clone().requires_grad_()
+        y, s = run(xi)
+        y.retain_grad()
+        (s + y.sum()).backward()
+        results.append((y.detach(), y.grad, xi.grad, torch.rand(1)))
+    for a, b in zip(*results):
+        same(a, b)
+
+
+def test_segmented_entry_from_the_disk_cache(tmp_path: Any) -> None:
+    """A cache hit runs the stored segments (same nodes, same gradients)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import sys, torch, aotc
+        def f(x):
+            y = x * 2
+            return y, y.sin()
+        fn = aotc.compile(f, capture="trace")
+        x = torch.linspace(-1, 1, 5, requires_grad=True)
+        y, z = fn(x)
+        y.register_hook(lambda g: g * 10)
+        (y.sum() + z.sum()).backward()
+        (rec,) = aotc.inspect(fn)
+        aotc.cache_flush()
+        print(rec.is_cache_hit, len(rec.program.segments), x.grad.tolist())
+        """
+    )
+    env = dict(os.environ, AOTC_CACHE_DIR=str(tmp_path))
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
+        ).stdout.split("\n")[-2]
+        for _ in range(2)
+    ]
+    cold, warm = (r.split(" ", 2) for r in runs)
+    assert cold[0] == "False" and warm[0] == "True", runs
+    assert cold[1] == warm[1] == "2"
+    x = torch.linspace(-1, 1, 5, requires_grad=True)
+    y, z = chained(x)
+    y.register_hook(lambda g: g * 10)
+    (y.sum() + z.sum()).backward()
+    want = torch.tensor(eval(cold[2]))  # noqa: S307 - our own subprocess's list of floats
+    same(torch.tensor(eval(warm[2])), want)  # noqa: S307
+    same(want, x.grad)
+
+
+def test_exported_segments_load_and_match(tmp_path: Any) -> None:
+    x = torch.randn(5, requires_grad=True)
+    path = aotc.export(chained, x, path=tmp_path / "art")
+    loaded = aotc.load(path)
+    results = []
+    for run in (chained, loaded):
+        xi = x.detach().clone().requires_grad_()
+        y, z = run(xi)
+        y.register_hook(lambda g: g * 10)
+        (y.sum() + z.sum()).backward()
+        results.append(xi.grad)
+    same(results[1], results[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_segment_backwards_run_generated_kernels(device: str, tmp_path: Any) -> None:
+    """With the Triton backend each segment's backward is lowered to kernels of its own; a disk
+    cache hit lowers them again from the stored decomposed graphs, and an export carries them."""
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = (x @ w).tanh()
+        return y, (y * y).sin().sum()
+
+    def run(fn: Any, x: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y, s = fn(xi, wi)
+        y.retain_grad()
+        (s + 2 * y.sum()).backward()
+        return [y.detach(), s.detach(), y.grad, xi.grad, wi.grad]
+
+    x, w = torch.randn(4, 8, device=device), torch.randn(8, 8, device=device)
+    want = run(f, x, w)
+    options = dict(capture="trace", backend="triton", cache_dir=str(tmp_path / "cache"))
+    cold = aotc.compile(f, **options)
+    got = run(cold, x, w)
+    (record,) = aotc.inspect(cold)
+    assert len(record.program.segments) == 2
+    assert all(seg.backward_kernels is not None for seg in record.program.segments)
+    aotc.cache_flush()
+    warm = aotc.compile(f, **options)
+    hit = run(warm, x, w)
+    assert aotc.inspect(warm)[0].is_cache_hit
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loaded = aotc.load(aotc.export(f, xr, wr, path=tmp_path / "art", backend="triton"))
+    exported = run(loaded, x, w)
+    for results in (got, hit, exported):
+        for a, b in zip(results, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_consumed_output_is_not_kept_alive() -> None:
+    """The node that takes `logits` keeps only what its backward needs (and the graph args for a
+    double backward): dropping `logits` frees it before the backward, as in eager."""
+    import gc
+    import weakref
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = x @ w
+        return logits, (logits * 2).sum()
+
+    fn = compiled(f, "trace")
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 16, requires_grad=True)
+    alive = []
+    for run in (f, fn):
+        logits, loss = run(x, w)
+        ref = weakref.ref(logits)
+        del logits
+        gc.collect()
+        alive.append(ref() is not None)
+        loss.backward()
+    assert alive == [False, False]
+    assert segments_of(fn) == 2
