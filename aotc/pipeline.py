@@ -53,7 +53,7 @@ from aotc.metadata import MetadataResult, collect_metadata
 from aotc.options import CompileOptions, full_tracebacks
 from aotc.passes.cleanup import cleanup
 from aotc.passes.decompose import decompose
-from aotc.passes.descriptors import GradOutput, TangentInput
+from aotc.passes.descriptors import FwdOutput, GradOutput, TangentInput
 from aotc.passes.fusion import plan_fusion
 from aotc.passes.ir import JointGraph, StageGraph, primal_names
 from aotc.passes.kernelize import KERNEL_LISTENERS, generate_graph, graph_device
@@ -73,7 +73,7 @@ from aotc.runtime import heap, precompile
 from aotc.runtime.artifact import KERNEL_DIR, CompiledProgram, assemble
 from aotc.runtime.autograd import AutogradPlan
 from aotc.runtime.convention import alias_groups, apply_convention, plan_convention
-from aotc.runtime.epilogue import EpiloguePlan, plan_epilogue
+from aotc.runtime.epilogue import EpiloguePlan, StepKind, plan_epilogue
 from aotc.runtime.errors import UnsupportedError
 from aotc.runtime.kernels import CompiledGraph, KernelSource, KernelStep
 from aotc.runtime.launch import make_callable
@@ -593,7 +593,7 @@ def _runtime_plan(
         user_watch, user_watch_outs, user_unversioned = _watched_outputs(metadata, part, epilogue)
         autograd_plan = AutogradPlan(
             num_graph_args=len(convention.graph_sources),
-            num_fwd_outs=metadata.fwd_plan.num_outputs,
+            num_fwd_outs=_num_fwd_outs(part),
             diff_outs=diff_outs,
             num_saved=len(part.saved),
             grad_args=grad_args,
@@ -605,8 +605,8 @@ def _runtime_plan(
                 for a in apply_convention(convention, leaves)
             )
             and not any(c.requires_grad for c in metadata.meta.leaf_changes),
-            watch_args=watched_args(part.forward.module, metadata.fwd_plan.num_outputs),
-            rng_device=random_device(part.forward.module, metadata.fwd_plan.num_outputs),
+            watch_args=watched_args(part.forward.module, _num_fwd_outs(part)),
+            rng_device=random_device(part.forward.module, _num_fwd_outs(part)),
             watch=watch,
             watch_deps=_watch_dependencies(watch_outs, diff_outs),
             watch_outputs=user_watch,
@@ -616,7 +616,7 @@ def _runtime_plan(
                     {
                         *_saved_aliases(
                             part.forward.module,
-                            metadata.fwd_plan.num_outputs,
+                            _num_fwd_outs(part),
                             len(part.saved) - part.num_saved_symints,
                             # After an epilogue that moves versions, the refreshed watch
                             # checks every watched arg: a saved alias keeping the input's
@@ -660,18 +660,22 @@ def _segment_programs(
         or ag.refused
         or ag.anchor
         or ag.num_saved_symints
-        or epilogue.mutations
-        or epilogue.versions
+        or not all(
+            m.kind is StepKind.COPY and m.no_grad and m.new_value not in ag.diff_outs
+            for m in epilogue.mutations
+        )
         or epilogue.make_require_grad
         or plan.refuse_saved_hooks
-        or sorted(k for owned in segmentation.owned for k in owned) != sorted(ag.diff_outs)
+        or sorted(k for owned in segmentation.owned for k in owned)
+        != sorted((*ag.diff_outs, *segmentation.regenerated, *segmentation.hidden))
+        or not all(_regenerable(epilogue, k) for k in segmentation.regenerated)
     ):
         return ()
     split = split_backward(part.backward, segmentation, ag.num_graph_args)
     if split is None:
         return ()
     position = {k: p for p, k in enumerate(ag.diff_outs)}
-    owned_at = [frozenset(position[k] for k in sb.owned) for sb in split]
+    owned_at = [frozenset(position[k] for k in sb.owned if k in position) for sb in split]
     # reach[s]: the outputs whose backward runs segment s (its own, and every consumer's)
     reach = list(owned_at)
     for s in reversed(range(len(split))):
@@ -706,6 +710,8 @@ def _segment_programs(
 
     programs = []
     for s, sb in enumerate(split):
+        if not owned_at[s]:
+            continue  # a regenerated view's: autograd's own view node (Note [Views other ...])
         watch, watch_deps = assign(ag.watch, ag.watch_deps, s)
         outs, out_deps = assign(ag.watch_outputs, ag.watch_output_deps, s)
         plan_s = AutogradPlan(
@@ -729,6 +735,34 @@ def _segment_programs(
     return tuple(programs)
 
 
+def _num_fwd_outs(part: PartitionResult) -> int:
+    """How many forward outputs the forward graph returns before its saved values: the
+    metadata's, and any hidden segment boundaries (Note [Hidden segment boundaries])."""
+    return sum(isinstance(d, FwdOutput) for d in part.forward.outputs)
+
+
+def _regenerable(epilogue: EpiloguePlan, k: FwdOut) -> bool:
+    """Whether forward output `k` is a user output the runtime regenerates as a plain view of
+    another forward output: of an intermediate base, or of a fresh output returned as it is."""
+    for s in epilogue.outputs:
+        if s.source != k:
+            continue
+        if not s.track_grad:
+            return False
+        if s.kind is OutputKind.ALIAS_OF_INTERMEDIATE:
+            return True
+        if s.kind is OutputKind.ALIAS_OF_OUTPUT and s.base is not None:
+            b = epilogue.outputs[s.base]
+            return (
+                b.kind is OutputKind.FRESH
+                and not b.detach
+                and b.custom_arg is None
+                and b.custom_out is None
+            )
+        return False
+    return False
+
+
 def _watched_inputs(
     metadata: MetadataResult, part: PartitionResult, epilogue: EpiloguePlan
 ) -> tuple[tuple[GraphArg, ...], tuple[tuple[FwdOut, ...] | None, ...]]:
@@ -743,7 +777,7 @@ def _watched_inputs(
     after the call] in runtime/autograd.py)."""
     pairs = tuple(zip(metadata.saved_args, metadata.saved_arg_outs))
     if pairs and not (epilogue.mutations or epilogue.versions):
-        saved = saved_graph_args(part.forward.module, metadata.fwd_plan.num_outputs)
+        saved = saved_graph_args(part.forward.module, _num_fwd_outs(part))
         pairs = tuple((g, o) for g, o in pairs if not (o is None and g in saved))
     return tuple(g for g, _ in pairs), tuple(o for _, o in pairs)
 
@@ -764,7 +798,7 @@ def _watched_outputs(
     forward = part.forward.module
     (out,) = [n for n in forward.graph.nodes if n.op == "output"]
     values = list(out.args[0])
-    n_out = metadata.fwd_plan.num_outputs
+    n_out = _num_fwd_outs(part)
     saved = values[n_out : n_out + len(part.saved) - part.num_saved_symints]
     roots = [_view_root(n) for n in saved]
     kept: list[tuple[int, tuple[FwdOut, ...] | None]] = []

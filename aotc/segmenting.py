@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
 
 from aotc.passes.segments import MARKER, Segmentation
 from aotc.runtime.schema import FwdOut
@@ -26,9 +28,65 @@ from aotc.runtime.schema import FwdOut
 MAX_NODES = 200_000
 
 
+class MadeTensors(TorchFunctionMode):
+    """The tensors a traced program makes, by the autograd slot (`grad_fn`, `output_nr`) they
+    come out of: where a segment boundary is a value the call does not return, the trace
+    returns it too (Note [Hidden segment boundaries] in passes/segments.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if not torch.is_grad_enabled():
+            return out  # no history recorded (and a no_grad view's grad_fn may raise)
+        if isinstance(out, torch.Tensor):
+            self._add(out)
+        elif isinstance(out, (tuple, list)):
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._add(t)
+        return out
+
+    def _add(self, t: torch.Tensor) -> None:
+        if not t.requires_grad:
+            return
+        try:
+            fn = t.grad_fn
+        except RuntimeError:  # a view eager forbids using (its error comes where it is used)
+            return
+        if fn is not None:  # the node is held: ids of freed nodes are reused
+            self.made[(id(fn), t.output_nr)] = (fn, t)
+
+
 def mark_segments(
-    outputs: Sequence[torch.Tensor], fwd_outs: Sequence[FwdOut], stops: Sequence[torch.Tensor]
-) -> Segmentation | None:
+    outputs: Sequence[torch.Tensor],
+    fwd_outs: Sequence[FwdOut],
+    stops: Sequence[torch.Tensor],
+    views: Sequence[tuple[torch.Tensor, FwdOut, FwdOut]] = (),
+    made: MadeTensors | None = None,
+    next_out: int = 0,
+) -> tuple[Segmentation | None, list[torch.Tensor]]:
+    """`views`: the outputs the runtime regenerates as views of a differentiable output (the
+    trace's view, its FwdOut, its base's FwdOut); see Note [Views other outputs are computed
+    from] in passes/segments.py. `made`: the program's tensors by autograd slot, for boundaries
+    at values it does not return, which become forward outputs `next_out`, `next_out + 1`...:
+    also returns those values (Note [Hidden segment boundaries])."""
+    found = _mark(outputs, fwd_outs, stops, views, made, next_out)
+    if found is None:
+        return None, []
+    return found
+
+
+def _mark(
+    outputs: Sequence[torch.Tensor],
+    fwd_outs: Sequence[FwdOut],
+    stops: Sequence[torch.Tensor],
+    views: Sequence[tuple[torch.Tensor, FwdOut, FwdOut]],
+    made: MadeTensors | None,
+    next_out: int,
+) -> tuple[Segmentation, list[torch.Tensor]] | None:
     if len(outputs) < 2:
         return None
     roots: list[tuple[Any, int]] = []
@@ -36,6 +94,10 @@ def mark_segments(
         if t.grad_fn is None:
             return None
         roots.append((t.grad_fn, t.output_nr))
+    n_real = len(roots)
+    view_outs = [(t, k, b) for t, k, b in views if t.grad_fn is not None and b in fwd_outs]
+    roots += [(t.grad_fn, t.output_nr) for t, _, _ in view_outs]
+    slots = [*fwd_outs, *(k for _, k, _ in view_outs)]
     slot_of = {(id(fn), nr): i for i, (fn, nr) in enumerate(roots)}
     if len(slot_of) != len(roots):
         return None  # one tensor returned twice
@@ -76,35 +138,107 @@ def mark_segments(
         for child, _ in node.next_functions:
             if child is not None and id(child) in sig:
                 sig[id(child)] |= mask
+    table = made.made if made is not None else {}
+    planned = _plan(order, sig, roots, slot_of, n_real, [b for _, _, b in view_outs], slots, table)
+    if view_outs and (
+        planned is None or not any(n_real <= i < len(roots) for takes in planned[1] for i in takes)
+    ):  # no output is computed from a regenerated view: plan without them
+        real = (1 << n_real) - 1
+        sig = {k: m & real for k, m in sig.items() if m & real}
+        order = [n for n in order if id(n) in sig]
+        roots = roots[:n_real]
+        slot_of = {key: i for key, i in slot_of.items() if i < n_real}
+        planned = _plan(order, sig, roots, slot_of, n_real, [], slots, table)
+    if planned is None:
+        return None
+    ranked, takes, hidden = planned
+    n_roots = len(roots)
+    hidden_outs = [FwdOut(next_out + h) for h in range(len(hidden))]
+    slots = [*slots[:n_roots], *hidden_outs]
+    sigs = [sig[id(fn)] for fn, _ in roots] + [sig[id(fn)] for fn, _ in hidden]
+    owned = tuple(tuple(slots[i] for i in range(len(sigs)) if sigs[i] == m) for m in ranked)
+    consumes = tuple(tuple(slots[i] for i in sorted(t)) for t in takes)
+    consumed = sorted({i for t in takes for i in t})
+    every = [*roots, *hidden]
+    by_node: dict[int, dict[int, FwdOut]] = {}
+    for i in consumed:
+        fn, nr = every[i]
+        by_node.setdefault(id(fn), {})[nr] = slots[i]
+    for fn_id, marks in by_node.items():
+        nodes[fn_id].register_prehook(_marking(marks))
+    regenerated = tuple(slots[i] for i in range(n_real, n_roots))
+    values = [table[(id(fn), nr)][1] for fn, nr in hidden]
+    return Segmentation(owned, consumes, regenerated, tuple(hidden_outs)), values
+
+
+def _plan(
+    order: list[Any],
+    sig: dict[int, int],
+    roots: list[tuple[Any, int]],
+    slot_of: dict[tuple[int, int], int],
+    n_real: int,
+    view_bases: list[FwdOut],
+    slots: list[FwdOut],
+    made: dict[tuple[int, int], tuple[Any, torch.Tensor]],
+) -> tuple[list[int], list[set[int]], list[tuple[Any, int]]] | None:
+    """The segments' signatures in creation order, the values each takes (indices into the
+    roots, then into the hidden boundaries), and the hidden boundaries' (node, slot); or None
+    when the call keeps one node. Roots from `n_real` on are regenerated views: each must be the
+    only output of its segment, whose nodes are the chain of view nodes from it to its base's
+    slot. A gradient into a value no root is at becomes a hidden boundary where `made` knows
+    the value, it is not a view, and its node's signature is a segment's."""
     owners = {sig[id(fn)] for fn, _ in roots}
-    if len(owners) < 2:
+    real_owners = {sig[id(fn)] for fn, _ in roots[:n_real]}
+    if len(real_owners) < 2:
         return None
     takes: dict[int, set[int]] = {m: set() for m in owners}
+    count: dict[int, int] = dict.fromkeys(owners, 0)
+    hidden: dict[tuple[int, int], int] = {}
+    hidden_at: list[tuple[Any, int]] = []
     for node in order:
         mask = sig[id(node)]
         if mask not in owners:
             return None
+        count[mask] += 1
         for child, nr in node.next_functions:
             if child is None or id(child) not in sig or sig[id(child)] == mask:
                 continue
-            out = slot_of.get((id(child), nr))
+            key = (id(child), nr)
+            out = slot_of.get(key)
             if out is None:
-                return None  # a gradient into a value that is not an output: one node
+                out = hidden.get(key)
+            if out is None:
+                value = made.get(key)
+                if value is None or value[1]._is_view() or sig[id(child)] not in real_owners:
+                    return None  # a gradient into a value the trace cannot return: one node
+                out = hidden[key] = len(roots) + len(hidden_at)
+                hidden_at.append((child, nr))
             takes[mask].add(out)
+    for v in range(n_real, len(roots)):
+        mask = sig[id(roots[v][0])]
+        if mask in real_owners or sum(sig[id(fn)] == mask for fn, _ in roots) != 1:
+            return None  # a view sharing its nodes with another output
+        base = slots.index(view_bases[v - n_real])
+        if takes[mask] != {base} or _chain(roots[v][0], mask, sig) != (count[mask], roots[base]):
+            return None  # not a plain view of its base (the runtime regenerates it from it)
     # Supersets first: a segment's consumed outputs belong to segments reaching more outputs.
     ranked = sorted(owners, key=lambda m: (-bin(m).count("1"), m & -m))
-    owned = tuple(
-        tuple(fwd_outs[i] for i in range(len(roots)) if sig[id(roots[i][0])] == m) for m in ranked
-    )
-    consumes = tuple(tuple(fwd_outs[i] for i in sorted(takes[m])) for m in ranked)
-    consumed = sorted({i for m in ranked for i in takes[m]})
-    by_node: dict[int, dict[int, FwdOut]] = {}
-    for i in consumed:
-        fn, nr = roots[i]
-        by_node.setdefault(id(fn), {})[nr] = fwd_outs[i]
-    for fn_id, slots in by_node.items():
-        nodes[fn_id].register_prehook(_marking(slots))
-    return Segmentation(owned, consumes)
+    return ranked, [takes[m] for m in ranked], hidden_at
+
+
+def _chain(fn: Any, mask: int, sig: dict[int, int]) -> tuple[int, tuple[Any, int]] | None:
+    """Walking from `fn` through the nodes of signature `mask`, each with one edge: how many
+    nodes, and the (node, slot) the walk leaves them at; None when one has several edges."""
+    length = 0
+    while True:
+        length += 1
+        edges = [(c, nr) for c, nr in fn.next_functions if c is not None and id(c) in sig]
+        if len(edges) != 1:
+            return None
+        child, nr = edges[0]
+        if sig[id(child)] != mask:
+            return length, (child, nr)
+        fn = child
 
 
 def _marking(slots: dict[int, FwdOut]) -> Any:

@@ -84,7 +84,7 @@ from aotc.runtime.schema import (
     MutationAliasInfo,
     OutputKind,
 )
-from aotc.segmenting import mark_segments
+from aotc.segmenting import MadeTensors, mark_segments
 
 
 def trace_joint(
@@ -127,23 +127,36 @@ def trace_joint(
 
     refused = {k for k, _ in metadata.refused}
     hooked = True  # the trace runs under identity hooks (see below)
-    # See Note [Segments] in passes/segments.py: calls that write their inputs, make leaves or
-    # share storage between inputs keep one node (their epilogue and watches are per node).
+    # See Note [Segments] in passes/segments.py: calls that write their inputs with history,
+    # reshape them, make leaves or share storage between inputs keep one node. Writes eager
+    # records no history for (a BatchNorm's running statistics) leave the boundaries as they are.
     segmentable = (
         training
         and not refused
         and not convention.synthetic_bases
-        and not meta.leaf_changes
-        and all(info.mutation is info.mutation.NONE for info in meta.inputs)
+        and all(
+            c.geometry is None and not c.with_grad and not c.requires_grad
+            for c in meta.leaf_changes
+        )
+        and all(
+            info.mutation is info.mutation.NONE
+            or (info.mutation is info.mutation.DATA and info.hidden_from_autograd)
+            for info in meta.inputs
+        )
     )
     found: list[Segmentation | None] = [None]
+    regenerated = _regenerated_views(meta, plan) if segmentable else ()
 
     # See Note [Autocast casts of parameters]
     cast_once = frozenset(cached_cast_args(graph_args))
     cast_cache = torch.is_autocast_cache_enabled()  # the caller's (make_fx turns it off)
 
+    # See Note [Hidden segment boundaries] in passes/segments.py
+    watch_made = segmentable and len(tangent_outs) >= 2
+
     def joint(*flat: torch.Tensor) -> tuple[list[object], list[object]]:
         found[0] = None
+        made = MadeTensors() if watch_made and hooked else None
         primals = [
             to_functional_leaf(p) if g in cast_once else to_functional(p)
             for g, p in enumerate(flat[:num_primals])
@@ -158,6 +171,7 @@ def trace_joint(
                 # See Note [Views of a tensor reshaped in place]
                 _KeepVersions() if metadata.reshapes_in_place else contextlib.nullcontext(),
                 autocast_cache(cast_cache),
+                made if made is not None else contextlib.nullcontext(),
             ):
                 fwd = run_program(primals)
             grads: list[object] = [None] * num_primals
@@ -171,14 +185,17 @@ def trace_joint(
                 wrt = [g for g, p in enumerate(primals) if p.requires_grad]
                 # See Note [State during the traced backward]
                 around = getattr(program, "aotc_backward_state", None)
-                if diff and wrt:
-                    found[0] = (
-                        mark_segments(
-                            diff, [tangent_outs[i] for i in take], [primals[g] for g in wrt]
-                        )
-                        if segmentable and hooked
-                        else None
+                if diff and wrt and segmentable and hooked:
+                    found[0], boundaries = mark_segments(
+                        diff,
+                        [tangent_outs[i] for i in take],
+                        [primals[g] for g in wrt],
+                        [(cast(torch.Tensor, fwd[k]), k, b) for k, b in regenerated],
+                        made,
+                        len(fwd),
                     )
+                    fwd = [*fwd, *boundaries]  # forward outputs only the segment nodes use
+                if diff and wrt:
                     leaves = [primals[g] for g in sorted(cast_once)]
                     before = [p.grad for p in leaves]
                     with (
@@ -258,7 +275,8 @@ def trace_joint(
 
     inputs: tuple[InputDesc, ...] = tuple(PrimalInput(GraphArg(g)) for g in range(num_primals))
     inputs += tuple(TangentInput(k) for k in tangent_outs) if training else ()
-    outputs: tuple[OutputDesc, ...] = tuple(FwdOutput(FwdOut(k)) for k in range(plan.num_outputs))
+    num_fwd = plan.num_outputs + (len(found[0].hidden) if found[0] is not None else 0)
+    outputs: tuple[OutputDesc, ...] = tuple(FwdOutput(FwdOut(k)) for k in range(num_fwd))
     outputs += tuple(GradOutput(GraphArg(g)) for g in range(num_primals)) if training else ()
     _flatten_output(module, _view_bases(meta, plan), _detached_fresh(meta, plan))
     return JointGraph(module=module, inputs=inputs, outputs=outputs)
@@ -449,6 +467,25 @@ def _view_bases(meta: MutationAliasInfo, plan: FwdOutputPlan) -> dict[int, list[
             assert info.base_intermediate is not None
             bases[base0 + info.base_intermediate].append(k)
     return bases
+
+
+def _regenerated_views(
+    meta: MutationAliasInfo, plan: FwdOutputPlan
+) -> tuple[tuple[FwdOut, FwdOut], ...]:
+    """The differentiable outputs the runtime regenerates as views of another forward output,
+    with that output (Note [Views other outputs are computed from] in passes/segments.py)."""
+    fwd_of_user = {j: k for k, j in enumerate(plan.user_outs)}
+    base0 = len(plan.user_outs) + len(plan.mutated_args)
+    views = []
+    for j, k in fwd_of_user.items():
+        info = meta.outputs[j]
+        if not info.requires_grad:
+            continue
+        if info.kind is OutputKind.ALIAS_OF_OUTPUT and info.base_out in fwd_of_user:
+            views.append((FwdOut(k), FwdOut(fwd_of_user[info.base_out])))
+        elif info.kind is OutputKind.ALIAS_OF_INTERMEDIATE and info.base_intermediate is not None:
+            views.append((FwdOut(k), FwdOut(base0 + info.base_intermediate)))
+    return tuple(views)
 
 
 def _detached_fresh(meta: MutationAliasInfo, plan: FwdOutputPlan) -> set[int]:

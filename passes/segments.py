@@ -33,9 +33,10 @@ AOTAutograd has the same three differences. aotc follows eager's boundaries inst
 groups the differentiable outputs by *which outputs each autograd node of the program reaches*
 (its signature). Nodes with one signature form a segment; a segment owns the outputs whose
 `grad_fn` it holds. `y`'s node reaches `{y, z}` and `sin`'s only `{z}`: two segments, the second
-taking `y` as an input. Independent outputs are segments of their own. Gradients may cross
-between segments only into an owned output's slot (anything else would need a hidden tensor as a
-node boundary): otherwise the call keeps one node. The compiled call still runs one forward graph;
+taking `y` as an input. Independent outputs are segments of their own. Gradients cross
+between segments into an owned output's slot, into a regenerated view (Note [Views other outputs
+are computed from]) or into a value the call does not return (Note [Hidden segment
+boundaries]); a node whose signature is no segment's keeps the call one node. The compiled call still runs one forward graph;
 it then creates one node per segment, in an order where a segment comes after those whose outputs
 it consumes (runtime/segments.py). The engine sums what each segment returns for a graph arg or
 a consumed output, as eager's engine sums its nodes' contributions, and runs each segment's
@@ -55,6 +56,36 @@ same cut applies to the gradients of graph args. Only sums may mix segments: a g
 ops mix them, or whose tangent of a consumed output reaches anything but its marker's sum, keeps
 one node. The markers never reach a graph that runs: `split_backward` and `strip_markers` take
 them out.
+
+Note [Views other outputs are computed from]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+An output that is a view of a value the call computes (GPT-2's last hidden state is
+`hidden.view(shape)`, and the LM head reads it) is not a node's output: the runtime regenerates
+it as a view of its base, which a node returns (Note [Output aliasing] in aotc/aliasing.py), so
+its own `grad_fn` is autograd's view node. A segment computed from the view would, taking the
+base, send its gradient past the view's node: the view's hooks and `.grad` would miss it. So the
+trace walks these views too: the nodes only a view (and what is computed from it) reaches form
+the view's segment, which must be exactly the chain of view nodes from the view to its base's
+slot. Such a segment has no compiled node: at run time, after the base's node ran, the runtime
+regenerates the view (the same tensor the user gets back) and hands it to the segments computed
+from it, whose backwards return their terms of its gradient; autograd's view node carries the sum
+to the base, as in eager. Where no output is computed from a view, the views are left out of the
+walk, and the segments are those the differentiable outputs alone give.
+
+Note [Hidden segment boundaries]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Eager's boundary is often a value the call does not return: attention that returns its
+probabilities computes both them and its output from one normalized input `h`; T5 adds one
+position bias to every layer. The gradient from the later segment flows into `h`'s node, which
+belongs to the earlier one. The trace records, during the program, every tensor by the autograd
+slot it comes out of (`MadeTensors`); where the walk finds a gradient entering another segment
+at a slot no output is at, it looks the value up there and makes it a forward output after the
+entry's own (the user never sees it): the earlier segment's node returns it, later ones take it,
+and its marker cuts the backward as for an output. Unlike an output, the earlier segment itself
+may add to the value's gradient (`h` feeds its own nodes too): its backward adds those terms to
+the gradient autograd gives its node for `h`, the later segments' sum. A value the table does
+not know (made inside a composite op), a view, or one whose node has no segment's signature
+keeps the call one node.
 """
 
 from __future__ import annotations
@@ -96,10 +127,18 @@ class Segmentation:
 
     owned: tuple[tuple[FwdOut, ...], ...]  # per segment: the diff outputs its node returns
     consumes: tuple[tuple[FwdOut, ...], ...]  # per segment: earlier segments' outputs it takes
+    # Views the runtime regenerates from their base: a segment owning one has no node of its own
+    # (Note [Views other outputs are computed from]).
+    regenerated: tuple[FwdOut, ...] = ()
+    # Values the call does not return that are segment boundaries: forward outputs after the
+    # entry's own, returned by their segment's node only (Note [Hidden segment boundaries]).
+    hidden: tuple[FwdOut, ...] = ()
 
     def format(self) -> str:
         return "\n".join(
-            f"segment {s}: returns {', '.join(f'fwd_out{k}' for k in owned)}"
+            f"segment {s}: "
+            + ("regenerated view " if set(owned) <= set(self.regenerated) else "returns ")
+            + ", ".join(f"fwd_out{k}" for k in owned)
             + (f"; takes {', '.join(f'fwd_out{k}' for k in takes)}" if takes else "")
             for s, (owned, takes) in enumerate(zip(self.owned, self.consumes))
         )
@@ -150,6 +189,8 @@ def split_backward(
     """The per-segment backward graphs of Note [Gradients at segment boundaries], or None when
     `backward` does not split (see there)."""
     graph = backward.module.graph
+    hidden = set(segmentation.hidden)
+    consumes = segmentation.consumes
     owner = {k: s for s, outs in enumerate(segmentation.owned) for k in outs}
     consumed = {k for takes in segmentation.consumes for k in takes}
     markers: dict[FwdOut, fx.Node] = {}
@@ -206,7 +247,7 @@ def split_backward(
             return None
     for k in consumed:  # a consumed output's own tangent: only into its marker's sum
         if any(
-            _EXTERNAL in segments(n) and n not in mixed and n is not tangent[k]
+            _EXTERNAL in segments(n) and n not in mixed and n is not tangent.get(k)
             for n in tags
             if n.op == "call_function" and not is_marker(n)
         ):
@@ -237,10 +278,15 @@ def split_backward(
         if found is None:
             return None
         external = [n for s, n in found if s == _EXTERNAL]
-        if external not in ([], [tangent[k]]):
+        if external not in ([], [tangent[k]] if k in tangent else []):
             return None
         rest = [(s, n) for s, n in found if s != _EXTERNAL]
-        if any(s == owner[k] or k not in segmentation.consumes[s] for s, _ in rest):
+        # Only a hidden boundary's own segment adds to its gradient (Note [Hidden segment
+        # boundaries]): its backward adds those terms to what the consumers send.
+        if any(
+            (s == owner[k] and k not in hidden) or (s != owner[k] and k not in consumes[s])
+            for s, _ in rest
+        ):
             return None
         per_marker[k] = rest
 
@@ -254,8 +300,18 @@ def split_backward(
             for j, k in enumerate(takes)
         ]
         sinks = [(a, nodes) for a, nodes in sinks if nodes]
+        own = {k: [n for t, n in per_marker[k] if t == s] for k in owned if k in per_marker}
         built = _segment_graph(
-            backward, s, owned, sinks, saved_nodes, tangent, markers, tags, mixed
+            backward,
+            s,
+            owned,
+            sinks,
+            saved_nodes,
+            tangent,
+            markers,
+            tags,
+            mixed,
+            {k: nodes for k, nodes in own.items() if nodes},
         )
         if built is None:
             return None
@@ -274,12 +330,16 @@ def _segment_graph(
     markers: dict[FwdOut, fx.Node],
     tags: dict[fx.Node, frozenset[tuple[int, FwdOut]]],
     mixed: set[fx.Node],
+    own_terms: dict[FwdOut, list[fx.Node]],
 ) -> tuple[StageGraph, tuple[int, ...]] | None:
-    """Segment `s`'s graph: the nodes its sinks are computed from, cut at its own markers."""
+    """Segment `s`'s graph: the nodes its sinks are computed from, cut at its own markers. A
+    marker with `own_terms` (a hidden boundary this segment adds to) becomes the sum of the
+    gradient the node is given and those terms."""
     inputs_of = {k: markers.get(k, tangent.get(k)) for k in owned}
     stops = {n for n in inputs_of.values() if n is not None}
     needed: set[fx.Node] = set()
     stack = [n for _, nodes in sinks for n in nodes]
+    stack += [n for nodes in own_terms.values() for n in nodes]
     while stack:
         node = stack.pop()
         if node in needed:
@@ -299,15 +359,25 @@ def _segment_graph(
             desc = _saved_desc(backward, node)
             in_descs.append(desc)
             saved.append(i)
+    given: dict[fx.Node, fx.Node] = {}  # a marker with own terms: the gradient it is given
     for k in owned:
         source = inputs_of[k]
         placeholder = g.placeholder(f"grad_fwd_out{k}")
         if source is not None:
             placeholder.meta = dict(source.meta)
-            env[source] = placeholder
+            if k in own_terms:
+                given[source] = placeholder
+            else:
+                env[source] = placeholder
         in_descs.append(TangentInput(k))
     for node in backward.module.graph.nodes:
-        if node in needed and node not in env:
+        if node in given and node in needed:
+            total = given[node]
+            for n in own_terms[FwdOut(int(node.args[1]))]:
+                total = g.call_function(aten.add.Tensor, (total, env[n]))
+                total.meta = dict(node.meta)
+            env[node] = total
+        elif node in needed and node not in env:
             env[node] = g.node_copy(node, env.__getitem__)
     results: list[fx.Node] = []
     out_descs: list[OutputDesc] = []

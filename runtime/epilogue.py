@@ -387,8 +387,14 @@ def build_outputs(
                 else:
                     result[j] = _view(base, s.geometry, s)
             case OutputKind.ALIAS_OF_INTERMEDIATE:
-                result[j] = _view_like(fwd_outs[s.base], fwd_outs[s.source], s)  # type: ignore[index]
+                if early and j in early:  # made between segment nodes (runtime/segments.py)
+                    result[j] = early[j]
+                else:
+                    result[j] = _view_like(fwd_outs[s.base], fwd_outs[s.source], s)  # type: ignore[index]
             case OutputKind.ALIAS_OF_OUTPUT:
+                if early and j in early:
+                    result[j] = early[j]
+                    continue
                 base_out = result[s.base]  # type: ignore[index]
                 assert isinstance(base_out, torch.Tensor)
                 result[j] = _view_like(base_out, fwd_outs[s.source], s)  # type: ignore[index]
@@ -528,6 +534,16 @@ def _mark(view: torch.Tensor, s: OutputStep, bump: bool = True) -> torch.Tensor:
     if s.stale_view and bump and not view.is_inference():  # a graph value's storage
         _set_versions((view,), (view._version + 1,))
     return view
+
+
+def regenerated_view(
+    plan: EpiloguePlan, j: int, fwd_outs: Sequence[torch.Tensor], base: torch.Tensor
+) -> torch.Tensor:
+    """User output `j` (a view of an intermediate base or of a fresh output), regenerated from
+    `base`, the tensor that base's autograd node returned."""
+    s = plan.outputs[j]
+    assert s.source is not None
+    return _view_like(base, fwd_outs[s.source], s)
 
 
 def _view_like(base: torch.Tensor, raw: torch.Tensor, s: OutputStep) -> torch.Tensor:

@@ -43,7 +43,7 @@ class SegmentProgram:
 class SegmentNodes:
     """The autograd Functions of a segmented entry, and the call that creates its nodes."""
 
-    __slots__ = ("_nodes", "_num_fwd_outs", "_stash", "_rng", "plans")
+    __slots__ = ("_nodes", "_num_fwd_outs", "_stash", "_rng", "_views", "_regenerate", "plans")
 
     def __init__(
         self,
@@ -54,9 +54,18 @@ class SegmentNodes:
         name: str,
         highers: Sequence[HigherOrder | None],
         backwards: Sequence[Callable[..., Any] | None] = (),
+        written: frozenset[int] = frozenset(),
+        views: dict[int, tuple[int, int]] | None = None,
+        regenerate: Callable[[int, Sequence[torch.Tensor], torch.Tensor], torch.Tensor]
+        | None = None,
     ) -> None:
         """`backwards`: per segment, the callable of its Triton lowering (None: its graph runs
-        as ATen calls)."""
+        as ATen calls); `written`: graph args the epilogue writes (under no_grad); `views`: the
+        consumed outputs the runtime regenerates as views, each with its user output and its
+        base's FwdOut, and `regenerate(j, fwd_outs, base)` making user output j from the tensor
+        its base's node returned (Note [Views other outputs are computed from])."""
+        self._views = views or {}
+        self._regenerate = regenerate
         stash = threading.local()  # this thread's call in flight: the forward graph's results
         self._stash = stash
         self._num_fwd_outs = n_out = num_fwd_outs
@@ -78,6 +87,7 @@ class SegmentNodes:
                 seg.autograd,
                 f"{name}.segment{s}",
                 _graph_args_only(higher, num_graph_args) if higher is not None else None,
+                written,
                 bwd_graph=seg.backward,
                 rng_state=(lambda: stash.rng) if rng is not None else None,
                 kept_args=num_graph_args if seg.consumes else None,
@@ -89,16 +99,32 @@ class SegmentNodes:
         self._nodes = tuple(nodes)
         self.plans = tuple(seg.autograd for seg in segments)
 
-    def run(self, args: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[tuple]]:
+    def run(
+        self, args: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[tuple], dict[int, torch.Tensor]]:
+        """Also returns the user outputs regenerated between nodes, by UserOut."""
         stash = self._stash
         functorch = torch._C._are_functorch_transforms_active()
         if self._rng is not None:
             stash.rng = self._rng()
         produced: dict[int, torch.Tensor] = {}
         diffs: list[tuple] = []
+        made: dict[int, torch.Tensor] = {}
         try:
             for apply, fn, owned, consumes in self._nodes:
-                node_args = (*args, *(produced[k] for k in consumes)) if consumes else args
+                node_args: Sequence[torch.Tensor] = args
+                if consumes:
+                    taken = []
+                    for k in consumes:
+                        if k in produced:
+                            taken.append(produced[k])
+                            continue
+                        j, b = self._views[k]
+                        if j not in made:
+                            assert self._regenerate is not None
+                            made[j] = self._regenerate(j, stash.outs, produced[b])
+                        taken.append(made[j])
+                    node_args = (*args, *taken)
                 holder: list[torch.Tensor] = []
                 diff = fn.apply(holder, *node_args) if functorch else apply(holder, *node_args)
                 diffs.append(diff)
@@ -107,7 +133,7 @@ class SegmentNodes:
             outs = stash.outs
         finally:
             stash.outs = stash.rng = None
-        return [produced.get(k, outs[k]) for k in range(self._num_fwd_outs)], diffs
+        return [produced.get(k, outs[k]) for k in range(self._num_fwd_outs)], diffs, made
 
 
 def _first_forward(

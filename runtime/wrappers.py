@@ -12,6 +12,7 @@ instead (runtime/fastpath.py, Note [Direct plans]).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -35,12 +36,13 @@ from aotc.runtime.epilogue import (
     StepKind,
     apply_mutations,
     build_outputs,
+    regenerated_view,
     stale_input_views,
 )
 from aotc.runtime.errors import GuardError, UnsupportedError
 from aotc.runtime.fastpath import make_fast_call
 from aotc.runtime.guards import MISS, explain_bad_leaves, remember_probe, signature_key
-from aotc.runtime.schema import CallingConvention, GraphArg
+from aotc.runtime.schema import CallingConvention, GraphArg, OutputKind
 from aotc.runtime.segments import SegmentNodes, SegmentProgram
 
 log = logging.getLogger("aotc.recompiles")
@@ -118,6 +120,7 @@ class CompiledEntry:
         self.plan = plan
         self.record = record
         self._segments: SegmentNodes | None = None
+        written = frozenset(m.target for m in plan.epilogue.mutations if m.kind is StepKind.COPY)
         if segments:
             assert plan.autograd is not None
             self._segments = SegmentNodes(
@@ -128,6 +131,9 @@ class CompiledEntry:
                 plan.name,
                 segment_highers or (None,) * len(segments),
                 segment_backwards or (None,) * len(segments),
+                written,
+                _segment_views(plan.epilogue, segments),
+                functools.partial(regenerated_view, plan.epilogue),
             )
         if plan.autograd is None:
             fwd = _without_grad(fwd)  # an inference entry's outputs never require grad
@@ -138,9 +144,6 @@ class CompiledEntry:
         self._holder_size = 0
         if plan.autograd is not None and self._segments is None:
             assert bwd is not None
-            written = frozenset(
-                m.target for m in plan.epilogue.mutations if m.kind is StepKind.COPY
-            )
             self._fn = make_autograd_function(
                 fwd, bwd, plan.autograd, plan.name, higher, written, backward_graph
             )
@@ -235,19 +238,53 @@ class CompiledEntry:
 
     def _run_segments(self, leaves: list[object], args: list[Any]) -> object:
         """`_run` for an entry of several autograd nodes (Note [Segments] in
-        passes/segments.py); such entries write no input (runtime/segments.py)."""
+        passes/segments.py); such entries write inputs only under no_grad, in the epilogue."""
         plan = self.plan
         assert self._segments is not None
         if self._detach:
             args = [a.detach() if i in self._detach else a for i, a in enumerate(args)]
         regrad = self._enable_grad and not torch.is_inference_mode_enabled()
         with torch.enable_grad() if regrad else _NO_CHANGE:
-            fwd_outs, diffs = self._segments.run(args)
-        result = build_outputs(plan.epilogue, leaves, fwd_outs, None)
+            fwd_outs, diffs, early = self._segments.run(args)
+        if self._mutates:
+            early.update(stale_input_views(plan.epilogue, leaves))
+            graph_args = apply_convention(plan.convention, leaves)
+            apply_mutations(plan.epilogue, leaves, graph_args, fwd_outs)
+            for diff in diffs:
+                refresh_watched(diff)
+        result = build_outputs(plan.epilogue, leaves, fwd_outs, early)
         for diff, seg_plan in zip(diffs, self._segments.plans):
             if seg_plan.watch_outputs:
                 watch_outputs(diff, result, seg_plan.watch_outputs)
         return self._unflatten(result)
+
+
+def _segment_views(
+    epilogue: EpiloguePlan, segments: Sequence[SegmentProgram]
+) -> dict[int, tuple[int, int]]:
+    """The consumed outputs no segment returns (views the runtime regenerates), each with its
+    user output and its base's FwdOut (Note [Views other outputs are computed from] in
+    passes/segments.py)."""
+    owned = {k for seg in segments for k in seg.owned}
+    views: dict[int, tuple[int, int]] = {}
+    for seg in segments:
+        for k in seg.consumes:
+            if k in owned or k in views:
+                continue
+            for j, s in enumerate(epilogue.outputs):
+                if s.source == k and s.kind is OutputKind.ALIAS_OF_INTERMEDIATE:
+                    assert s.base is not None
+                    views[k] = (j, s.base)
+                    break
+                if s.source == k and s.kind is OutputKind.ALIAS_OF_OUTPUT:
+                    assert s.base is not None
+                    base = epilogue.outputs[s.base].source
+                    assert base is not None
+                    views[k] = (j, base)
+                    break
+            else:
+                raise AssertionError(f"segment input fwd_out{k} is neither returned nor a view")
+    return views
 
 
 _saved_hooks_active = torch._C._autograd._top_saved_tensors_default_hooks

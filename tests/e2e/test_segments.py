@@ -44,6 +44,27 @@ def segments_of(fn: Any) -> int:
     return len(record.program.segments)
 
 
+def cold_and_warm(script: str, cache_dir: Any, segments: str) -> tuple[list[str], list[str]]:
+    """Runs `script` in two fresh processes sharing `cache_dir`; each prints `hit segments rest`
+    last. Checks a miss then a hit, both with `segments` nodes; returns each run's fields."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, AOTC_CACHE_DIR=str(cache_dir), PYTHONPATH=root)
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
+        ).stdout.split("\n")[-2]
+        for _ in range(2)
+    ]
+    cold, warm = (r.split(" ", 2) for r in runs)
+    assert cold[0] == "False" and warm[0] == "True", runs
+    assert cold[1] == warm[1] == segments
+    return cold, warm
+
+
 def chained(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     y = x * 2
     return y, y.sin()
@@ -121,6 +142,247 @@ def test_grad_cam_hook_on_returned_features(mode: str) -> None:
         results.append((grads[0], model.conv.weight.grad, model.head.weight.grad))
     for a, b in zip(*results):
         same(a, b)
+
+
+VIEWS = {
+    "view": lambda h: h.view(h.shape),
+    "flatten": lambda h: h.flatten(0),
+    "transpose": lambda h: h.t(),
+    "select": lambda h: h[0],
+    "slice": lambda h: h[:, 1:],
+    "chain": lambda h: h.t()[1:],
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("view", sorted(VIEWS))
+def test_a_view_output_other_outputs_are_computed_from(mode: str, view: str) -> None:
+    """GPT-2 returns `hidden.view(shape)` and computes the logits from it: the view's hook sees
+    (and rescales) the gradient from the logits too, and `.grad`/`autograd.grad` at it are
+    eager's (Note [Views other outputs are computed from] in passes/segments.py)."""
+    make = VIEWS[view]
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(x @ w)
+        v = make(h)
+        return v, (v * v.cos()).sum()
+
+    fn = compiled(f, mode)
+    x, w = torch.randn(3, 4), torch.randn(4, 4)
+    results = []
+    for run in (f, fn, fn):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        v, loss = run(xi, wi)
+        assert v._is_view()
+        seen: list[torch.Tensor] = []
+        v.register_hook(lambda g: seen.append(g) or g * 3)
+        v.retain_grad()
+        (ag,) = torch.autograd.grad(loss, v, retain_graph=True)
+        (loss + v.sum()).backward()
+        results.append((ag, seen[-1], v.grad, xi.grad, wi.grad))
+    for a, b in zip(results[0], results[2]):
+        same(a, b)
+    if mode == "trace":
+        assert segments_of(fn) == 2
+
+
+@pytest.mark.parametrize("mode", ("trace", "default"))
+def test_a_view_of_a_returned_output_other_outputs_are_computed_from(mode: str) -> None:
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        y = x.exp()
+        v = y.view(-1)
+        return y, v, v.sin().sum()
+
+    fn = compiled(f, mode)
+    x = torch.randn(2, 3)
+    results = []
+    for run in (f, fn):
+        xi = x.clone().requires_grad_()
+        y, v, s = run(xi)
+        assert v._base is y
+        y.retain_grad()
+        v.retain_grad()
+        v.register_hook(lambda g: g * 2)
+        (s + y.sum()).backward()
+        results.append((y.grad, v.grad, xi.grad))
+    for a, b in zip(*results):
+        same(a, b)
+
+
+def test_a_view_of_a_returned_view_keeps_eager_gradients() -> None:
+    """`v2 = v1[0]`, both returned, the loss computed from v2: the runtime regenerates each view
+    from the base, not v2 from v1, so the call keeps one node; its gradients are still eager's."""
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = x.tanh()
+        v1 = h.t()
+        v2 = v1[0]
+        return v1, v2, v2.exp().sum()
+
+    fn = compiled(f, "trace")
+    x = torch.randn(3, 2)
+    results = []
+    for run in (f, fn):
+        xi = x.clone().requires_grad_()
+        v1, v2, s = run(xi)
+        (s + v1.sum() * 2).backward()
+        results.append(xi.grad)
+    same(results[1], results[0])
+
+
+W4 = torch.randn(4, 4) * 0.5
+
+
+def attention_probs(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Pre-LN attention returning its probabilities (HF output_attentions=True): the probs and
+    the output are both computed from the hidden normalized input."""
+    h = F.layer_norm(x, (4,), g)
+    p = torch.softmax(h @ w @ h.t(), -1)
+    y = x + p @ (h @ w)
+    return p, y, y.pow(2).mean()
+
+
+def shared_bias(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """T5: one bias, computed once and not returned, added in every layer."""
+    bias = b.sum(0)
+    f = torch.tanh(x @ w + bias)
+    h2 = torch.tanh(f @ w + bias)
+    return f, h2, h2.pow(2).mean()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("program", (attention_probs, shared_bias), ids=lambda p: p.__name__)
+def test_a_boundary_at_a_value_the_call_does_not_return(mode: str, program: Any) -> None:
+    """A hook rescaling the first output's gradient changes the parameters' gradients as in
+    eager: the later segments' gradient reaches it through the hidden value's node (Note
+    [Hidden segment boundaries] in passes/segments.py)."""
+    fn = compiled(program, mode)
+    x, w, third = torch.randn(5, 4), torch.randn(4, 4), torch.randn(3, 4) + 1
+    if program is attention_probs:
+        third = third[0]
+    results = []
+    for run in (program, fn, fn):
+        wi, ti = w.clone().requires_grad_(), third.clone().requires_grad_()
+        outs = run(x, wi, ti)
+        first, loss = outs[0], outs[-1]
+        seen: list[torch.Tensor] = []
+        first.register_hook(lambda g: seen.append(g) or g * 3)
+        first.retain_grad()
+        loss.backward()
+        results.append((seen[-1], first.grad, wi.grad, ti.grad))
+    for a, b in zip(results[0], results[2]):
+        same(a, b)
+    if mode == "trace":
+        assert segments_of(fn) == 3
+
+
+def test_a_hidden_boundary_from_the_disk_cache_and_export(tmp_path: Any) -> None:
+    """The hidden value is a forward output of the stored graphs: a cache hit (a fresh process)
+    and an exported artifact create the same nodes, with eager's gradients."""
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import torch, aotc
+        from tests.e2e.test_segments import shared_bias
+        fn = aotc.compile(shared_bias, capture="trace")
+        x, w = torch.linspace(-1, 1, 20).reshape(5, 4), torch.eye(4, requires_grad=True)
+        f, _, loss = fn(x, w, torch.ones(3, 4))
+        f.register_hook(lambda g: g * 2)
+        loss.backward()
+        (rec,) = aotc.inspect(fn)
+        aotc.cache_flush()
+        print(rec.is_cache_hit, len(rec.program.segments), w.grad.flatten().tolist())
+        """
+    )
+    cold, warm = cold_and_warm(script, tmp_path / "cache", "3")
+
+    def grads(run: Any) -> torch.Tensor:
+        x, w = torch.linspace(-1, 1, 20).reshape(5, 4), torch.eye(4, requires_grad=True)
+        f, _, loss = run(x, w, torch.ones(3, 4))
+        f.register_hook(lambda g: g * 2)
+        loss.backward()
+        assert w.grad is not None
+        return w.grad.flatten()
+
+    want = grads(shared_bias)
+    same(torch.tensor(eval(cold[2])), want)  # noqa: S307 - our own subprocess's list of floats
+    same(torch.tensor(eval(warm[2])), want)  # noqa: S307
+    path = aotc.export(
+        shared_bias, torch.randn(5, 4), torch.randn(4, 4, requires_grad=True), torch.randn(3, 4),
+        path=tmp_path / "art",
+    )  # fmt: skip
+    same(grads(aotc.load(path)), want)
+
+
+class NormedClassifier(torch.nn.Module):
+    """A BatchNorm in training mode writes its running statistics (under no_grad, in eager)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.head = torch.nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        feats = F.relu(self.bn(self.conv(x)))
+        return feats, self.head(feats.mean((2, 3)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grad_cam_through_batch_norm_updates_running_stats(mode: str) -> None:
+    """Writes eager records no history for keep the segments: the retained features' `.grad`
+    is eager's whole gradient, and the buffers get eager's new values and versions."""
+    torch.manual_seed(0)
+    model = NormedClassifier()
+    twin = NormedClassifier()
+    twin.load_state_dict(model.state_dict())
+    fn = compiled(twin, mode)
+    results = []
+    for run, m in ((model, model), (fn, twin)):
+        torch.manual_seed(1)
+        x = torch.randn(2, 3, 6, 6)
+        before = m.bn.running_mean._version
+        feats, logits = run(x)
+        feats.retain_grad()
+        logits[:, 0].sum().backward()
+        results.append(
+            (
+                feats.grad,
+                m.conv.weight.grad,
+                m.bn.weight.grad,
+                m.bn.running_mean.clone(),
+                m.bn.running_var.clone(),
+                m.bn.num_batches_tracked.clone(),
+                torch.tensor(m.bn.running_mean._version - before),
+            )
+        )
+    for a, b in zip(*results):
+        same(a, b)
+    if mode == "trace":
+        assert segments_of(fn) == 2
+
+
+def test_a_write_with_history_keeps_one_node() -> None:
+    """An input written with autograd history: its epilogue's write is part of the node, so the
+    call keeps one node."""
+
+    def f(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = a.sum()
+        a.mul_(2)
+        return s, s.tanh()
+
+    fn = compiled(f, "trace")
+    x = torch.randn(3, requires_grad=True)
+    results = []
+    for run in (f, fn):
+        a = x * 1.0
+        s, t = run(a)
+        (a.sum() + s + t).backward()
+        results.append(x.grad.clone())
+        x.grad = None
+    same(results[1], results[0])
+    assert segments_of(fn) == 0
 
 
 def independent(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,9 +545,6 @@ def test_dropout_in_segments(mode: str) -> None:
 
 def test_segmented_entry_from_the_disk_cache(tmp_path: Any) -> None:
     """A cache hit runs the stored segments (same nodes, same gradients)."""
-    import os
-    import subprocess
-    import sys
     import textwrap
 
     script = textwrap.dedent(
@@ -304,16 +563,7 @@ def test_segmented_entry_from_the_disk_cache(tmp_path: Any) -> None:
         print(rec.is_cache_hit, len(rec.program.segments), x.grad.tolist())
         """
     )
-    env = dict(os.environ, AOTC_CACHE_DIR=str(tmp_path))
-    runs = [
-        subprocess.run(
-            [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
-        ).stdout.split("\n")[-2]
-        for _ in range(2)
-    ]
-    cold, warm = (r.split(" ", 2) for r in runs)
-    assert cold[0] == "False" and warm[0] == "True", runs
-    assert cold[1] == warm[1] == "2"
+    cold, warm = cold_and_warm(script, tmp_path, "2")
     x = torch.linspace(-1, 1, 5, requires_grad=True)
     y, z = chained(x)
     y.register_hook(lambda g: g * 10)
