@@ -668,7 +668,7 @@ def _segment_programs(
         or plan.refuse_saved_hooks
         or sorted(k for owned in segmentation.owned for k in owned)
         != sorted((*ag.diff_outs, *segmentation.regenerated, *segmentation.hidden))
-        or not all(_regenerable(epilogue, k) for k in segmentation.regenerated)
+        or not all(_regenerable(epilogue, k, _num_fwd_outs(part)) for k in segmentation.regenerated)
     ):
         return ()
     split = split_backward(part.backward, segmentation, ag.num_graph_args)
@@ -741,9 +741,23 @@ def _num_fwd_outs(part: PartitionResult) -> int:
     return sum(isinstance(d, FwdOutput) for d in part.forward.outputs)
 
 
-def _regenerable(epilogue: EpiloguePlan, k: FwdOut) -> bool:
+def _regenerable(epilogue: EpiloguePlan, k: FwdOut, num_fwd: int) -> bool:
     """Whether forward output `k` is a user output the runtime regenerates as a plain view of
-    another forward output: of an intermediate base, or of a fresh output returned as it is."""
+    another forward output: of an intermediate base, or of a fresh output returned as it is;
+    from `num_fwd` on, `k - num_fwd` names a user output that is a plain view of an input."""
+    if k >= num_fwd:
+        j = k - num_fwd
+        if j >= len(epilogue.outputs):
+            return False
+        s = epilogue.outputs[j]
+        return (
+            s.kind is OutputKind.ALIAS_OF_INPUT
+            and s.track_grad
+            and s.geometry is not None
+            and not s.stale_view
+            and not s.taken_before_write
+            and s.source not in epilogue.make_require_grad
+        )
     for s in epilogue.outputs:
         if s.source != k:
             continue

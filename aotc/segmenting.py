@@ -67,13 +67,17 @@ def mark_segments(
     views: Sequence[tuple[torch.Tensor, FwdOut, FwdOut]] = (),
     made: MadeTensors | None = None,
     next_out: int = 0,
+    input_views: Sequence[tuple[torch.Tensor, int, torch.Tensor]] = (),
 ) -> tuple[Segmentation | None, list[torch.Tensor]]:
     """`views`: the outputs the runtime regenerates as views of a differentiable output (the
     trace's view, its FwdOut, its base's FwdOut); see Note [Views other outputs are computed
     from] in passes/segments.py. `made`: the program's tensors by autograd slot, for boundaries
     at values it does not return, which become forward outputs `next_out`, `next_out + 1`...:
-    also returns those values (Note [Hidden segment boundaries])."""
-    found = _mark(outputs, fwd_outs, stops, views, made, next_out)
+    also returns those values (Note [Hidden segment boundaries]). `input_views`: the outputs
+    the runtime regenerates as views of inputs (the trace's view, its UserOut, the input); the
+    segmentation names each by `FwdOut(num_fwd + j)`, `num_fwd` the forward outputs with the
+    hidden boundaries, `j` its UserOut."""
+    found = _mark(outputs, fwd_outs, stops, views, made, next_out, input_views)
     if found is None:
         return None, []
     return found
@@ -86,8 +90,9 @@ def _mark(
     views: Sequence[tuple[torch.Tensor, FwdOut, FwdOut]],
     made: MadeTensors | None,
     next_out: int,
+    input_views: Sequence[tuple[torch.Tensor, int, torch.Tensor]],
 ) -> tuple[Segmentation, list[torch.Tensor]] | None:
-    if len(outputs) < 2:
+    if len(outputs) + len(input_views) < 2 or not outputs:
         return None
     roots: list[tuple[Any, int]] = []
     for t in outputs:
@@ -95,9 +100,13 @@ def _mark(
             return None
         roots.append((t.grad_fn, t.output_nr))
     n_real = len(roots)
-    view_outs = [(t, k, b) for t, k, b in views if t.grad_fn is not None and b in fwd_outs]
+    view_outs: list[tuple[torch.Tensor, FwdOut | int, FwdOut | torch.Tensor]] = [
+        (t, k, b) for t, k, b in views if t.grad_fn is not None and b in fwd_outs
+    ]
+    # An input's view is named by its UserOut until the hidden boundaries are counted.
+    view_outs += [(t, j, base) for t, j, base in input_views if t.grad_fn is not None]
     roots += [(t.grad_fn, t.output_nr) for t, _, _ in view_outs]
-    slots = [*fwd_outs, *(k for _, k, _ in view_outs)]
+    slots: list[Any] = [*fwd_outs, *(k for _, k, _ in view_outs)]
     slot_of = {(id(fn), nr): i for i, (fn, nr) in enumerate(roots)}
     if len(slot_of) != len(roots):
         return None  # one tensor returned twice
@@ -154,7 +163,12 @@ def _mark(
     ranked, takes, hidden = planned
     n_roots = len(roots)
     hidden_outs = [FwdOut(next_out + h) for h in range(len(hidden))]
-    slots = [*slots[:n_roots], *hidden_outs]
+    first_pseudo = next_out + len(hidden)
+    named = [
+        FwdOut(first_pseudo + k) if isinstance(b, torch.Tensor) else k
+        for _, k, b in view_outs[: n_roots - n_real]
+    ]
+    slots = [*slots[:n_real], *named, *hidden_outs]
     sigs = [sig[id(fn)] for fn, _ in roots] + [sig[id(fn)] for fn, _ in hidden]
     owned = tuple(tuple(slots[i] for i in range(len(sigs)) if sigs[i] == m) for m in ranked)
     consumes = tuple(tuple(slots[i] for i in sorted(t)) for t in takes)
@@ -177,7 +191,7 @@ def _plan(
     roots: list[tuple[Any, int]],
     slot_of: dict[tuple[int, int], int],
     n_real: int,
-    view_bases: list[FwdOut],
+    view_bases: list[Any],
     slots: list[FwdOut],
     made: dict[tuple[int, int], tuple[Any, torch.Tensor]],
 ) -> tuple[list[int], list[set[int]], list[tuple[Any, int]]] | None:
@@ -189,7 +203,7 @@ def _plan(
     the value, it is not a view, and its node's signature is a segment's."""
     owners = {sig[id(fn)] for fn, _ in roots}
     real_owners = {sig[id(fn)] for fn, _ in roots[:n_real]}
-    if len(real_owners) < 2:
+    if len(owners) < 2:
         return None
     takes: dict[int, set[int]] = {m: set() for m in owners}
     count: dict[int, int] = dict.fromkeys(owners, 0)
@@ -218,12 +232,36 @@ def _plan(
         mask = sig[id(roots[v][0])]
         if mask in real_owners or sum(sig[id(fn)] == mask for fn, _ in roots) != 1:
             return None  # a view sharing its nodes with another output
-        base = slots.index(view_bases[v - n_real])
-        if takes[mask] != {base} or _chain(roots[v][0], mask, sig) != (count[mask], roots[base]):
+        base = view_bases[v - n_real]
+        if isinstance(base, torch.Tensor):  # a view of an input: the chain ends at the input
+            if takes[mask] or not _ends_at(roots[v][0], mask, sig, count[mask], base):
+                return None
+            continue
+        at = slots.index(base)
+        if takes[mask] != {at} or _chain(roots[v][0], mask, sig) != (count[mask], roots[at]):
             return None  # not a plain view of its base (the runtime regenerates it from it)
     # Supersets first: a segment's consumed outputs belong to segments reaching more outputs.
     ranked = sorted(owners, key=lambda m: (-bin(m).count("1"), m & -m))
     return ranked, [takes[m] for m in ranked], hidden_at
+
+
+def _ends_at(fn: Any, mask: int, sig: dict[int, int], length: int, base: torch.Tensor) -> bool:
+    """Whether the nodes of signature `mask` are a chain of `length` one-edge nodes from `fn`
+    whose last edge leads to input `base`'s own node (its grad_fn, or its AccumulateGrad)."""
+    for _ in range(length - 1):
+        edges = [(c, nr) for c, nr in fn.next_functions if c is not None and id(c) in sig]
+        if len(edges) != 1 or sig[id(edges[0][0])] != mask:
+            return False
+        fn = edges[0][0]
+    if any(c is not None and id(c) in sig for c, _ in fn.next_functions):
+        return False
+    ends = [(c, nr) for c, nr in fn.next_functions if c is not None]
+    if len(ends) != 1:
+        return False
+    node, nr = ends[0]
+    if base.grad_fn is not None:
+        return node is base.grad_fn and nr == base.output_nr
+    return getattr(node, "variable", None) is base
 
 
 def _chain(fn: Any, mask: int, sig: dict[int, int]) -> tuple[int, tuple[Any, int]] | None:

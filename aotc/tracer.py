@@ -113,12 +113,14 @@ def trace_joint(
     recorder = Recorder()  # See Note [Node provenance] in aotc/provenance.py
 
     ran: list[object] = []  # the leaves the program last ran on (for the backward's state)
+    traced_outs: list[object] = []  # the user outputs of the last run
 
     def run_program(primals: list[torch.Tensor]) -> list[object]:
         user_args = [p.clone() if g in clone_args else p for g, p in enumerate(primals)]
         user_leaves = expand_graph_args(convention, user_args, constants)
         ran[:] = user_leaves
         outs, _ = program(user_leaves)
+        traced_outs[:] = outs
         fwd = [outs[j] for j in plan.user_outs]
         fwd += [user_args[g] for g in plan.mutated_args]
         fwd += [ref.resolve(outs) for ref in metadata.base_refs]
@@ -146,6 +148,20 @@ def trace_joint(
     )
     found: list[Segmentation | None] = [None]
     regenerated = _regenerated_views(meta, plan) if segmentable else ()
+    # Outputs that are views of inputs, with the input (Note [Views other outputs are computed
+    # from] in passes/segments.py)
+    input_views = (
+        tuple(
+            (j, info.base_arg)
+            for j, info in enumerate(meta.outputs)
+            if info.kind is OutputKind.ALIAS_OF_INPUT
+            and info.requires_grad
+            and info.base_arg is not None
+            and not info.view_without_grad
+        )
+        if segmentable
+        else ()
+    )
 
     # See Note [Autocast casts of parameters]
     cast_once = frozenset(cached_cast_args(graph_args))
@@ -193,6 +209,10 @@ def trace_joint(
                         [(cast(torch.Tensor, fwd[k]), k, b) for k, b in regenerated],
                         made,
                         len(fwd),
+                        [
+                            (cast(torch.Tensor, traced_outs[j]), j, cast(torch.Tensor, ran[u]))
+                            for j, u in input_views
+                        ],
                     )
                     fwd = [*fwd, *boundaries]  # forward outputs only the segment nodes use
                 if diff and wrt:

@@ -108,6 +108,7 @@ def make_autograd_function(
     bwd_graph: Any = None,
     rng_state: Callable[[], torch.Tensor] | None = None,
     kept_args: int | None = None,
+    original_args: Callable[[], Sequence[torch.Tensor]] | None = None,
 ) -> type[torch.autograd.Function]:
     """`written`: graph args the entry's epilogue writes into (Note [Graph args for double
     backward]); `bwd_graph`: the backward fx graph, pruned when some outputs get no gradient
@@ -116,7 +117,9 @@ def make_autograd_function(
     generator now; a segment node reads the state from before the call's forward graph ran,
     Note [Segments] in passes/segments.py); `kept_args`: how many leading args the node keeps for
     a double backward (None: all; a segment node keeps its graph args, not the outputs of other
-    segments it takes)."""
+    segments it takes); `original_args`: where the node finds the args to keep for a double
+    backward when some it is given are detached (Note [Edges of a segment node] in
+    runtime/segments.py)."""
     n_out = plan.num_fwd_outs
     diff = plan.diff_outs
     n_args = plan.num_graph_args
@@ -164,10 +167,11 @@ def make_autograd_function(
             ctx.aotc_versions = ctx.aotc_watch = None
         outs = fwd(*args)
         # See Note [Graph args for double backward]
+        kept = args if original_args is None else original_args()
         if written:
-            ctx.aotc_args = tuple(None if i in written else a for i, a in enumerate(args))
+            ctx.aotc_args = tuple(None if i in written else a for i, a in enumerate(kept))
         else:
-            ctx.aotc_args = args if kept_args is None else args[:kept_args]
+            ctx.aotc_args = kept if kept_args is None else kept[:kept_args]
         # Every saved tensor goes through save_for_backward, so saved-tensor hooks
         # (saved_tensors_hooks, save_on_cpu) around the call see exactly these values.
         if unversioned:

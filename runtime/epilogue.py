@@ -537,12 +537,21 @@ def _mark(view: torch.Tensor, s: OutputStep, bump: bool = True) -> torch.Tensor:
 
 
 def regenerated_view(
-    plan: EpiloguePlan, j: int, fwd_outs: Sequence[torch.Tensor], base: torch.Tensor
+    plan: EpiloguePlan,
+    j: int,
+    fwd_outs: Sequence[torch.Tensor],
+    base: torch.Tensor | None,
+    leaves: Sequence[object],
 ) -> torch.Tensor:
     """User output `j` (a view of an intermediate base or of a fresh output), regenerated from
-    `base`, the tensor that base's autograd node returned."""
+    `base`, the tensor that base's autograd node returned; with no `base`, a view of an input,
+    regenerated from the user's tensor."""
     s = plan.outputs[j]
     assert s.source is not None
+    if base is None:
+        leaf = leaves[s.source]
+        assert isinstance(leaf, torch.Tensor) and s.geometry is not None
+        return _view(leaf, s.geometry, s)
     return _view_like(base, fwd_outs[s.source], s)
 
 

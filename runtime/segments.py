@@ -55,15 +55,18 @@ class SegmentNodes:
         highers: Sequence[HigherOrder | None],
         backwards: Sequence[Callable[..., Any] | None] = (),
         written: frozenset[int] = frozenset(),
-        views: dict[int, tuple[int, int]] | None = None,
-        regenerate: Callable[[int, Sequence[torch.Tensor], torch.Tensor], torch.Tensor]
+        views: dict[int, tuple[int, int | None]] | None = None,
+        regenerate: Callable[
+            [int, Sequence[torch.Tensor], torch.Tensor | None, Sequence[object]], torch.Tensor
+        ]
         | None = None,
     ) -> None:
         """`backwards`: per segment, the callable of its Triton lowering (None: its graph runs
         as ATen calls); `written`: graph args the epilogue writes (under no_grad); `views`: the
         consumed outputs the runtime regenerates as views, each with its user output and its
-        base's FwdOut, and `regenerate(j, fwd_outs, base)` making user output j from the tensor
-        its base's node returned (Note [Views other outputs are computed from])."""
+        base's FwdOut (None: a view of an input), and `regenerate(j, fwd_outs, base, leaves)`
+        making user output j from the tensor its base's node returned (Note [Views other
+        outputs are computed from])."""
         self._views = views or {}
         self._regenerate = regenerate
         stash = threading.local()  # this thread's call in flight: the forward graph's results
@@ -73,7 +76,9 @@ class SegmentNodes:
         self._rng: Callable[[], torch.Tensor] | None = None
         if rng is not None:
             self._rng = torch.cuda.get_rng_state if rng == "cuda" else torch.random.get_rng_state
-        nodes: list[tuple[Callable[..., Any], type[torch.autograd.Function], tuple, tuple]] = []
+        nodes: list[
+            tuple[Callable[..., Any], type[torch.autograd.Function], tuple, tuple, tuple]
+        ] = []
         for s, seg in enumerate(segments):
             picks = (*seg.owned, *(n_out + p for p in seg.saved))
             fwd_s = (
@@ -81,6 +86,11 @@ class SegmentNodes:
             )
             higher = highers[s]
             lowered = backwards[s] if s < len(backwards) else None
+            # See Note [Edges of a segment node]
+            sends = {g for g in seg.autograd.grad_args if g < num_graph_args}
+            cut = tuple(g for g in range(num_graph_args) if g not in sends)
+            if not sends and not seg.consumes:
+                cut = ()  # its outputs require grad through leaves made inside: keep the edges
             fn = make_autograd_function(
                 fwd_s,
                 lowered if lowered is not None else make_callable(seg.backward),
@@ -91,16 +101,17 @@ class SegmentNodes:
                 bwd_graph=seg.backward,
                 rng_state=(lambda: stash.rng) if rng is not None else None,
                 kept_args=num_graph_args if seg.consumes else None,
+                original_args=(lambda: stash.args) if cut else None,
             )
             _direct(fn)
             # torch's stubs declare `apply` on Function only, not on its C base.
             apply = super(torch.autograd.Function, fn).apply  # type: ignore[misc]
-            nodes.append((apply, fn, seg.owned, seg.consumes))
+            nodes.append((apply, fn, seg.owned, seg.consumes, cut))
         self._nodes = tuple(nodes)
         self.plans = tuple(seg.autograd for seg in segments)
 
     def run(
-        self, args: Sequence[torch.Tensor]
+        self, args: Sequence[torch.Tensor], leaves: Sequence[object] = ()
     ) -> tuple[list[torch.Tensor], list[tuple], dict[int, torch.Tensor]]:
         """Also returns the user outputs regenerated between nodes, by UserOut."""
         stash = self._stash
@@ -110,9 +121,15 @@ class SegmentNodes:
         produced: dict[int, torch.Tensor] = {}
         diffs: list[tuple] = []
         made: dict[int, torch.Tensor] = {}
+        stash.args = args
         try:
-            for apply, fn, owned, consumes in self._nodes:
+            for apply, fn, owned, consumes, cut in self._nodes:
                 node_args: Sequence[torch.Tensor] = args
+                if cut and any(_needs_grad(args[g]) for g in cut):
+                    node_args = list(args)
+                    for g in cut:
+                        if _needs_grad(args[g]):
+                            node_args[g] = args[g].detach()
                 if consumes:
                     taken = []
                     for k in consumes:
@@ -122,9 +139,12 @@ class SegmentNodes:
                         j, b = self._views[k]
                         if j not in made:
                             assert self._regenerate is not None
-                            made[j] = self._regenerate(j, stash.outs, produced[b])
+                            if b is None:  # a view of an input: before any node ran
+                                made[j] = self._regenerate(j, (), None, leaves)
+                            else:
+                                made[j] = self._regenerate(j, stash.outs, produced[b], leaves)
                         taken.append(made[j])
-                    node_args = (*args, *taken)
+                    node_args = (*node_args, *taken)
                 holder: list[torch.Tensor] = []
                 diff = fn.apply(holder, *node_args) if functorch else apply(holder, *node_args)
                 diffs.append(diff)
@@ -132,8 +152,29 @@ class SegmentNodes:
                     produced[k] = t
             outs = stash.outs
         finally:
-            stash.outs = stash.rng = None
+            stash.outs = stash.rng = stash.args = None
         return [produced.get(k, outs[k]) for k in range(self._num_fwd_outs)], diffs, made
+
+
+# Note [Edges of a segment node]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A node gets an edge to the history of every argument that requires grad, and autograd's engine
+# runs every node an edge reaches, with or without a gradient (a node whose saved values were
+# freed then raises "backward through the graph a second time"). Eager's nodes reach only what
+# their outputs are computed from: `b = x * 1.0; return a.sigmoid(), b.abs()` runs a backward
+# from the first output without touching `b`'s node, so a later backward from the second one
+# works. Each segment node therefore takes, with history, only the graph args its backward sends
+# gradients to; the others are passed detached (same storage and version counter), which the
+# forward graph computes from just the same. A segment computed from an arg without a
+# gradient path into it (`a * (b > 0)`) gives `b` no gradient in eager either. A double
+# backward recomputes the segment from its graph args, with history: the node keeps the args
+# as the call got them (`original_args`), not the detached ones. A segment that sends gradients
+# to no arg and takes no other segment's output (its outputs come from leaves the call makes)
+# keeps every edge: without one its outputs would not require grad.
+
+
+def _needs_grad(a: object) -> bool:
+    return isinstance(a, torch.Tensor) and a.requires_grad
 
 
 def _first_forward(

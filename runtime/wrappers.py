@@ -132,7 +132,7 @@ class CompiledEntry:
                 segment_highers or (None,) * len(segments),
                 segment_backwards or (None,) * len(segments),
                 written,
-                _segment_views(plan.epilogue, segments),
+                _segment_views(plan.epilogue, segments, plan.autograd.num_fwd_outs),
                 functools.partial(regenerated_view, plan.epilogue),
             )
         if plan.autograd is None:
@@ -245,7 +245,7 @@ class CompiledEntry:
             args = [a.detach() if i in self._detach else a for i, a in enumerate(args)]
         regrad = self._enable_grad and not torch.is_inference_mode_enabled()
         with torch.enable_grad() if regrad else _NO_CHANGE:
-            fwd_outs, diffs, early = self._segments.run(args)
+            fwd_outs, diffs, early = self._segments.run(args, leaves)
         if self._mutates:
             early.update(stale_input_views(plan.epilogue, leaves))
             graph_args = apply_convention(plan.convention, leaves)
@@ -260,16 +260,19 @@ class CompiledEntry:
 
 
 def _segment_views(
-    epilogue: EpiloguePlan, segments: Sequence[SegmentProgram]
-) -> dict[int, tuple[int, int]]:
+    epilogue: EpiloguePlan, segments: Sequence[SegmentProgram], num_fwd: int
+) -> dict[int, tuple[int, int | None]]:
     """The consumed outputs no segment returns (views the runtime regenerates), each with its
-    user output and its base's FwdOut (Note [Views other outputs are computed from] in
-    passes/segments.py)."""
+    user output and its base's FwdOut; from `num_fwd` on, views of inputs (base None) named by
+    `num_fwd + j` (Note [Views other outputs are computed from] in passes/segments.py)."""
     owned = {k for seg in segments for k in seg.owned}
-    views: dict[int, tuple[int, int]] = {}
+    views: dict[int, tuple[int, int | None]] = {}
     for seg in segments:
         for k in seg.consumes:
             if k in owned or k in views:
+                continue
+            if k >= num_fwd:
+                views[k] = (k - num_fwd, None)
                 continue
             for j, s in enumerate(epilogue.outputs):
                 if s.source == k and s.kind is OutputKind.ALIAS_OF_INTERMEDIATE:

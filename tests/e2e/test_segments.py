@@ -186,6 +186,33 @@ def test_a_view_output_other_outputs_are_computed_from(mode: str, view: str) -> 
         assert segments_of(fn) == 2
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_view_of_an_input_other_outputs_are_computed_from(mode: str) -> None:
+    """`flat = x.flatten(1)` returned next to a loss computed from it: the view is regenerated
+    from the input before the node runs and handed to it, so its hook and `.grad` see the
+    loss's gradient, and the hook's rescaling reaches `x.grad`."""
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = x.flatten(1)
+        return flat, (flat @ w).tanh().sum()
+
+    fn = compiled(f, mode)
+    x, w = torch.randn(2, 3, 2), torch.randn(6, 2)
+    results = []
+    for run in (f, fn, fn):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        flat, loss = run(xi, wi)
+        assert flat._base is xi
+        flat.retain_grad()
+        flat.register_hook(lambda g: g * 3)
+        (loss + flat.sum()).backward()
+        results.append((flat.grad, xi.grad, wi.grad))
+    for a, b in zip(results[0], results[2]):
+        same(a, b)
+    if mode == "trace":
+        assert segments_of(fn) == 1
+
+
 @pytest.mark.parametrize("mode", ("trace", "default"))
 def test_a_view_of_a_returned_output_other_outputs_are_computed_from(mode: str) -> None:
     def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -403,6 +430,30 @@ def test_separate_backwards_through_independent_outputs(mode: str) -> None:
         b.sum().backward()
         results.append((first, xi.grad, wi.grad))
     for a, b in zip(*results):
+        same(a, b)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_backward_runs_only_the_nodes_its_output_is_computed_from(mode: str) -> None:
+    """`x0 = randn * 1.0` keeps its multiplication's node, which a backward frees; the first
+    output is not computed from `x0`, so its backward must not run that node, or the later
+    backward from `x0.abs()` raises (Note [Edges of a segment node] in runtime/segments.py)."""
+
+    def f(a0: torch.Tensor, a1: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        v1 = a1[0] - a1[0]
+        return torch.sigmoid(v1), v1[-1], a0.abs()
+
+    fn = compiled(f, mode)
+    results = []
+    for run in (f, fn, fn):
+        torch.manual_seed(0)
+        x0 = torch.randn(4, 1, requires_grad=True)
+        x1 = torch.randn(1, 3, requires_grad=True)
+        outs = run(x0 * 1.0, x1)
+        for o in outs:
+            o.sum().backward()
+        results.append((x0.grad, x1.grad))
+    for a, b in zip(results[0], results[2]):
         same(a, b)
 
 
