@@ -652,14 +652,15 @@ def _segment_programs(
 ) -> tuple[SegmentProgram, ...]:
     """The entry's autograd nodes (Note [Segments] in passes/segments.py), or () when it runs
     as one node: a plan whose node does more than one node's work can be split into (inputs it
-    writes, leaves it makes, sizes it saves, outputs eager refuses a backward for) keeps one."""
+    writes with history, leaves it makes, outputs eager refuses a backward for) keeps one.
+    Writes replayed under no_grad run in the epilogue after every node is made; saved sizes
+    come after saved tensors in each segment as in the entry."""
     ag = plan.autograd
     epilogue = plan.epilogue
     if (
         ag is None
         or ag.refused
         or ag.anchor
-        or ag.num_saved_symints
         or not all(
             m.kind is StepKind.COPY and m.no_grad and m.new_value not in ag.diff_outs
             for m in epilogue.mutations
@@ -719,6 +720,8 @@ def _segment_programs(
             num_fwd_outs=len(sb.owned),
             diff_outs=tuple(FwdOut(i) for i in range(len(sb.owned))),
             num_saved=len(sb.saved),
+            # the entry's saved sizes come after its saved tensors, and so do a segment's
+            num_saved_symints=sum(p >= ag.num_saved - ag.num_saved_symints for p in sb.saved),
             grad_args=tuple(
                 GraphArg(d.arg) for d in sb.backward.outputs if isinstance(d, GradOutput)
             ),

@@ -223,7 +223,7 @@ def _plan(
                 out = hidden.get(key)
             if out is None:
                 value = made.get(key)
-                if value is None or value[1]._is_view() or sig[id(child)] not in real_owners:
+                if value is None or sig[id(child)] not in real_owners:
                     return None  # a gradient into a value the trace cannot return: one node
                 out = hidden[key] = len(roots) + len(hidden_at)
                 hidden_at.append((child, nr))

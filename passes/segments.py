@@ -83,9 +83,10 @@ at a slot no output is at, it looks the value up there and makes it a forward ou
 entry's own (the user never sees it): the earlier segment's node returns it, later ones take it,
 and its marker cuts the backward as for an output. Unlike an output, the earlier segment itself
 may add to the value's gradient (`h` feeds its own nodes too): its backward adds those terms to
-the gradient autograd gives its node for `h`, the later segments' sum. A value the table does
-not know (made inside a composite op), a view, or one whose node has no segment's signature
-keeps the call one node.
+the gradient autograd gives its node for `h`, the later segments' sum. The value may be a view
+(GPT-2's `value` is a `split` of one projection whose other parts feed the attention
+probabilities): the earlier node returns it as it is. A value the table does not know (made
+inside a composite op), or one whose node has no segment's signature, keeps the call one node.
 """
 
 from __future__ import annotations

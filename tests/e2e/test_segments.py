@@ -303,6 +303,56 @@ def test_a_boundary_at_a_value_the_call_does_not_return(mode: str, program: Any)
         assert segments_of(fn) == 3
 
 
+def split_attention(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """GPT-2's attention: query, key and value are one projection split in three; the
+    probabilities (returned) come from query and key, the output from them and value, a view
+    the call does not return."""
+    q, k, v = (x @ w).split(4, dim=-1)
+    p = torch.softmax(q @ k.transpose(-1, -2), -1)
+    y = x[..., :4] + p @ v
+    return p, y, y.pow(2).mean()
+
+
+@pytest.mark.parametrize("mode", ("trace", "default"))
+def test_a_hidden_boundary_that_is_a_view(mode: str) -> None:
+    fn = compiled(split_attention, mode)
+    x, w = torch.randn(5, 4), torch.randn(4, 12)
+    results = []
+    for run in (split_attention, fn, fn):
+        wi = w.clone().requires_grad_()
+        p, _, loss = run(x, wi)
+        p.retain_grad()
+        p.register_hook(lambda g: g * 3)
+        loss.backward()
+        results.append((p.grad, wi.grad))
+    for a, b in zip(results[0], results[2]):
+        same(a, b)
+    if mode == "trace":
+        assert segments_of(fn) == 3
+
+
+@pytest.mark.parametrize("program", (shared_bias, split_attention), ids=lambda p: p.__name__)
+def test_segments_with_dynamic_sizes(program: Any) -> None:
+    """Saved sizes (`dynamic=True`) go with the segment that reads them; a second size runs
+    the same entry."""
+    fn = aotc.compile(program, capture="trace", cache=False, dynamic=True)
+    for n in (3, 6):
+        x, w = torch.randn(n, 4), torch.randn(4, 12 if program is split_attention else 4)
+        extra = (torch.randn(3, 4, requires_grad=True),) if program is shared_bias else ()
+        results = []
+        for run in (program, fn):
+            wi = w.clone().requires_grad_()
+            outs = run(x, wi, *extra)
+            outs[0].register_hook(lambda g: g * 3)
+            outs[-1].backward()
+            results.append(wi.grad)
+        same(results[1], results[0])
+    (record,) = aotc.inspect(fn)
+    assert len(record.program.segments) == 3
+    if program is shared_bias:  # the bias's gradient expands to a saved size
+        assert record.program.plan.autograd.num_saved_symints > 0
+
+
 def test_a_hidden_boundary_from_the_disk_cache_and_export(tmp_path: Any) -> None:
     """The hidden value is a forward output of the stored graphs: a cache hit (a fresh process)
     and an exported artifact create the same nodes, with eager's gradients."""
