@@ -585,6 +585,7 @@ def _runtime_plan(
         metadata.meta, metadata.fwd_plan, convention, fresh_views(joint.module)
     )
     if part is not None:
+        n_fwd = _num_fwd_outs(part)
         grad_args = tuple(d.arg for d in part.backward.outputs if isinstance(d, GradOutput))
         diff_outs = tuple(
             FwdOut(k) for k, needs in enumerate(metadata.fwd_plan.needs_tangent) if needs
@@ -593,7 +594,7 @@ def _runtime_plan(
         user_watch, user_watch_outs, user_unversioned = _watched_outputs(metadata, part, epilogue)
         autograd_plan = AutogradPlan(
             num_graph_args=len(convention.graph_sources),
-            num_fwd_outs=_num_fwd_outs(part),
+            num_fwd_outs=n_fwd,
             diff_outs=diff_outs,
             num_saved=len(part.saved),
             grad_args=grad_args,
@@ -605,8 +606,8 @@ def _runtime_plan(
                 for a in apply_convention(convention, leaves)
             )
             and not any(c.requires_grad for c in metadata.meta.leaf_changes),
-            watch_args=watched_args(part.forward.module, _num_fwd_outs(part)),
-            rng_device=random_device(part.forward.module, _num_fwd_outs(part)),
+            watch_args=watched_args(part.forward.module, n_fwd),
+            rng_device=random_device(part.forward.module, n_fwd),
             watch=watch,
             watch_deps=_watch_dependencies(watch_outs, diff_outs),
             watch_outputs=user_watch,
@@ -616,7 +617,7 @@ def _runtime_plan(
                     {
                         *_saved_aliases(
                             part.forward.module,
-                            _num_fwd_outs(part),
+                            n_fwd,
                             len(part.saved) - part.num_saved_symints,
                             # After an epilogue that moves versions, the refreshed watch
                             # checks every watched arg: a saved alias keeping the input's
@@ -669,7 +670,7 @@ def _segment_programs(
         or plan.refuse_saved_hooks
         or sorted(k for owned in segmentation.owned for k in owned)
         != sorted((*ag.diff_outs, *segmentation.regenerated, *segmentation.hidden))
-        or not all(_regenerable(epilogue, k, _num_fwd_outs(part)) for k in segmentation.regenerated)
+        or not all(_regenerable(epilogue, k, ag.num_fwd_outs) for k in segmentation.regenerated)
     ):
         return ()
     split = split_backward(part.backward, segmentation, ag.num_graph_args)

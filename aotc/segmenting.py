@@ -233,50 +233,42 @@ def _plan(
         if mask in real_owners or sum(sig[id(fn)] == mask for fn, _ in roots) != 1:
             return None  # a view sharing its nodes with another output
         base = view_bases[v - n_real]
+        walked = _chain(roots[v][0], mask, sig)
+        if walked is None or walked[0] != count[mask]:
+            return None  # not a plain view (the runtime regenerates it from its base)
         if isinstance(base, torch.Tensor):  # a view of an input: the chain ends at the input
-            if takes[mask] or not _ends_at(roots[v][0], mask, sig, count[mask], base):
+            if takes[mask] or not _is_node_of(walked[1], base):
                 return None
-            continue
-        at = slots.index(base)
-        if takes[mask] != {at} or _chain(roots[v][0], mask, sig) != (count[mask], roots[at]):
-            return None  # not a plain view of its base (the runtime regenerates it from it)
+        elif takes[mask] != {slots.index(base)} or walked[1] != roots[slots.index(base)]:
+            return None
     # Supersets first: a segment's consumed outputs belong to segments reaching more outputs.
     ranked = sorted(owners, key=lambda m: (-bin(m).count("1"), m & -m))
     return ranked, [takes[m] for m in ranked], hidden_at
 
 
-def _ends_at(fn: Any, mask: int, sig: dict[int, int], length: int, base: torch.Tensor) -> bool:
-    """Whether the nodes of signature `mask` are a chain of `length` one-edge nodes from `fn`
-    whose last edge leads to input `base`'s own node (its grad_fn, or its AccumulateGrad)."""
-    for _ in range(length - 1):
-        edges = [(c, nr) for c, nr in fn.next_functions if c is not None and id(c) in sig]
-        if len(edges) != 1 or sig[id(edges[0][0])] != mask:
-            return False
-        fn = edges[0][0]
-    if any(c is not None and id(c) in sig for c, _ in fn.next_functions):
-        return False
-    ends = [(c, nr) for c, nr in fn.next_functions if c is not None]
-    if len(ends) != 1:
-        return False
-    node, nr = ends[0]
-    if base.grad_fn is not None:
-        return node is base.grad_fn and nr == base.output_nr
-    return getattr(node, "variable", None) is base
-
-
 def _chain(fn: Any, mask: int, sig: dict[int, int]) -> tuple[int, tuple[Any, int]] | None:
-    """Walking from `fn` through the nodes of signature `mask`, each with one edge: how many
-    nodes, and the (node, slot) the walk leaves them at; None when one has several edges."""
+    """Walking from `fn` through the nodes of signature `mask`, each with one edge (a view's
+    node): how many nodes, and the (node, slot) the walk leaves them at; None when one has
+    several edges or none."""
     length = 0
     while True:
         length += 1
-        edges = [(c, nr) for c, nr in fn.next_functions if c is not None and id(c) in sig]
+        edges = [(c, nr) for c, nr in fn.next_functions if c is not None]
         if len(edges) != 1:
             return None
         child, nr = edges[0]
-        if sig[id(child)] != mask:
+        if id(child) not in sig or sig[id(child)] != mask:
             return length, (child, nr)
         fn = child
+
+
+def _is_node_of(end: tuple[Any, int], t: torch.Tensor) -> bool:
+    """Whether the edge `end` leads to tensor `t`'s own slot: its grad_fn's, or its
+    AccumulateGrad when it is a leaf."""
+    node, nr = end
+    if t.grad_fn is not None:
+        return node is t.grad_fn and nr == t.output_nr
+    return getattr(node, "variable", None) is t
 
 
 def _marking(slots: dict[int, FwdOut]) -> Any:

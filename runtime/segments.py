@@ -125,7 +125,7 @@ class SegmentNodes:
         try:
             for apply, fn, owned, consumes, cut in self._nodes:
                 node_args: Sequence[torch.Tensor] = args
-                if cut and any(_needs_grad(args[g]) for g in cut):
+                if cut:  # Note [Edges of a segment node]
                     node_args = list(args)
                     for g in cut:
                         if _needs_grad(args[g]):
