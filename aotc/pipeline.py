@@ -42,6 +42,7 @@ from torch.utils._pytree import TreeSpec
 from aotc import eagercomposites, persist
 from aotc.cachekey import CacheKey
 from aotc.disabledhooks import compiling_in_region, seen_by_program
+from aotc.eagerautograd import SHAPE_KEY, replays_eagerly
 from aotc.functional import FlatProgram, compiling, refused_by_functorch, transform_state
 from aotc.higher_order import (
     DifferentiableBackward,
@@ -75,6 +76,7 @@ from aotc.runtime.autograd import AutogradPlan
 from aotc.runtime.convention import alias_groups, apply_convention, plan_convention
 from aotc.runtime.epilogue import EpiloguePlan, StepKind, plan_epilogue
 from aotc.runtime.errors import UnsupportedError
+from aotc.runtime.fastpath import is_direct
 from aotc.runtime.kernels import CompiledGraph, KernelSource, KernelStep
 from aotc.runtime.launch import make_callable
 from aotc.runtime.lazy import Deferred
@@ -199,7 +201,14 @@ class CompiledRecord:
             ]
         for i, seg in enumerate(self.program.segments):  # Note [Segments] in passes/segments.py
             out.append((f"05_backward_segment{i}.py", _segment_text(i, seg)))
-        out.append(("06_epilogue.txt", self.epilogue.format() + "\n"))
+        runtime = ""
+        if self.program.plan.eager_autograd:  # Note [Eager autograd on the ATen path]
+            runtime = (
+                "# backward: eager's autograd records one node per ATen call of the forward "
+                "(it saves no more than the partition); the compiled backward runs only under "
+                "autocast or a functorch transform\n"
+            )
+        out.append(("06_epilogue.txt", self.epilogue.format() + "\n" + runtime))
         if self.kernels:
             out.append(("09_fusion.txt", self.fusion_text))
             out += [
@@ -479,6 +488,8 @@ def _compile_signature(
     seg_lowerings = tuple(
         _lower(stages, f"backward{s}", seg.backward, options) for s, seg in enumerate(segments)
     )
+    if part is not None and not segments and not any(lowerings):
+        plan = _eager_autograd(plan, joint, part, leaves)
     compiled, storable = _program(plan, fwd_module, bwd_module, lowerings, segments, seg_lowerings)
     inspection = Inspection(training, metadata.meta, part, joint, cleaned)
     info = _Described(name, source, leaves, names, options)
@@ -646,6 +657,28 @@ def _runtime_plan(
         enable_grad=part is not None and not grad_enabled,
         refuse_saved_hooks=metadata.refuses_saved_hooks,
     )
+
+
+def _eager_autograd(
+    plan: RuntimePlan, joint: JointGraph, part: PartitionResult, leaves: list[object]
+) -> RuntimePlan:
+    """`plan`, with `eager_autograd` where its calls may let eager's autograd record the
+    backward: Note [Eager autograd on the ATen path] in aotc/eagerautograd.py."""
+    auto = plan.autograd
+    if auto is None or auto.refused or not is_direct(plan, replaying=True):
+        return plan
+    if any(s.detach or s.new_leaf for s in plan.epilogue.outputs):
+        return plan
+    args = apply_convention(plan.convention, leaves)
+    replays = replays_eagerly(
+        joint.module.meta.get(SHAPE_KEY),
+        part.forward.module,
+        auto.num_fwd_outs,
+        tuple(k for k in auto.diff_outs),
+        [isinstance(a, torch.Tensor) and a.requires_grad for a in args],
+        part.saved_bytes,
+    )
+    return dataclasses.replace(plan, eager_autograd=True) if replays else plan
 
 
 def _segment_programs(

@@ -47,6 +47,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from aotc import oncediff
+from aotc.eagerautograd import SHAPE_KEY, autograd_shape
 from aotc.functional import (
     NESTED_BACKWARD,
     VIEW_METADATA_IN_PLACE,
@@ -170,8 +171,11 @@ def trace_joint(
     # See Note [Hidden segment boundaries] in passes/segments.py
     watch_made = segmentable and len(tangent_outs) >= 2
 
+    traced_shape: list[object] = [None]
+
     def joint(*flat: torch.Tensor) -> tuple[list[object], list[object]]:
         found[0] = None
+        traced_shape[0] = None
         made = MadeTensors() if watch_made and hooked else None
         primals = [
             to_functional_leaf(p) if g in cast_once else to_functional(p)
@@ -201,6 +205,9 @@ def trace_joint(
                 wrt = [g for g, p in enumerate(primals) if p.requires_grad]
                 # See Note [State during the traced backward]
                 around = getattr(program, "aotc_backward_state", None)
+                if diff and wrt and hooked:
+                    # See Note [Eager autograd on the ATen path] in aotc/eagerautograd.py
+                    traced_shape[0] = autograd_shape(diff, [(g, primals[g]) for g in wrt])
                 if diff and wrt and segmentable and hooked:
                     found[0], boundaries = mark_segments(
                         diff,
@@ -288,6 +295,8 @@ def trace_joint(
         oncediff.mark_from_stack_traces(module)  # Functions Dynamo captured
         if found[0] is not None:
             module.meta[SEGMENTS_KEY] = found[0]
+        if traced_shape[0] is not None:
+            module.meta[SHAPE_KEY] = traced_shape[0]
         # See Note [Factory ops follow the default dtype] in passes/pin_dtypes.py
         pin_default_dtypes(module, default_dtype)
         # See Note [Random ops the traced backward draws again] in aotc/rngreplay.py

@@ -69,6 +69,7 @@ from aotc.runtime.errors import AotcError, GuardError
 from aotc.runtime.guards import signature_check, signature_key
 from aotc.runtime.kernels import CompiledGraph
 from aotc.runtime.launch import make_callable
+from aotc.runtime.replay import replay_forward
 from aotc.runtime.segments import SegmentProgram
 from aotc.runtime.steps import GraphProgram
 from aotc.runtime.symbolic import coarse_key, make_guard
@@ -154,7 +155,16 @@ def assemble(
         program.segments,
         segment_highers,
         tuple(c.callable if c is not None else None for c in segment_lowerings),
+        _replay(program),
     )
+
+
+def _replay(program: CompiledProgram) -> Callable[..., Any] | None:
+    """The forward eager's autograd records (Note [Eager autograd on the ATen path])."""
+    plan = program.plan
+    if not plan.eager_autograd or plan.autograd is None:
+        return None
+    return replay_forward(program.forward, plan.autograd.num_fwd_outs)
 
 
 @dataclass(frozen=True, slots=True)

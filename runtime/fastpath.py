@@ -52,24 +52,39 @@ from aotc.runtime.schema import OutputKind
 _DIRECT_OUTPUTS = (OutputKind.FRESH, OutputKind.NOT_TENSOR, OutputKind.IS_INPUT)
 
 
+def is_direct(plan: Any, replaying: bool = False) -> bool:
+    """Whether `plan` is direct (Note [Direct plans]). `replaying`: for a call whose backward
+    eager's autograd records, which checks the versions of the outputs it saved itself (the
+    compiled pair watches them: `watch_outputs`)."""
+    conv, epi = plan.convention, plan.epilogue
+    if conv.synthetic_bases or epi.mutations or epi.versions or epi.new_leaves or plan.detach_args:
+        return False
+    if plan.enable_grad or plan.refuse_saved_hooks:
+        return False
+    if plan.autograd is not None and plan.autograd.anchor:
+        return False
+    if plan.autograd is not None and plan.autograd.watch_outputs and not replaying:
+        return False
+    if any(s.kind not in _DIRECT_OUTPUTS for s in epi.outputs):
+        return False
+    # made a view again in the epilogue (Note [Views a custom Function returns])
+    return not any(s.custom_arg is not None or s.custom_out is not None for s in epi.outputs)
+
+
 def make_fast_call(
     plan: Any,
     fwd: Callable[..., Any],
     apply: Callable[..., Any] | None,
     general: Callable[[list[object]], object],
     fills_holder: bool = True,
+    replay: Callable[..., Any] | None = None,
 ) -> Callable[[list[object]], object] | None:
+    """`replay`: the forward of an entry whose calls let eager's autograd record the backward
+    (Note [Eager autograd on the ATen path] in aotc/eagerautograd.py); it is then called in
+    place of `apply`, with grad on (the entry is a training entry: calls run it with grad on)."""
+    if not is_direct(plan, replaying=replay is not None):
+        return None
     conv, epi = plan.convention, plan.epilogue
-    if conv.synthetic_bases or epi.mutations or epi.versions or epi.new_leaves or plan.detach_args:
-        return None
-    if plan.enable_grad or plan.refuse_saved_hooks:
-        return None
-    if plan.autograd is not None and (plan.autograd.anchor or plan.autograd.watch_outputs):
-        return None
-    if any(s.kind not in _DIRECT_OUTPUTS for s in epi.outputs):
-        return None
-    if any(s.custom_arg is not None or s.custom_out is not None for s in epi.outputs):
-        return None  # made a view again in the epilogue (Note [Views a custom Function returns])
     namespace: dict[str, Any] = {
         "any_autocast": torch._C._is_any_autocast_enabled,
         "functorch_active": torch._C._are_functorch_transforms_active,
@@ -78,7 +93,18 @@ def make_fast_call(
     args = ", ".join(f"leaves[{i}]" for i in conv.graph_sources)
     if list(conv.graph_sources) == list(range(conv.num_user_leaves)):
         args = "*leaves"
-    if apply is not None:
+    if replay is not None:
+        namespace["fwd"] = replay
+        lines = [
+            "    if any_autocast() or functorch_active():",
+            "        return general(leaves)",
+            f"    d = fwd({args})",
+        ]
+
+        def fwd_out(k: int) -> str:
+            return f"d[{k}]"
+
+    elif apply is not None:
         namespace["apply"] = apply
         diff_pos = {k: pos for pos, k in enumerate(plan.autograd.diff_outs)}
         # See Note [No holder when every output is differentiable] in runtime/autograd.py.
@@ -118,10 +144,10 @@ def make_fast_call(
     if spec.is_leaf():
         lines.append(f"    return {exprs[0]}")
     elif spec.type is tuple and all(c.is_leaf() for c in spec.children()):
-        if (
-            apply is not None
-            and exprs == [f"d[{p}]" for p in range(len(exprs))]
-            and len(plan.autograd.diff_outs) == len(exprs)
+        whole = exprs == [f"d[{p}]" for p in range(len(exprs))]
+        if whole and (
+            (replay is not None and plan.autograd.num_fwd_outs == len(exprs))
+            or (replay is None and apply is not None and len(plan.autograd.diff_outs) == len(exprs))
         ):
             lines.append("    return d")  # autograd's own tuple holds exactly the outputs
         else:

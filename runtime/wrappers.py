@@ -73,6 +73,9 @@ class RuntimePlan:
     # saved-tensor hooks are active; the graphs no longer contain them, so calls check. See Note
     # [Traces under torch.func] in aotc/functional.py. Such entries take the general path.
     refuse_saved_hooks: bool = False
+    # The fast path runs the forward graph under eager's own autograd instead of the compiled
+    # pair: Note [Eager autograd on the ATen path] in aotc/eagerautograd.py.
+    eager_autograd: bool = False
 
 
 class CompiledEntry:
@@ -112,11 +115,13 @@ class CompiledEntry:
         segments: Sequence[SegmentProgram] = (),
         segment_highers: Sequence[HigherOrder | None] = (),
         segment_backwards: Sequence[Callable[..., Any] | None] = (),
+        replay: Callable[..., tuple[torch.Tensor, ...]] | None = None,
     ) -> None:
         """`backward_graph`: the fx graph `bwd` runs (pruned for outputs that get no gradient,
         Note [Absent gradients] in runtime/absent.py). `segments`: the entry's autograd nodes
         when it has several (Note [Segments] in passes/segments.py), with their differentiable
-        backwards; `bwd` and `higher` are then unused."""
+        backwards; `bwd` and `higher` are then unused. `replay`: the forward the fast path runs
+        under eager's autograd when the plan says `eager_autograd` (runtime/replay.py)."""
         self.plan = plan
         self.record = record
         self._segments: SegmentNodes | None = None
@@ -171,7 +176,12 @@ class CompiledEntry:
             self.call = self._call_general
         else:
             fast = make_fast_call(
-                plan, fwd, self._apply, self._call_general, fills_holder=self._holder_size == 0
+                plan,
+                fwd,
+                self._apply,
+                self._call_general,
+                fills_holder=self._holder_size == 0,
+                replay=replay if plan.eager_autograd else None,
             )
             self.call = fast or self._call_general
         # `run` is `call` itself, not a method calling it: one frame less for callers that hold

@@ -344,15 +344,30 @@ def test_no_reference_cycle_through_a_mutated_input(mode: str) -> None:
     assert all(r() is None for r in refs)
 
 
-def test_recomputed_input_modified_after_the_call_is_refused_by_name() -> None:
-    """`b` is not saved (tanh saves its output), but the differentiable backward recomputes from
-    it: modified after the call, the double backward refuses, naming it (eager, which needs only
-    tanh's output, would run; a documented limit, never a silent difference)."""
+def test_recomputed_input_modified_after_the_call_is_refused_by_name(monkeypatch) -> None:
+    """`b` is not saved (tanh saves its output), but the compiled pair's differentiable backward
+    recomputes from it: modified after the call, the double backward refuses, naming it (eager,
+    which needs only tanh's output, would run; a documented limit, never a silent difference).
+    An entry whose backward eager's autograd records runs it as eager does."""
 
     def f(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.tanh(x + b).sum()
 
-    fn = aotc.compile(f, capture="trace")
+    natural = aotc.compile(f, capture="trace", cache=False)
+    x, b = torch.randn(4, requires_grad=True), torch.randn(4)
+    natural(x, b)
+    out = natural(x, b)
+    assert aotc.inspect(natural)[0].program.plan.eager_autograd
+    want = f(x, b)
+    b.add_(1)
+    (d1,) = torch.autograd.grad(out, x, create_graph=True)
+    (e1,) = torch.autograd.grad(want, x, create_graph=True)
+    close(e1, d1)
+
+    from aotc import pipeline
+
+    monkeypatch.setattr(pipeline, "_eager_autograd", lambda plan, *args: plan)
+    fn = aotc.compile(f, capture="trace", cache=False)
     x, b = torch.randn(4, requires_grad=True), torch.randn(4)
     out = fn(x, b)
     b.add_(1)

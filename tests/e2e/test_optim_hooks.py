@@ -96,8 +96,15 @@ def _block_args():
     )
 
 
-def test_saved_tensor_hooks_see_what_the_compiled_forward_saves():
-    compiled = aotc.compile(block)
+@pytest.mark.parametrize("runtime", ["pair", "eager_autograd"])
+def test_saved_tensor_hooks_see_what_the_compiled_forward_saves(runtime, monkeypatch):
+    """The compiled pair saves the partition's values through the hooks; an entry whose backward
+    eager's autograd records (Note [Eager autograd on the ATen path]) saves eager's own."""
+    from aotc import pipeline
+
+    if runtime == "pair":
+        monkeypatch.setattr(pipeline, "_eager_autograd", lambda plan, *args: plan)
+    compiled = aotc.compile(block, cache=False)  # the two runtimes' entries share a cache key
     args = _block_args()
     compiled(*args)  # compile outside the hooks
     packed, unpacked = [], []
@@ -112,10 +119,19 @@ def test_saved_tensor_hooks_see_what_the_compiled_forward_saves():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         out = compiled(*args)
-    saved = compiled.records[0].partition.saved
-    tensors = [s for s in saved if not s.is_symint]
-    assert len(packed) == len(tensors) > 0
-    assert [tuple(t.shape) for t in packed] == [tuple(s.shape) for s in tensors]
+    assert compiled.records[0].program.plan.eager_autograd == (runtime == "eager_autograd")
+    if runtime == "pair":
+        saved = compiled.records[0].partition.saved
+        shapes = [tuple(s.shape) for s in saved if not s.is_symint]
+    else:
+        eager_packed = []
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: eager_packed.append(t) or t, lambda t: t
+        ):
+            block(*args)
+        shapes = [tuple(t.shape) for t in eager_packed]
+    assert len(packed) == len(shapes) > 0
+    assert [tuple(t.shape) for t in packed] == shapes
     grads = torch.autograd.grad(out, args[1:])
     assert len(unpacked) == len(packed)
     want = torch.autograd.grad(block(*args), args[1:])

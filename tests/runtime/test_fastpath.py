@@ -82,8 +82,29 @@ def test_autocast_call_goes_through_general_path():
     assert all(is_fast(compiled))
 
 
-def test_generated_call_inlines_indices():
+@pytest.fixture
+def pair(monkeypatch):
+    """Entries keep their compiled pair (autograd node) even where eager's autograd could record
+    the backward (Note [Eager autograd on the ATen path] in aotc/eagerautograd.py)."""
+    from aotc import pipeline
+
+    monkeypatch.setattr(pipeline, "_eager_autograd", lambda plan, *args: plan)
+
+
+def test_generated_call_runs_the_forward_under_eager_autograd():
     compiled = aotc.compile(one_out, capture="trace")
+    x, w = make()
+    compiled(x, w).backward()
+    (entry,) = compiled._dispatch.entries
+    assert entry.plan.eager_autograd
+    assert "d = fwd(*leaves)" in entry.call.__aotc_source__
+    out = compiled(x, w)
+    assert type(out.grad_fn).__name__ == "SumBackward0"
+    assert_matches_eager(one_out, make, compiled=compiled)
+
+
+def test_generated_call_inlines_indices(pair):
+    compiled = aotc.compile(one_out, capture="trace", cache=False)
     x, w = make()
     compiled(x, w).backward()
     (entry,) = compiled._dispatch.entries
@@ -93,9 +114,9 @@ def test_generated_call_inlines_indices():
     assert "return d[0]" in entry.call.__aotc_source__
 
 
-def test_generated_call_keeps_holder_for_raw_outputs():
+def test_generated_call_keeps_holder_for_raw_outputs(pair):
     """An output autograd must not return (an integer argmax) comes back through the holder."""
-    compiled = aotc.compile(tuple_out, capture="trace")
+    compiled = aotc.compile(tuple_out, capture="trace", cache=False)
     x, w = make()
     got = compiled(x, w)
     assert "apply(h := [], *leaves)" in compiled._dispatch.entries[0].call.__aotc_source__

@@ -1,0 +1,190 @@
+"""Eager's own autograd for a training entry on the ATen path.
+
+Stages: `autograd_shape(roots, leaves)`, during the joint trace, records the autograd graph the
+traced program built (aotc/tracer.py keeps it in the joint module's meta under `SHAPE_KEY`);
+`replays_eagerly(shape, forward, n_fwd, diff_outs, requires_grad, saved_bytes)`, once per cold
+compile of a training entry whose graphs run as ATen calls with a direct plan (Note [Direct
+plans] in runtime/fastpath.py), says whether its calls may run the forward graph with grad on
+and let eager's autograd record the backward (see the Note). The runtime's side is
+`replay_forward` (runtime/replay.py) and the generated call (runtime/fastpath.py).
+Requires: `forward` is the partitioned forward graph (fwd outputs, then saved values) with fake
+tensors in its placeholders' `meta["val"]`.
+Ensures: True only when running `forward`'s first `n_fwd` outputs under autograd, on fake
+inputs that require grad where the call's do, builds an autograd graph of the same shape as the
+traced program's (same node types, same edges, same leaves, in the same order), makes exactly
+the outputs in `diff_outs` require grad, and saves no more bytes than the partition does.
+
+Note [Eager autograd on the ATen path]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+On the ATen path every op of the compiled backward is one ATen call, as it is in eager's
+backward; what the compiled pair adds is the custom autograd node: the engine calls a Python
+`backward` (the GIL, a tuple of gradients, the node's checks), ~10 us of a tiny training call,
+more than the 1.3x goal leaves (#18). When the partition saves no fewer bytes than eager's own
+autograd would, the node buys nothing: the same kernels run, and the same memory is held. Such an
+entry's fast path then runs the forward graph with grad on, and each ATen call records eager's
+own C++ node. The backward is eager's, node by node: its gradients, its freeing of saved values,
+its version checks, hooks on the outputs' nodes, `retain_graph`, double backward and saved-tensor
+hooks all are eager's own.
+
+That is only right when the forward graph's ops, run under autograd, differentiate as the
+program did. The joint trace ran the program under autograd and differentiated what autograd
+recorded, so the trace's autograd graph is what the compiled backward computes. `autograd_shape`
+writes that graph down in a canonical order (breadth first from the differentiated outputs,
+each node's type and the positions of its edges, leaves as graph-arg indices), and the compile
+runs the forward graph on fake tensors under autograd and writes its graph down the same way.
+They differ, and the entry keeps its compiled pair, when the program:
+- ran a custom `autograd.Function` (its node is a Python one: a shape is never written then), a
+  module's full backward hook (a Function too), `torch.no_grad()` or `detach()` inside (the
+  replayed graph has nodes the traced one lacks), or an in-place write into a view (eager's
+  `CopySlices` against the graph's scatter ops);
+- was changed by the cleanup passes in a way autograd sees (common subexpressions merged).
+  A shape looks through views and aliases (`_RESHAPES`: their backward only reshapes the
+  gradient back), so dropping a view that changes nothing does not count; the forward values
+  are the graph's either way.
+The saved bytes are the pack hook's view of the replay (each storage once, the inputs' own
+included), against the partition's saved values: an entry whose partition recomputes what eager
+saves keeps its compiled pair, so this never costs memory.
+
+Calls under autocast or a functorch transform, and entries whose plan is not direct (mutations,
+aliased outputs, ...), keep the compiled pair.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from aotc.runtime.replay import fwd_only
+
+SHAPE_KEY = "aotc_autograd_shape"
+
+# Nodes a shape looks through: their backward only gives the gradient its input's geometry back,
+# and the cleanup passes drop the views that change nothing (passes/cleanup.py).
+_RESHAPES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "AliasBackward0"})
+
+Shape = tuple[object, ...]
+
+
+def autograd_shape(
+    roots: Sequence[torch.Tensor], leaves: Sequence[tuple[int, torch.Tensor]]
+) -> Shape | None:
+    """The autograd graph behind `roots`, written canonically; None when it has a node that is
+    not one of torch's own (C++) nodes, or a leaf that is not among `leaves` ((index, tensor))."""
+    leaf_of = {id(t): g for g, t in leaves}
+    index: dict[int, int] = {}
+    keep: list[object] = []  # the nodes seen, alive while their ids are keys
+    queue: collections.deque[object] = collections.deque()
+    entries: list[object] = []
+
+    def edge(fn: object, nr: int) -> object:
+        while type(fn).__name__ in _RESHAPES and len(_edges(fn)) == 1:
+            fn, nr = _edges(fn)[0]
+        if fn is None:
+            return None
+        if type(fn).__name__ == "AccumulateGrad":
+            g = leaf_of.get(id(fn.variable))  # type: ignore[attr-defined]
+            return None if g is None else ("leaf", g)
+        k = index.get(id(fn))
+        if k is None:
+            k = index[id(fn)] = len(keep)
+            keep.append(fn)
+            queue.append(fn)
+        return (k, nr)
+
+    heads: list[object] = []
+    for t in roots:
+        if t.grad_fn is None:
+            g = leaf_of.get(id(t))
+            if t.requires_grad and g is None:
+                return None
+            heads.append(("leaf", g) if t.requires_grad else None)
+        else:
+            heads.append(edge(t.grad_fn, t.output_nr))
+    if any(h is None and r.requires_grad for h, r in zip(heads, roots)):
+        return None  # a leaf nobody named
+    while queue:
+        fn = queue.popleft()
+        if type(fn).__module__ != "builtins":
+            return None  # a Python node: a custom Function, a backward hook's Function
+        children = []
+        for nxt, nr in _edges(fn):
+            e = edge(nxt, nr)
+            if e is None and nxt is not None:
+                return None
+            children.append(e)
+        entries.append((type(fn).__name__, tuple(children)))
+    return (tuple(heads), tuple(entries))
+
+
+def replays_eagerly(
+    shape: Shape | None,
+    forward: fx.GraphModule,
+    n_fwd: int,
+    diff_outs: Sequence[int],
+    requires_grad: Sequence[bool],
+    saved_bytes: int,
+) -> bool:
+    """See the module docstring and Note [Eager autograd on the ATen path]."""
+    if shape is None:
+        return False
+    vals = [n.meta.get("val") for n in forward.graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode(vals)
+    if fake_mode is None or len(vals) != len(requires_grad):
+        return False
+    storages: dict[int, int] = {}
+    unknown = [False]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if isinstance(nbytes, torch.SymInt):
+            hint = nbytes.node.hint
+            if hint is None:
+                unknown[0] = True
+                return t
+            nbytes = int(hint)
+        storages[storage._cdata] = int(nbytes)
+        return t
+
+    module = fwd_only(forward, n_fwd)
+    try:
+        with (
+            fake_mode,
+            torch.enable_grad(),
+            torch._C._DisableAutocast(),
+            torch.autograd.graph.saved_tensors_hooks(pack, _same),
+        ):
+            args: list[object] = []
+            leaves: list[tuple[int, torch.Tensor]] = []
+            for g, (v, rg) in enumerate(zip(vals, requires_grad)):
+                if isinstance(v, torch.Tensor):
+                    a = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+                    if rg:
+                        a.requires_grad_()
+                        leaves.append((g, a))
+                    args.append(a)
+                else:
+                    args.append(v)
+            outs = module(*args)
+            diff = set(diff_outs)
+            for k, o in enumerate(outs):
+                if isinstance(o, torch.Tensor) and o.requires_grad != (k in diff):
+                    return False
+            replayed = autograd_shape([outs[k] for k in diff_outs], leaves)
+    except Exception:  # noqa: BLE001  # a graph the fake replay cannot run keeps its pair
+        return False
+    if unknown[0] or replayed != shape:
+        return False
+    return sum(storages.values()) <= saved_bytes
+
+
+def _edges(fn: object) -> tuple[tuple[object, int], ...]:
+    return fn.next_functions  # type: ignore[attr-defined,no-any-return]
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
