@@ -3,10 +3,11 @@
 Stages: `autograd_shape(roots, leaves)`, during the joint trace, records the autograd graph the
 traced program built (aotc/tracer.py keeps it in the joint module's meta under `SHAPE_KEY`);
 `replays_eagerly(shape, forward, n_fwd, diff_outs, requires_grad, saved_bytes)`, once per cold
-compile of a training entry whose graphs run as ATen calls with a direct plan (Note [Direct
-plans] in runtime/fastpath.py), says whether its calls may run the forward graph with grad on
-and let eager's autograd record the backward (see the Note). The runtime's side is
-`replay_forward` (runtime/replay.py) and the generated call (runtime/fastpath.py).
+compile of a training entry whose graphs run as ATen calls and whose plan is direct (Note
+[Direct plans] in runtime/fastpath.py) or only writes buffers, says whether its calls may run
+the forward graph with grad on and let eager's autograd record the backward (see the Note).
+The runtime's side is `replay_forward` (runtime/replay.py), run by the generated call
+(runtime/fastpath.py) or, before the epilogue's writes, by `CompiledEntry._run`.
 Requires: `forward` is the partitioned forward graph (fwd outputs, then saved values) with fake
 tensors in its placeholders' `meta["val"]`.
 Ensures: True only when running `forward`'s first `n_fwd` outputs under autograd, on fake
@@ -21,8 +22,8 @@ backward; what the compiled pair adds is the custom autograd node: the engine ca
 `backward` (the GIL, a tuple of gradients, the node's checks), ~10 us of a tiny training call,
 more than the 1.3x goal leaves (#18). When the partition saves no fewer bytes than eager's own
 autograd would, the node buys nothing: the same kernels run, and the same memory is held. Such an
-entry's fast path then runs the forward graph with grad on, and each ATen call records eager's
-own C++ node. The backward is eager's, node by node: its gradients, its freeing of saved values,
+entry's calls then run the forward graph with grad on, and each ATen call records eager's own
+C++ node. The backward is eager's, node by node: its gradients, its freeing of saved values,
 its version checks, hooks on the outputs' nodes, `retain_graph`, double backward and saved-tensor
 hooks all are eager's own.
 
@@ -45,8 +46,17 @@ The saved bytes are the pack hook's view of the replay (each storage once, the i
 included), against the partition's saved values: an entry whose partition recomputes what eager
 saves keeps its compiled pair, so this never costs memory.
 
-Calls under autocast or a functorch transform, and entries whose plan is not direct (mutations,
-aliased outputs, ...), keep the compiled pair.
+Writes into inputs that need no grad, made without autograd history (a BatchNorm's running
+statistics, a step counter), stay with the epilogue (runtime/fastpath.py `writes_buffers_only`):
+the forward graph reads such an input only for values from before the write, so where eager's
+autograd saved the input it saved it before eager's write too; the epilogue then writes it and
+sets its version to eager's (`EpiloguePlan.versions`). Where eager's write bumped the version
+(`w.add_(1)` after `x * w`), the saved input's version check fails in the backward as eager's
+does; where it did not (the BatchNorm kernel updates its running statistics without a bump), it
+passes as eager's does, and the backward reads the same buffer eager's reads.
+
+Calls under autocast or a functorch transform, and entries whose plans need more than that
+(writes with history, aliased outputs, synthetic bases, ...), keep the compiled pair.
 """
 
 from __future__ import annotations
@@ -183,7 +193,7 @@ def replays_eagerly(
 
 
 def _edges(fn: object) -> tuple[tuple[object, int], ...]:
-    return fn.next_functions  # type: ignore[attr-defined,no-any-return]
+    return fn.next_functions  # type: ignore[attr-defined]
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:

@@ -76,7 +76,7 @@ from aotc.runtime.autograd import AutogradPlan
 from aotc.runtime.convention import alias_groups, apply_convention, plan_convention
 from aotc.runtime.epilogue import EpiloguePlan, StepKind, plan_epilogue
 from aotc.runtime.errors import UnsupportedError
-from aotc.runtime.fastpath import is_direct
+from aotc.runtime.fastpath import is_direct, writes_buffers_only
 from aotc.runtime.kernels import CompiledGraph, KernelSource, KernelStep
 from aotc.runtime.launch import make_callable
 from aotc.runtime.lazy import Deferred
@@ -665,17 +665,22 @@ def _eager_autograd(
     """`plan`, with `eager_autograd` where its calls may let eager's autograd record the
     backward: Note [Eager autograd on the ATen path] in aotc/eagerautograd.py."""
     auto = plan.autograd
-    if auto is None or auto.refused or not is_direct(plan, replaying=True):
+    if auto is None or auto.refused:
+        return plan
+    if not is_direct(plan, replaying=True) and not writes_buffers_only(plan):
         return plan
     if any(s.detach or s.new_leaf for s in plan.epilogue.outputs):
         return plan
     args = apply_convention(plan.convention, leaves)
+    requires_grad = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
+    if any(requires_grad[m.target] for m in plan.epilogue.mutations):
+        return plan
     replays = replays_eagerly(
         joint.module.meta.get(SHAPE_KEY),
         part.forward.module,
         auto.num_fwd_outs,
-        tuple(k for k in auto.diff_outs),
-        [isinstance(a, torch.Tensor) and a.requires_grad for a in args],
+        auto.diff_outs,
+        requires_grad,
         part.saved_bytes,
     )
     return dataclasses.replace(plan, eager_autograd=True) if replays else plan

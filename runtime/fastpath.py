@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from aotc.runtime.epilogue import StepKind
 from aotc.runtime.schema import OutputKind
 
 _DIRECT_OUTPUTS = (OutputKind.FRESH, OutputKind.NOT_TENSOR, OutputKind.IS_INPUT)
@@ -69,6 +70,25 @@ def is_direct(plan: Any, replaying: bool = False) -> bool:
         return False
     # made a view again in the epilogue (Note [Views a custom Function returns])
     return not any(s.custom_arg is not None or s.custom_out is not None for s in epi.outputs)
+
+
+def writes_buffers_only(plan: Any) -> bool:
+    """Whether `plan` is direct but for writes into inputs that need no grad, made without
+    autograd history (a BatchNorm's running statistics), with eager's version bumps: the plans
+    a call whose backward eager's autograd records may have besides direct ones (Note [Eager
+    autograd on the ATen path] in aotc/eagerautograd.py; such calls take `general`)."""
+    conv, epi = plan.convention, plan.epilogue
+    if conv.synthetic_bases or epi.new_leaves or plan.detach_args or epi.make_require_grad:
+        return False
+    if epi.roots or plan.enable_grad or plan.refuse_saved_hooks:
+        return False
+    if plan.autograd is None or plan.autograd.anchor:
+        return False
+    if any(s.kind not in _DIRECT_OUTPUTS for s in epi.outputs):
+        return False
+    if any(s.custom_arg is not None or s.custom_out is not None for s in epi.outputs):
+        return False
+    return all(m.kind is StepKind.COPY and m.no_grad and not m.via_view for m in epi.mutations)
 
 
 def make_fast_call(

@@ -102,6 +102,7 @@ class CompiledEntry:
         "_anchor",
         "_enable_grad",
         "_segments",
+        "_replay",
     )
 
     def __init__(
@@ -168,6 +169,7 @@ class CompiledEntry:
         self._watch = plan.autograd is not None and bool(plan.autograd.watch)
         self._watch_outputs = plan.autograd.watch_outputs if plan.autograd is not None else ()
         self._enable_grad = plan.enable_grad
+        self._replay = replay if plan.eager_autograd and self._segments is None else None
         self._unflatten = _unflattener(plan.out_spec)
         self.call: Callable[[list[object]], object]
         if self._mutates:
@@ -205,16 +207,24 @@ class CompiledEntry:
         if torch._C._is_any_autocast_enabled():  # See Note [Graphs run without autocast]
             with torch._C._DisableAutocast():
                 return self._run(leaves)
+        if self._replay is not None and not torch._C._are_functorch_transforms_active():
+            return self._run(leaves, self._replay)
         return self._run(leaves)
 
-    def _run(self, leaves: list[object]) -> object:
+    def _run(self, leaves: list[object], replay: Callable[..., Any] | None = None) -> object:
+        """`replay`: the forward eager's autograd records (Note [Eager autograd on the ATen
+        path] in aotc/eagerautograd.py), run in place of the autograd node."""
         plan = self.plan
         for a in plan.epilogue.make_require_grad:
             cast(torch.Tensor, leaves[a]).requires_grad_()
         args = apply_convention(plan.convention, leaves)
         if self._segments is not None:
             return self._run_segments(leaves, args)
-        if self._fn is not None:
+        diff: Any = None
+        fwd_outs: Sequence[torch.Tensor]
+        if replay is not None:
+            fwd_outs = replay(*args)
+        elif self._fn is not None:
             if self._detach:
                 args = [a.detach() if i in self._detach else a for i, a in enumerate(args)]
             if self._anchor:
@@ -231,7 +241,7 @@ class CompiledEntry:
                     diff = self._apply(holder, *args)
             for pos, k in enumerate(self._diff):
                 holder[k] = diff[pos]
-            fwd_outs: Sequence[torch.Tensor] = holder
+            fwd_outs = holder
         else:
             fwd_outs = self._fwd(*args)
         early = None
@@ -239,10 +249,10 @@ class CompiledEntry:
             early = stale_input_views(plan.epilogue, leaves)
             graph_args = apply_convention(plan.convention, leaves)
             apply_mutations(plan.epilogue, leaves, graph_args, fwd_outs)
-            if self._watch:
+            if self._watch and diff is not None:
                 refresh_watched(diff)
         result = build_outputs(plan.epilogue, leaves, fwd_outs, early)
-        if self._fn is not None and self._watch_outputs:
+        if diff is not None and self._watch_outputs:
             watch_outputs(diff, result, self._watch_outputs)
         return self._unflatten(result)
 

@@ -321,3 +321,62 @@ def test_cache_hits_and_exports_keep_eager_autograd(tmp_path: Path) -> None:
     out.backward()
     assert type(out.grad_fn).__name__ == "SumBackward0"
     torch.testing.assert_close(x2.grad, x2.detach().cos() * y2)
+
+
+@pytest.mark.parametrize("mode", ("trace", "default"))
+def test_batch_norm_buffers_versions_and_gradients(mode: str) -> None:
+    """Writes into buffers without history keep eager's autograd: the running statistics, the
+    step counter and their versions are eager's after every step."""
+    import copy
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU()
+    )
+    ref = copy.deepcopy(net)
+    comp = compiled(net, mode)
+    for _ in range(3):
+        x = torch.randn(2, 3, 6, 6)
+        out, want = comp(x).square().mean(), ref(x).square().mean()
+        out.backward()
+        want.backward()
+        torch.testing.assert_close(out, want)
+        for p, q in zip(net.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        for b, c in zip(net.buffers(), ref.buffers()):
+            torch.testing.assert_close(b, c)
+            assert b._version == c._version
+    assert replays(comp)
+
+
+@pytest.mark.parametrize("mode", ("trace", "default"))
+def test_written_inputs_keep_eager_version_checks(mode: str) -> None:
+    def write_after(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = (x * w).sum()  # saves w, then writes it: eager's backward refuses
+        w.add_(1)
+        return y
+
+    def write_before(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        w.add_(1)
+        return (x * w).sum()  # saves the written w: runs
+
+    for fn, refuses in ((write_after, True), (write_before, False)):
+        comp = compiled(fn, mode)
+        for _ in range(2):  # compiled (strict mode: on the second call), no backward
+            comp(*fresh((3,), (3,), grad=(True, False)))
+        # A backward eager refuses is the compiled pair's to refuse (`AutogradPlan.refused`).
+        assert replays(comp) == (not refuses)
+        x, w = fresh((3,), (3,), grad=(True, False))
+        xr, wr = clones([x, w])
+        out, ref = comp(x, w), fn(xr, wr)
+        torch.testing.assert_close(out, ref)
+        torch.testing.assert_close(w, wr)
+        assert w._version == wr._version
+        if refuses:
+            for o in (out, ref):
+                with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                    o.backward()
+        else:
+            out.backward()
+            ref.backward()
+            torch.testing.assert_close(x.grad, xr.grad)
