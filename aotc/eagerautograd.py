@@ -39,9 +39,9 @@ They differ, and the entry keeps its compiled pair, when the program:
   replayed graph has nodes the traced one lacks), or an in-place write into a view (eager's
   `CopySlices` against the graph's scatter ops);
 - was changed by the cleanup passes in a way autograd sees (common subexpressions merged).
-  A shape looks through views and aliases (`_RESHAPES`: their backward only reshapes the
-  gradient back), so dropping a view that changes nothing does not count; the forward values
-  are the graph's either way.
+  A shape looks through views, expands and aliases (`_RESHAPES`: their backward only gives the
+  gradient its input's geometry back), so dropping one that changes nothing does not count;
+  the forward values are the graph's either way.
 The saved bytes are the pack hook's view of the replay (each storage once, the inputs' own
 included), against the partition's saved values: an entry whose partition recomputes what eager
 saves keeps its compiled pair, so this never costs memory.
@@ -73,8 +73,8 @@ from aotc.runtime.replay import fwd_only
 SHAPE_KEY = "aotc_autograd_shape"
 
 # Nodes a shape looks through: their backward only gives the gradient its input's geometry back,
-# and the cleanup passes drop the views that change nothing (passes/cleanup.py).
-_RESHAPES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "AliasBackward0"})
+# and the cleanup passes drop the views and expands that change nothing (passes/cleanup.py).
+_RESHAPES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "AliasBackward0", "ExpandBackward0"})
 
 Shape = tuple[object, ...]
 
