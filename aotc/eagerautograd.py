@@ -62,11 +62,14 @@ Calls under autocast or a functorch transform, and entries whose plans need more
 from __future__ import annotations
 
 import collections
+import contextlib
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from aotc.runtime.replay import fwd_only
 
@@ -138,15 +141,48 @@ def replays_eagerly(
     requires_grad: Sequence[bool],
     saved_bytes: int,
 ) -> bool:
-    """See the module docstring and Note [Eager autograd on the ATen path]."""
+    """See the module docstring and Note [Eager autograd on the ATen path]. The replay runs on
+    meta tensors where the graph's sizes are static (no fake tensor dispatch: a third of the
+    check's time on a GPT block), on fake tensors where they are symbolic or meta fails."""
     if shape is None:
         return False
     vals = [n.meta.get("val") for n in forward.graph.nodes if n.op == "placeholder"]
-    fake_mode = detect_fake_mode(vals)
-    if fake_mode is None or len(vals) != len(requires_grad):
+    if len(vals) != len(requires_grad):
         return False
+    graph = fwd_only(forward, n_fwd)
+    static = all(
+        isinstance(v, torch.Tensor) and not _symbolic(v) for v in vals if not isinstance(v, int)
+    )
+    modes: list[FakeTensorMode | None] = [None] if static else []
+    fake_mode = detect_fake_mode(vals)
+    if fake_mode is not None:
+        modes.append(fake_mode)
+    for mode in modes:
+        try:
+            found = _replay(graph, forward, vals, requires_grad, diff_outs, mode)
+        except Exception:  # noqa: BLE001  # a graph this replay cannot run
+            continue
+        if found is None:
+            return False
+        replayed, nbytes = found
+        return replayed == shape and nbytes <= saved_bytes
+    return False
+
+
+def _replay(
+    graph: fx.Graph,
+    module: fx.GraphModule,
+    vals: Sequence[object],
+    requires_grad: Sequence[bool],
+    diff_outs: Sequence[int],
+    mode: FakeTensorMode | None,
+) -> tuple[Shape | None, int] | None:
+    """Runs `graph` under autograd on stand-ins of `vals` (meta tensors when `mode` is None):
+    the shape of the autograd graph behind `diff_outs` and the bytes it saves; None when an
+    output's requires_grad is not eager's, or a saved size is unknown."""
     storages: dict[int, int] = {}
     unknown = [False]
+    meta = mode is None
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
@@ -160,36 +196,56 @@ def replays_eagerly(
         storages[storage._cdata] = int(nbytes)
         return t
 
-    module = fwd_only(forward, n_fwd)
-    try:
-        with (
-            fake_mode,
-            torch.enable_grad(),
-            torch._C._DisableAutocast(),
-            torch.autograd.graph.saved_tensors_hooks(pack, _same),
-        ):
-            args: list[object] = []
-            leaves: list[tuple[int, torch.Tensor]] = []
-            for g, (v, rg) in enumerate(zip(vals, requires_grad)):
-                if isinstance(v, torch.Tensor):
-                    a = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
-                    if rg:
-                        a.requires_grad_()
-                        leaves.append((g, a))
-                    args.append(a)
-                else:
-                    args.append(v)
-            outs = module(*args)
-            diff = set(diff_outs)
-            for k, o in enumerate(outs):
-                if isinstance(o, torch.Tensor) and o.requires_grad != (k in diff):
-                    return False
-            replayed = autograd_shape([outs[k] for k in diff_outs], leaves)
-    except Exception:  # noqa: BLE001  # a graph the fake replay cannot run keeps its pair
-        return False
-    if unknown[0] or replayed != shape:
-        return False
-    return sum(storages.values()) <= saved_bytes
+    def stand_in(v: torch.Tensor) -> torch.Tensor:
+        device = torch.device("meta") if meta else v.device
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device)
+
+    with (
+        mode if mode is not None else contextlib.nullcontext(),
+        torch.enable_grad(),
+        torch._C._DisableAutocast(),
+        torch.autograd.graph.saved_tensors_hooks(pack, _same),
+    ):
+        args: list[object] = []
+        leaves: list[tuple[int, torch.Tensor]] = []
+        for g, (v, rg) in enumerate(zip(vals, requires_grad)):
+            if isinstance(v, torch.Tensor):
+                a = stand_in(v)
+                if rg:
+                    a.requires_grad_()
+                    leaves.append((g, a))
+                args.append(a)
+            else:
+                args.append(v)
+        env: dict[fx.Node, Any] = {}
+        it = iter(args)
+        outs: Sequence[object] = ()
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(it)
+            elif node.op == "get_attr":
+                value = getattr(module, str(node.target))
+                env[node] = stand_in(value) if isinstance(value, torch.Tensor) else value
+            elif node.op == "call_function":
+                pos = fx.node.map_arg(node.args, env.__getitem__)
+                kw = fx.node.map_arg(node.kwargs, env.__getitem__)
+                if meta and "device" in kw:
+                    kw = {**kw, "device": torch.device("meta")}
+                env[node] = node.target(*pos, **kw)
+            elif node.op == "output":
+                outs = fx.node.map_arg(node.args[0], env.__getitem__)
+        diff = set(diff_outs)
+        for k, o in enumerate(outs):
+            if isinstance(o, torch.Tensor) and o.requires_grad != (k in diff):
+                return None
+        replayed = autograd_shape([cast(torch.Tensor, outs[k]) for k in diff_outs], leaves)
+    if unknown[0]:
+        return None
+    return replayed, sum(storages.values())
+
+
+def _symbolic(t: torch.Tensor) -> bool:
+    return any(isinstance(x, torch.SymInt) for x in (*t.shape, *t.stride(), t.storage_offset()))
 
 
 def _edges(fn: object) -> tuple[tuple[object, int], ...]:

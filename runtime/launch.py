@@ -72,8 +72,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _SIMPLE = (bool, int, str, type(None))
 
 
-def make_callable(module: fx.GraphModule) -> Callable[..., Any]:
-    graph = module.graph
+def make_callable(module: fx.GraphModule, graph: fx.Graph | None = None) -> Callable[..., Any]:
+    """`graph`: run this graph of `module`'s nodes instead of `module.graph` (its constants are
+    `module`'s attributes)."""
+    graph = module.graph if graph is None else graph
     nodes = list(graph.nodes)
     names: dict[fx.Node, str] = {}
     globs: dict[str, Any] = {}

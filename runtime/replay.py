@@ -3,10 +3,10 @@
 Stage: `replay_forward(module, n_fwd) -> Callable[..., tuple]`, at assembly of an entry whose plan
 has `eager_autograd` (Note [Eager autograd on the ATen path] in aotc/eagerautograd.py).
 Requires: `module` is the entry's partitioned forward graph (fwd outputs, then saved values).
-Ensures: `fwd_only(module, n_fwd)` is that graph returning only its first `n_fwd` outputs, with
-the nodes only saved values needed removed (never a random op or a write); `replay_forward` is
-its launched function (runtime/launch.py), run with grad on so that each ATen call records its
-own autograd node.
+Ensures: `fwd_only(module, n_fwd)` is that graph (an fx.Graph of `module`'s nodes) returning
+only its first `n_fwd` outputs, with the nodes only saved values needed removed (never a random
+op or a write); `replay_forward` is its launched function (runtime/launch.py), run with grad on
+so that each ATen call records its own autograd node.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch.fx as fx
 from aotc.runtime.launch import make_callable
 
 
-def fwd_only(module: fx.GraphModule, n_fwd: int) -> fx.GraphModule:
-    graph = fx.Graph()
+def fwd_only(module: fx.GraphModule, n_fwd: int) -> fx.Graph:
+    graph = fx.Graph(owning_module=module)
     env: dict[fx.Node, fx.Node] = {}
     for node in module.graph.nodes:
         if node.op == "output":
@@ -33,7 +33,7 @@ def fwd_only(module: fx.GraphModule, n_fwd: int) -> fx.GraphModule:
     for node in reversed(list(graph.nodes)):
         if node.op == "call_function" and not node.users and not _keeps(node.target):
             graph.erase_node(node)
-    return fx.GraphModule(module, graph)
+    return graph
 
 
 def _keeps(target: object) -> bool:
@@ -48,4 +48,4 @@ def _keeps(target: object) -> bool:
 
 
 def replay_forward(module: fx.GraphModule, n_fwd: int) -> Callable[..., Any]:
-    return make_callable(fwd_only(module, n_fwd))
+    return make_callable(module, fwd_only(module, n_fwd))
