@@ -113,18 +113,17 @@ def make_fast_call(
     args = ", ".join(f"leaves[{i}]" for i in conv.graph_sources)
     if list(conv.graph_sources) == list(range(conv.num_user_leaves)):
         args = "*leaves"
-    if replay is not None:
-        namespace["fwd"] = replay
-        lines = [
-            "    if any_autocast() or functorch_active():",
-            "        return general(leaves)",
-            f"    d = fwd({args})",
-        ]
+    if replay is not None or apply is None:
+        # An inference entry's forward, or the forward eager's autograd records: the latter
+        # takes `general` under a functorch transform too (the compiled pair has its rules).
+        namespace["fwd"] = replay if replay is not None else fwd
+        check = "any_autocast() or functorch_active()" if replay is not None else "any_autocast()"
+        lines = [f"    if {check}:", "        return general(leaves)", f"    d = fwd({args})"]
 
         def fwd_out(k: int) -> str:
             return f"d[{k}]"
 
-    elif apply is not None:
+    else:
         namespace["apply"] = apply
         diff_pos = {k: pos for pos, k in enumerate(plan.autograd.diff_outs)}
         # See Note [No holder when every output is differentiable] in runtime/autograd.py.
@@ -138,17 +137,6 @@ def make_fast_call(
         def fwd_out(k: int) -> str:
             assert k in diff_pos or fills_holder, "a non-differentiable output needs the holder"
             return f"d[{diff_pos[k]}]" if k in diff_pos else f"h[{k}]"
-
-    else:
-        namespace["fwd"] = fwd
-        lines = [
-            "    if any_autocast():",
-            "        return general(leaves)",
-            f"    d = fwd({args})",
-        ]
-
-        def fwd_out(k: int) -> str:
-            return f"d[{k}]"
 
     exprs = []
     for j, s in enumerate(epi.outputs):
