@@ -3,8 +3,8 @@
 Stages: `autograd_shape(roots, leaves)`, during the joint trace, records the autograd graph the
 traced program built (aotc/tracer.py keeps it in the joint module's meta under `SHAPE_KEY`);
 `replays_eagerly(shape, forward, n_fwd, diff_outs, requires_grad, saved_bytes)`, once per cold
-compile of a training entry whose graphs run as ATen calls and whose plan is direct (Note
-[Direct plans] in runtime/fastpath.py) or only writes buffers, says whether its calls may run
+compile of a training entry whose graphs run as ATen calls and whose plan allows it (direct,
+Note [Direct plans] in runtime/fastpath.py, or `eager_replayable`), says whether its calls may run
 the forward graph with grad on and let eager's autograd record the backward (see the Note).
 The runtime's side is `replay_forward` (runtime/replay.py), run by the generated call
 (runtime/fastpath.py) or, before the epilogue's writes, by `CompiledEntry._run`.
@@ -47,7 +47,7 @@ included), against the partition's saved values: an entry whose partition recomp
 saves keeps its compiled pair, so this never costs memory.
 
 Writes into inputs that need no grad, made without autograd history (a BatchNorm's running
-statistics, a step counter), stay with the epilogue (runtime/fastpath.py `writes_buffers_only`):
+statistics, a step counter), stay with the epilogue (runtime/fastpath.py `eager_replayable`):
 the forward graph reads such an input only for values from before the write, so where eager's
 autograd saved the input it saved it before eager's write too; the epilogue then writes it and
 sets its version to eager's (`EpiloguePlan.versions`). Where eager's write bumped the version

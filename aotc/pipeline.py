@@ -76,7 +76,7 @@ from aotc.runtime.autograd import AutogradPlan
 from aotc.runtime.convention import alias_groups, apply_convention, plan_convention
 from aotc.runtime.epilogue import EpiloguePlan, StepKind, plan_epilogue
 from aotc.runtime.errors import UnsupportedError
-from aotc.runtime.fastpath import is_direct, writes_buffers_only
+from aotc.runtime.fastpath import eager_replayable
 from aotc.runtime.kernels import CompiledGraph, KernelSource, KernelStep
 from aotc.runtime.launch import make_callable
 from aotc.runtime.lazy import Deferred
@@ -667,9 +667,7 @@ def _eager_autograd(
     auto = plan.autograd
     if auto is None or auto.refused:
         return plan
-    if not is_direct(plan, replaying=True) and not writes_buffers_only(plan):
-        return plan
-    if any(s.detach or s.new_leaf for s in plan.epilogue.outputs):
+    if not eager_replayable(plan):
         return plan
     args = apply_convention(plan.convention, leaves)
     requires_grad = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]

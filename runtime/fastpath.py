@@ -58,7 +58,9 @@ def is_direct(plan: Any, replaying: bool = False) -> bool:
     eager's autograd records, which checks the versions of the outputs it saved itself (the
     compiled pair watches them: `watch_outputs`)."""
     conv, epi = plan.convention, plan.epilogue
-    if conv.synthetic_bases or epi.mutations or epi.versions or epi.new_leaves or plan.detach_args:
+    if conv.synthetic_bases or epi.mutations or epi.versions or epi.new_leaves:
+        return False
+    if plan.detach_args and not replaying:  # eager's autograd gives them no gradient itself
         return False
     if plan.enable_grad or plan.refuse_saved_hooks:
         return False
@@ -72,21 +74,24 @@ def is_direct(plan: Any, replaying: bool = False) -> bool:
     return not any(s.custom_arg is not None or s.custom_out is not None for s in epi.outputs)
 
 
-def writes_buffers_only(plan: Any) -> bool:
-    """Whether `plan` is direct but for writes into inputs that need no grad, made without
-    autograd history (a BatchNorm's running statistics), with eager's version bumps: the plans
-    a call whose backward eager's autograd records may have besides direct ones (Note [Eager
-    autograd on the ATen path] in aotc/eagerautograd.py; such calls take `general`)."""
+def eager_replayable(plan: Any) -> bool:
+    """Whether a call of `plan` may let eager's autograd record its backward, as far as the
+    plan goes (Note [Eager autograd on the ATen path] in aotc/eagerautograd.py): direct plans
+    (the generated call runs the forward), and through `general` plans that also return one
+    output twice or write inputs that need no grad without autograd history (a BatchNorm's
+    running statistics, with eager's version bumps)."""
     conv, epi = plan.convention, plan.epilogue
-    if conv.synthetic_bases or epi.new_leaves or plan.detach_args or epi.make_require_grad:
+    if conv.synthetic_bases or epi.new_leaves or epi.make_require_grad or epi.roots:
         return False
-    if epi.roots or plan.enable_grad or plan.refuse_saved_hooks:
+    if plan.enable_grad or plan.refuse_saved_hooks:
         return False
     if plan.autograd is None or plan.autograd.anchor:
         return False
-    if any(s.kind not in _DIRECT_OUTPUTS for s in epi.outputs):
+    if any(s.kind not in (*_DIRECT_OUTPUTS, OutputKind.IS_OUTPUT) for s in epi.outputs):
         return False
     if any(s.custom_arg is not None or s.custom_out is not None for s in epi.outputs):
+        return False
+    if any(s.detach or s.new_leaf for s in epi.outputs):
         return False
     return all(m.kind is StepKind.COPY and m.no_grad and not m.via_view for m in epi.mutations)
 

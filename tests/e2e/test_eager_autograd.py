@@ -380,3 +380,23 @@ def test_written_inputs_keep_eager_version_checks(mode: str) -> None:
             out.backward()
             ref.backward()
             torch.testing.assert_close(x.grad, xr.grad)
+
+
+@pytest.mark.parametrize("mode", ("trace", "default"))
+def test_an_output_returned_twice_and_an_input_without_gradient(mode: str) -> None:
+    def twice(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = (x.detach() * w).sum()  # x requires grad and gets none
+        return y, y
+
+    comp = compiled(twice, mode)
+    warm(comp, *fresh((3,), (3,), grad=(True, True)))
+    assert replays(comp)
+    x, w = fresh((3,), (3,), grad=(True, True))
+    xr, wr = clones([x, w])
+    got, ref = comp(x, w), twice(xr, wr)
+    assert got[0] is got[1] and ref[0] is ref[1]
+    torch.testing.assert_close(got[0], ref[0])
+    got[0].backward()
+    ref[0].backward()
+    assert x.grad is None and xr.grad is None
+    torch.testing.assert_close(w.grad, wr.grad)
