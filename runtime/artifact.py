@@ -155,16 +155,18 @@ def assemble(
         program.segments,
         segment_highers,
         tuple(c.callable if c is not None else None for c in segment_lowerings),
-        _replay(program),
+        _replay(program, forward if fwd is None else None),
     )
 
 
-def _replay(program: CompiledProgram) -> Callable[..., Any] | None:
+def _replay(
+    program: CompiledProgram, launched: Callable[..., Any] | None
+) -> Callable[..., Any] | None:
     """The forward eager's autograd records (Note [Eager autograd on the ATen path])."""
     plan = program.plan
     if not plan.eager_autograd or plan.autograd is None:
         return None
-    return replay_forward(program.forward, plan.autograd.num_fwd_outs)
+    return replay_forward(program.forward, plan.autograd.num_fwd_outs, launched)
 
 
 @dataclass(frozen=True, slots=True)

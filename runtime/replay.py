@@ -47,5 +47,14 @@ def _keeps(target: object) -> bool:
     return bool(target._schema.is_mutable or getattr(target, "_nondeterministic_seeded", False))
 
 
-def replay_forward(module: fx.GraphModule, n_fwd: int) -> Callable[..., Any]:
-    return make_callable(module, fwd_only(module, n_fwd))
+def replay_forward(
+    module: fx.GraphModule, n_fwd: int, launched: Callable[..., Any] | None = None
+) -> Callable[..., Any]:
+    """`launched`: `module`'s own launched function, returned as it is when the pruned graph
+    keeps every node (the saved values are all forward values the outputs need: the common
+    case where the partition saves what eager's autograd saves), so that no second function
+    is generated; the call reads only the first `n_fwd` of its outputs."""
+    graph = fwd_only(module, n_fwd)
+    if launched is not None and len(graph.nodes) == len(module.graph.nodes):
+        return launched
+    return make_callable(module, graph)

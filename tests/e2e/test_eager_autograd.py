@@ -160,6 +160,7 @@ def test_detach_and_outputs_without_grad(mode: str) -> None:
     (x,) = fresh((5,), grad=(True,))
     (xr,) = clones([x])
     got, ref = comp(x), f(xr)
+    assert type(got) is tuple and len(got) == len(ref)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b)
         assert a.requires_grad == b.requires_grad
