@@ -53,25 +53,30 @@ from aotc.runtime.schema import OutputKind
 _DIRECT_OUTPUTS = (OutputKind.FRESH, OutputKind.NOT_TENSOR, OutputKind.IS_INPUT)
 
 
-def is_direct(plan: Any, replaying: bool = False) -> bool:
-    """Whether `plan` is direct (Note [Direct plans]). `replaying`: for a call whose backward
-    eager's autograd records, which checks the versions of the outputs it saved itself (the
-    compiled pair watches them: `watch_outputs`)."""
+def _plain(plan: Any, outputs: tuple[OutputKind, ...]) -> bool:
+    """What direct plans and plans a replaying call takes through `general` share: no synthetic
+    bases, leaves made inside or regrad, no anchor, outputs only of `outputs`' kinds, none made
+    a view again in the epilogue (Note [Views a custom Function returns])."""
     conv, epi = plan.convention, plan.epilogue
-    if conv.synthetic_bases or epi.mutations or epi.versions or epi.new_leaves:
-        return False
-    if plan.detach_args and not replaying:  # eager's autograd gives them no gradient itself
-        return False
-    if plan.enable_grad or plan.refuse_saved_hooks:
+    if conv.synthetic_bases or epi.new_leaves or plan.enable_grad or plan.refuse_saved_hooks:
         return False
     if plan.autograd is not None and plan.autograd.anchor:
         return False
-    if plan.autograd is not None and plan.autograd.watch_outputs and not replaying:
+    if any(s.kind not in outputs for s in epi.outputs):
         return False
-    if any(s.kind not in _DIRECT_OUTPUTS for s in epi.outputs):
-        return False
-    # made a view again in the epilogue (Note [Views a custom Function returns])
     return not any(s.custom_arg is not None or s.custom_out is not None for s in epi.outputs)
+
+
+def is_direct(plan: Any, replaying: bool = False) -> bool:
+    """Whether `plan` is direct (Note [Direct plans]). `replaying`: for a call whose backward
+    eager's autograd records, which gives args no gradient by itself (`detach_args`) and checks
+    the versions of the outputs it saved (the compiled pair watches them: `watch_outputs`)."""
+    epi = plan.epilogue
+    if epi.mutations or epi.versions or not _plain(plan, _DIRECT_OUTPUTS):
+        return False
+    if replaying:
+        return True
+    return not plan.detach_args and not (plan.autograd and plan.autograd.watch_outputs)
 
 
 def eager_replayable(plan: Any) -> bool:
@@ -80,16 +85,10 @@ def eager_replayable(plan: Any) -> bool:
     (the generated call runs the forward), and through `general` plans that also return one
     output twice or write inputs that need no grad without autograd history (a BatchNorm's
     running statistics, with eager's version bumps)."""
-    conv, epi = plan.convention, plan.epilogue
-    if conv.synthetic_bases or epi.new_leaves or epi.make_require_grad or epi.roots:
+    epi = plan.epilogue
+    if plan.autograd is None or epi.make_require_grad or epi.roots:
         return False
-    if plan.enable_grad or plan.refuse_saved_hooks:
-        return False
-    if plan.autograd is None or plan.autograd.anchor:
-        return False
-    if any(s.kind not in (*_DIRECT_OUTPUTS, OutputKind.IS_OUTPUT) for s in epi.outputs):
-        return False
-    if any(s.custom_arg is not None or s.custom_out is not None for s in epi.outputs):
+    if not _plain(plan, (*_DIRECT_OUTPUTS, OutputKind.IS_OUTPUT)):
         return False
     if any(s.detach or s.new_leaf for s in epi.outputs):
         return False

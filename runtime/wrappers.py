@@ -169,7 +169,7 @@ class CompiledEntry:
         self._watch = plan.autograd is not None and bool(plan.autograd.watch)
         self._watch_outputs = plan.autograd.watch_outputs if plan.autograd is not None else ()
         self._enable_grad = plan.enable_grad
-        self._replay = replay if plan.eager_autograd and self._segments is None else None
+        self._replay = replay  # None unless the plan says eager_autograd (never segmented)
         self._unflatten = _unflattener(plan.out_spec)
         self.call: Callable[[list[object]], object]
         if self._mutates:
@@ -183,7 +183,7 @@ class CompiledEntry:
                 self._apply,
                 self._call_general,
                 fills_holder=self._holder_size == 0,
-                replay=replay if plan.eager_autograd else None,
+                replay=replay,
             )
             self.call = fast or self._call_general
         # `run` is `call` itself, not a method calling it: one frame less for callers that hold

@@ -58,6 +58,17 @@ def clones(ts: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach().clone().requires_grad_(t.requires_grad) for t in ts]
 
 
+def replaying(
+    fn: Any, mode: str, *shapes: tuple[int, ...], grad: tuple[bool, ...]
+) -> tuple[Any, list[torch.Tensor], list[torch.Tensor]]:
+    """`fn` compiled and warmed (its entry replaying), fresh inputs and their clones for eager."""
+    comp = compiled(fn, mode)
+    warm(comp, *fresh(*shapes, grad=grad))
+    assert replays(comp)
+    ins = fresh(*shapes, grad=grad)
+    return comp, ins, clones(ins)
+
+
 def compare(fn: Any, mode: str, *shapes: tuple[int, ...], grad: tuple[bool, ...], **opts: Any):
     """Runs `fn` eagerly and compiled on the same fresh inputs; compares the loss, the inputs'
     gradients and the root node's type. Returns the compiled function."""
@@ -186,11 +197,7 @@ def _pow_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("mode", ("trace", "default"))
 def test_what_autograd_allows_afterwards(mode: str) -> None:
-    comp = compiled(_pow_step, mode)
-    warm(comp, *fresh((4,), (4,), grad=(True, False)))
-    assert replays(comp)
-    x, y = fresh((4,), (4,), grad=(True, False))
-    xr, yr = clones([x, y])
+    comp, (x, y), (xr, yr) = replaying(_pow_step, mode, (4,), (4,), grad=(True, False))
     # retain_graph: two backwards accumulate as in eager
     out, ref = comp(x, y), _pow_step(xr, yr)
     out.backward(retain_graph=True)
@@ -389,11 +396,7 @@ def test_an_output_returned_twice_and_an_input_without_gradient(mode: str) -> No
         y = (x.detach() * w).sum()  # x requires grad and gets none
         return y, y
 
-    comp = compiled(twice, mode)
-    warm(comp, *fresh((3,), (3,), grad=(True, True)))
-    assert replays(comp)
-    x, w = fresh((3,), (3,), grad=(True, True))
-    xr, wr = clones([x, w])
+    comp, (x, w), (xr, wr) = replaying(twice, mode, (3,), (3,), grad=(True, True))
     got, ref = comp(x, w), twice(xr, wr)
     assert got[0] is got[1] and ref[0] is ref[1]
     torch.testing.assert_close(got[0], ref[0])
