@@ -51,6 +51,35 @@ Not covered: hooks registered on autograd nodes (`y.grad_fn.register_hook`) insi
 function and saved-tensor hooks installed inside it; pass `cache=False` for such programs. A
 program whose ops depend on Python state that changes between calls (a counter) is already traced
 nondeterministically (the pipeline runs it three times); the key reflects its first run.
+
+Note [Keys of programs never stored]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The key trace serves lookups, and most cold compiles are of programs nothing was ever stored
+for: their key trace (3-19 ms on bench/compile_time.py's workloads, 5-10% of the cold compile)
+bought only a miss. So a lookup first asks something cheaper. The key hashes its trace together
+with *parts* computed without running the program (aotc's and torch's versions, the options, the
+input signature); their digest is the key's *family*, a function of the key's own inputs, so two
+programs with equal keys have equal families. Every store of an entry (or a redirect) marks its
+family in the cache directory (`<dir>/families/<family>`, an empty file; in this process at once,
+before the deferred store writes it). A lookup whose family is unmarked cannot hit: it skips the
+key trace and returns a *deferred* meta key. The compile then writes the key from its own
+metadata pass's fake run (the FakeRunObserver of Note [Verifying on the compile's own run] in
+aotc/keytrace.py), which it makes anyway: `settled` hashes that fake text under the meta tracer's
+name, and the entry is stored there.
+
+Why storing under a meta key written from a fake text is sound: Note [Meta key trace]'s induction
+uses only that the stored text T is a fake-tensor text of the compiled program P, and that a later
+program P' writes T under the meta tracer; it never reads P's own meta text. What the verification
+of a traced meta key adds is usefulness, not soundness: a meta key whose program writes another
+meta text would never be found by that program. Here that costs one compile more: the next lookup
+finds the family marked, traces, misses, compiles, and verification sends it to the fake key with a
+redirect, as before (tests/runtime/test_keytrace.py checks this sequence). Only meta keys are
+deferred (a fake key needs no verification, but the observer is trusted only where the meta
+tracer runs), only for real leaves (a Dynamo graph's fakes are keyed by their graph text or a
+fake trace), and never for symbolic compilations. A compile whose fake run could not be written
+(the observer saw no plain fake run) runs the skipped key trace after compiling; one whose fake
+text the key cannot hold (a custom Function, a hook) is not stored, as a traced key would not
+have been. Families are never unmarked: an evicted entry only makes later lookups trace again.
 """
 
 from __future__ import annotations
@@ -61,7 +90,7 @@ import importlib.util
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -97,6 +126,13 @@ class CacheKey:
     reason: str  # why not, when key is None
     tracer: str = ""  # "meta" or "fake" (see Note [Meta key trace] in aotc/keytrace.py)
     trace: str = ""  # the key trace's text
+    # What the key hashes besides the trace (versions, options, the input signature), and
+    # their digest, the key's *family* (Note [Keys of programs never stored]).
+    parts: tuple[str, ...] = ()
+    family: str = ""
+    # The key trace was skipped: no entry of this family is stored, so the key is written
+    # from the compile's own fake run (`settled`) once the compile has run.
+    deferred: bool = False
 
 
 def cache_key(
@@ -108,13 +144,17 @@ def cache_key(
     tracers: Sequence[str] | None = None,
     facts: ShapeFacts | None = None,
     graph: fx.GraphModule | None = None,
+    stored: Callable[[str], bool] | None = None,
 ) -> CacheKey:
     """See Note [Cache key]. `tracers`: which key tracers to try, in order (default: meta, then
     fake, or fake alone for inputs the meta tracer does not model). `facts`: the symbols of a
     symbolic compilation's inputs (Note [Symbolic cache entries] in aotc/symkey.py); the key then
     also covers what the ShapeEnv knows about them, and only the fake tracer runs. `graph`: the
     Dynamo graph `program` runs, keyed by its text when it can be (Note [Graph key] in
-    aotc/graphkey.py; tracer "graph", which needs no verification)."""
+    aotc/graphkey.py; tracer "graph", which needs no verification). `stored(family)`: whether
+    an entry of that family may be stored; when it says no, a meta key is deferred instead of
+    traced (Note [Keys of programs never stored]; only for real leaves, whose compile runs the
+    fake run that settles it)."""
     try:
         parts = [
             _versions(),
@@ -136,6 +176,9 @@ def cache_key(
         tracers = ("fake",)
     elif tracers is None:
         tracers = ("meta", "fake") if keytrace.meta_eligible(leaves) else ("fake",)
+    family = _family(parts)
+    if stored is not None and tracers[0] == "meta" and not stored(family):
+        return CacheKey(None, "deferred", "meta", "", tuple(parts), family, deferred=True)
     reason = "no key tracer"
     for tracer in tracers:
         try:
@@ -154,12 +197,23 @@ def cache_key(
     return _digest(parts, tracer, trace)
 
 
-def _digest(parts: list[str], tracer: str, trace: str) -> CacheKey:
+def _digest(parts: Sequence[str], tracer: str, trace: str) -> CacheKey:
     text = "\n".join([*parts, f"tracer {tracer}", trace])
     if " at 0x" in text:
         return CacheKey(None, "a value prints with its memory address")
     digest = hashlib.sha256(text.encode()).hexdigest()
-    return CacheKey(digest, "", tracer, trace)
+    return CacheKey(digest, "", tracer, trace, tuple(parts), _family(parts))
+
+
+def _family(parts: Sequence[str]) -> str:
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def settled(key: CacheKey, fake_text: str) -> CacheKey:
+    """The meta key of a deferred `key`, written from the compile's own fake run's text (Note
+    [Keys of programs never stored])."""
+    assert key.deferred
+    return _digest(key.parts, "meta", fake_text)
 
 
 def _key_of(
@@ -326,4 +380,4 @@ def _signature_text(
     return "\n".join(lines)
 
 
-__all__ = ["CacheKey", "FakeRunObserver", "cache_key", "verify_key"]
+__all__ = ["CacheKey", "FakeRunObserver", "cache_key", "settled", "verify_key"]

@@ -225,7 +225,13 @@ class FakeRunObserver:
         self._convention = plan_convention(leaves)
         self.text: str | None = None
         self.reason = "the compile made no plain fake-tensor run of the program"
+        self.unkeyable = False  # the run did something the text cannot describe
         self._done = False
+
+    @property
+    def ran(self) -> bool:
+        """Whether the observer saw the program's plain fake-tensor run."""
+        return self._done
 
     def observe(self, program: FlatProgram) -> FlatProgram:
         def observed(user_leaves: list[object]) -> tuple[list[object], object]:
@@ -241,7 +247,7 @@ class FakeRunObserver:
             try:
                 self.text = _finish(recorder, outs, out_spec, graph_args)
             except Unkeyable as e:
-                self.reason = str(e)
+                self.reason, self.unkeyable = str(e), True
             except Exception as e:  # noqa: BLE001 the observer must never fail a compile
                 self.reason = f"key text failed ({type(e).__name__})"
             return outs, out_spec

@@ -53,7 +53,7 @@ import torch
 import torch.fx as fx
 
 from aotc import keytrace
-from aotc.cachekey import CacheKey, _key_of, cache_key, verify_key
+from aotc.cachekey import CacheKey, _key_of, cache_key, settled, verify_key
 from aotc.functional import FlatProgram
 from aotc.options import CompileOptions
 from aotc.passes import descriptors
@@ -171,11 +171,16 @@ def find(
     grad_enabled: bool,
     facts: ShapeFacts | None = None,
     graph: fx.GraphModule | None = None,
+    defer: bool = False,
 ) -> tuple[CacheKey, StoredEntry | None]:
     """The key of this signature and its verified entry, if stored. A meta key whose entry is a
     redirect (its program's meta and fake texts differed, see `store_verified`) is keyed again
-    with the fake tracer."""
-    key = cache_key(program, leaves, names, options, grad_enabled, facts=facts, graph=graph)
+    with the fake tracer. `defer`: the compile observes its own fake run, so a key of a family
+    never stored here is deferred, not traced (Note [Keys of programs never stored])."""
+    was_stored = (lambda family: _family_stored(options, family)) if defer else None
+    key = cache_key(
+        program, leaves, names, options, grad_enabled, facts=facts, graph=graph, stored=was_stored
+    )
     stored = _read(options, key.key) if key.key is not None else None
     if stored is not None and stored.body == _REDIRECT:
         key = cache_key(program, leaves, names, options, grad_enabled, tracers=("fake",))
@@ -183,6 +188,47 @@ def find(
         if stored is not None and stored.body == _REDIRECT:
             stored = None
     return key, stored
+
+
+# (cache directory, key family) pairs this process stored or found marked: see Note [Keys of
+# programs never stored] in aotc/cachekey.py. A queued store's family counts at once.
+_FAMILIES: set[tuple[str, str]] = set()
+
+
+def _family_stored(options: CompileOptions, family: str) -> bool:
+    assert options.cache_dir is not None
+    if (options.cache_dir, family) in _FAMILIES:
+        return True
+    if store.has_family(options.cache_dir, family):
+        _FAMILIES.add((options.cache_dir, family))
+        return True
+    return False
+
+
+def _mark_family(options: CompileOptions, family: str) -> Callable[[], None]:
+    """Count `family` as stored in this process now; the returned job marks it on disk (run by
+    the deferred store, before the entry is written)."""
+    assert options.cache_dir is not None
+    directory = options.cache_dir
+    _FAMILIES.add((directory, family))
+    return lambda: store.mark_family(directory, family)
+
+
+def _settle(
+    key: CacheKey,
+    observed: keytrace.FakeRunObserver | None,
+    program: FlatProgram,
+    leaves: list[object],
+    names: Sequence[str],
+    options: CompileOptions,
+    grad_enabled: bool,
+) -> CacheKey:
+    """The key a deferred `key` stands for (Note [Keys of programs never stored])."""
+    if observed is not None and observed.text is not None:
+        return settled(key, observed.text)
+    if observed is not None and observed.ran and observed.unkeyable:
+        return CacheKey(None, observed.reason)
+    return cache_key(program, leaves, names, options, grad_enabled)  # the skipped key trace
 
 
 def _read(options: CompileOptions, key: str) -> StoredEntry | None:
@@ -314,22 +360,33 @@ def store_verified(
     compile's own fake run, which spares the verification its trace (Note [Verifying on the
     compile's own run] in aotc/keytrace.py). `shape_guards`: what a symbolic compilation added to
     the ShapeEnv (`ShapeFacts.added_guards`), replayed on a hit."""
+    if key.deferred:
+        key = _settle(key, observed, program, leaves, names, options, grad_enabled)
+        if key.key is None:
+            log.info("not caching: %s", key.reason)
+            return
     assert key.key is not None
     stored_key: str = key.key
+    mark = _mark_family(options, key.family)
     if shape_guards is not None:  # a fake-traced key: nothing to verify
-        _store_later(
-            stored_key,
-            lambda: store_entry(options, stored_key, entry, kernels, shape_guards, lowered),
-        )
+
+        def store_symbolic() -> None:
+            mark()
+            store_entry(options, stored_key, entry, kernels, shape_guards, lowered)
+
+        _store_later(stored_key, store_symbolic)
         return
     # Deciding where the entry goes may run the user's program (a fake key trace): that stays
     # on this thread. Only encoding and writing are deferred (Note [Deferred cache stores]).
     fake_text = observed.text if observed is not None else None
     refused = verify_key(key, program, leaves, grad_enabled, fake_text)
     if refused is None:
-        _store_later(
-            stored_key, lambda: store_entry(options, stored_key, entry, kernels, lowered=lowered)
-        )
+
+        def store_it() -> None:
+            mark()
+            store_entry(options, stored_key, entry, kernels, lowered=lowered)
+
+        _store_later(stored_key, store_it)
         return
     log.info("%s: not stored under its meta key: %s", entry.program.plan.name, refused)
     if fake_text is not None:
@@ -342,6 +399,7 @@ def store_verified(
     fake_key, meta_key = fake.key, key.key
 
     def store_and_redirect() -> None:
+        mark()
         if store_entry(options, fake_key, entry, kernels, lowered=lowered):
             _write_redirect(options, meta_key)
 

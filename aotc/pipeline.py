@@ -419,9 +419,11 @@ def _compile_signature(
     snapshot = facts.snapshot() if facts is not None else None
     if cacheable:
         persist.load_verdicts(options)  # Note [Binding verdicts across processes]
+        # Real leaves: the metadata pass's fake run can settle a deferred key (Note [Keys of
+        # programs never stored] in aotc/cachekey.py).
         key, stored = stages.run(
             Stage.CACHE_KEY, persist.find, program, leaves, names, options, grad_enabled, facts,
-            graph,
+            graph, given_mode is None,
         )  # fmt: skip
         hit = stages.run(Stage.CACHE_LOAD, persist.decode_hit, stored, options) if stored else None
         if hit is not None and (facts is None or facts.replay(hit.shape_guards)):
@@ -445,7 +447,7 @@ def _compile_signature(
     # A meta key is verified on the metadata pass's own fake run (Note [Verifying on the
     # compile's own run] in aotc/keytrace.py). Only for real leaves: fakes (Dynamo's graphs)
     # are verified by their own fake trace.
-    verify = key is not None and key.key is not None and given_mode is None
+    verify = key is not None and (key.key is not None or key.deferred) and given_mode is None
     observed = persist.FakeRunObserver(leaves) if verify else None
     convention, metadata, fake_mode = stages.run(
         Stage.METADATA, _metadata, program, observed, leaves, names, fake_mode, given_mode,
@@ -504,7 +506,7 @@ def _compile_signature(
         shape_guards = facts.added_guards(snapshot)
         if shape_guards is None or any(lowerings) or any(seg_lowerings):
             storable = False
-    if key is not None and key.key is not None and storable:
+    if key is not None and (key.key is not None or key.deferred) and storable:
         stored_entry = persist.CacheEntry(compiled, inspection, tuple(stages.seconds.items()))
         fwd_low, bwd_low = (
             persist.StoredLowering(c.kernels, c.fusion_text, c.figures) if c else None

@@ -12,7 +12,8 @@ Note [Cache entry format] and Note [Trusted entries].
 
 Note [Cache entry format]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-One file per entry, `<dir>/<key>.json`:
+One file per entry, `<dir>/<key>.json` (and an empty `<dir>/families/<family>` per key family
+stored, Note [Keys of programs never stored] in aotc/cachekey.py):
 
     line 1: {"format": "aotc-cache", "version": 4, "key": "<key>",
              "sha256": "<digest of the key, a newline and line 2>",
@@ -84,12 +85,35 @@ FORMAT = "aotc-cache"
 FORMAT_VERSION = 4  # 2: node values keep their storage offset and device; 3: keyed checksum;
 # 4: the body is a `CacheEntry` record (a `CompiledProgram` and its inspection record)
 _SUFFIX = ".json"
+_FAMILIES = "families"  # marker files of stored key families
 
 # --------------------------------------------------------------------------- directory
 
 
 def entry_path(cache_dir: str, key: str) -> str:
     return os.path.join(cache_dir, key + _SUFFIX)
+
+
+def family_path(cache_dir: str, family: str) -> str:
+    return os.path.join(cache_dir, _FAMILIES, family)
+
+
+def has_family(cache_dir: str, family: str) -> bool:
+    """Whether an entry of key family `family` was ever stored here (Note [Keys of programs
+    never stored] in aotc/cachekey.py)."""
+    return os.path.exists(family_path(cache_dir, family))
+
+
+def mark_family(cache_dir: str, family: str) -> None:
+    """Mark `family` as stored in (an empty file; an existing one is left as it is)."""
+    path = family_path(cache_dir, family)
+    try:
+        if not os.path.exists(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "ab"):
+                pass
+    except OSError:
+        pass  # the entry's own write reports an unwritable directory
 
 
 def read_entry(cache_dir: str, key: str) -> dict[str, Any] | None:

@@ -404,3 +404,80 @@ def test_an_output_returned_twice_and_an_input_without_gradient(mode: str) -> No
     ref[0].backward()
     assert x.grad is None and xr.grad is None
     torch.testing.assert_close(w.grad, wr.grad)
+
+
+def _conv_bn(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    y = F.batch_norm(F.conv2d(x, w, padding=1), None, None, g, b, training=True)
+    return F.relu(y).mean((2, 3))
+
+
+_W = torch.randn(8, 8, requires_grad=True)
+_CHECKED = {
+    "layer_norm_gelu": (
+        lambda x, w, g: F.gelu(F.layer_norm(x, (6,), g) @ w),
+        ((4, 6), (6, 5), (6,)),
+        (True, True, True),
+    ),
+    "conv_batch_norm": (
+        _conv_bn,
+        ((2, 3, 5, 5), (4, 3, 3, 3), (4,), (4,)),
+        (False, True, True, True),
+    ),
+    "softmax_views": (
+        lambda x, w: torch.softmax((x.t() @ w).view(-1, 2), -1).expand(3, -1, -1) * 2,
+        ((5, 4), (5, 6)),
+        (True, True),
+    ),
+    "dropout": (
+        lambda x: F.dropout(x @ _W, p=0.5, training=True).tanh().sum(),
+        ((3, 8),),
+        (False,),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_CHECKED))
+def test_recorded_results_decide_as_meta_kernels(name: str, monkeypatch: Any) -> None:
+    """The check answers each op with meta tensors of the trace's recorded results
+    (`_RecordedResults`) instead of running its meta kernel; the autograd graph and the saved
+    bytes it finds must be the meta kernels' exactly, and the program still matches eager."""
+    from aotc import eagerautograd as ea
+
+    real_replay, recorded = ea._replay, ea._RecordedResults
+
+    class Kernels(recorded):  # type: ignore[misc, valid-type]
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+            return func(*args, **(kwargs or {}))
+
+    pairs = []
+
+    def both(*args: Any) -> Any:
+        found = real_replay(*args)
+        monkeypatch.setattr(ea, "_RecordedResults", Kernels)
+        try:
+            pairs.append((found, real_replay(*args)))
+        finally:
+            monkeypatch.setattr(ea, "_RecordedResults", recorded)
+        return found
+
+    monkeypatch.setattr(ea, "_replay", both)
+    fn, shapes, grad = _CHECKED[name]
+    torch.manual_seed(0)
+    comp = compiled(fn, "trace")
+    warm(comp, *fresh(*shapes, grad=grad))
+    # Dropout keeps the pair (its partition saves less than eager's mask and result).
+    assert replays(comp) == (name != "dropout")
+    assert pairs and all(a == b and a is not None for a, b in pairs)
+    ins = fresh(*shapes, grad=grad)
+    ref_ins = clones(ins)
+    torch.manual_seed(1)
+    out = comp(*ins)
+    torch.manual_seed(1)
+    ref = fn(*ref_ins)
+    torch.testing.assert_close(out, ref)
+    out.sum().backward()
+    ref.sum().backward()
+    for a, b in zip(ins, ref_ins):
+        assert (a.grad is None) == (b.grad is None)
+        if b.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad)

@@ -169,8 +169,11 @@ def test_meta_and_fake_keys_never_meet():
 
 def test_disagreeing_meta_trace_redirects_to_the_fake_key(tmp_path, monkeypatch, caplog):
     """A meta trace that differs from the fake one (simulated: one result's strides are written
-    wrong) is never trusted: the entry goes under the fake key, and the meta key holds only a
-    redirect to it, so the next compile hits after one extra (fake) key trace."""
+    wrong) is never trusted. The first compile of a family never stored traces no key (Note [Keys
+    of programs never stored]) and stores under the meta key of its fake text, which this
+    program's meta trace never writes; so the second compile traces, misses and sends the entry
+    to the fake key, with a redirect under the meta key, and the third hits after one extra
+    (fake) key trace."""
     d = str(tmp_path)
     real_record = keytrace._MetaRecorder.record
 
@@ -182,22 +185,31 @@ def test_disagreeing_meta_trace_redirects_to_the_fake_key(tmp_path, monkeypatch,
     monkeypatch.setattr(keytrace._MetaRecorder, "record", wrong)
     args = lambda: (torch.randn(5, 4, requires_grad=True), torch.randn(4, 3))
     fn = lambda a, b: (a @ b).relu()
+
+    def bodies():
+        aotc.cache_flush()
+        return [
+            persist.store.read_entry(d, n.removesuffix(".json"))
+            for n in sorted(os.listdir(d))
+            if n.endswith(".json")
+        ]
+
     # Strict mode: a Dynamo graph is keyed by its own text (Note [Graph key]), not traced.
     with caplog.at_level("INFO", logger="aotc.cache"):
         first = assert_matches_eager(fn, args, cache_dir=d, capture="trace")
+    assert "meta and fake key traces differ" not in caplog.text
+    assert len(bodies()) == 1
+    with caplog.at_level("INFO", logger="aotc.cache"):
+        second = assert_matches_eager(fn, args, cache_dir=d, capture="trace")
     assert "meta and fake key traces differ" in caplog.text
-    aotc.cache_flush()
-    bodies = [
-        persist.store.read_entry(d, n.removesuffix(".json"))
-        for n in sorted(os.listdir(d))
-        if n.endswith(".json")
-    ]
-    assert len(bodies) == 2
-    assert {"redirect": "fake"} in bodies
-    assert any("graphs" in b for b in bodies)
-    second = assert_matches_eager(fn, args, cache_dir=d, capture="trace")
+    stored = bodies()
+    assert len(stored) == 3
+    assert {"redirect": "fake"} in stored
+    assert sum("graphs" in b for b in stored) == 2
+    third = assert_matches_eager(fn, args, cache_dir=d, capture="trace")
     assert "cache_load" not in aotc.inspect(first)[0].stage_seconds
-    assert "cache_load" in aotc.inspect(second)[0].stage_seconds
+    assert "cache_load" not in aotc.inspect(second)[0].stage_seconds
+    assert "cache_load" in aotc.inspect(third)[0].stage_seconds
 
 
 def test_meta_key_hit_matches_eager_and_defers_joint_graphs(tmp_path, monkeypatch):
@@ -218,10 +230,11 @@ def test_meta_key_hit_matches_eager_and_defers_joint_graphs(tmp_path, monkeypatc
 
 
 def _spy_verification(monkeypatch):
-    """Record, per verification, the compile's observed fake text and a standalone fake trace of
-    the same program; count standalone fake traces the compile itself runs."""
-    seen: list[tuple[str | None, str, str]] = []
-    standalone = {"fake": 0}
+    """Record, per verification, the compile's observed fake text, a standalone fake trace and a
+    standalone meta trace of the same program, and the key's text; count the key traces the
+    compile itself runs."""
+    seen: list[tuple[str | None, str, str, str]] = []
+    standalone = {"fake": 0, "meta": 0}
     real_trace, real_verify = keytrace.trace_text, persist.verify_key
 
     def trace_text(program, leaves, grad_enabled, tracer, facts=None):
@@ -229,8 +242,9 @@ def _spy_verification(monkeypatch):
         return real_trace(program, leaves, grad_enabled, tracer, facts)
 
     def verify_key(key, program, leaves, grad_enabled, fake_text=None):
-        reference = real_trace(program, leaves, grad_enabled, "fake")
-        seen.append((fake_text, reference, key.trace))
+        fake = real_trace(program, leaves, grad_enabled, "fake")
+        meta = real_trace(program, leaves, grad_enabled, "meta")
+        seen.append((fake_text, fake, meta, key.trace))
         return real_verify(key, program, leaves, grad_enabled, fake_text)
 
     monkeypatch.setattr(keytrace, "trace_text", trace_text)
@@ -241,16 +255,18 @@ def _spy_verification(monkeypatch):
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
 def test_cold_compile_verifies_on_its_own_fake_run(name, tmp_path, monkeypatch):
     """Note [Verifying on the compile's own run]: the metadata pass's fake run writes exactly the
-    standalone fake trace's text, so a cold compile runs no fake trace of its own and still
-    stores under the meta key (the next compile hits)."""
+    standalone fake (and meta) trace's text. So a cold compile of a family never stored runs no
+    key trace at all (Note [Keys of programs never stored]) and stores under the meta key of
+    that text, and the next compile, which traces the meta key, hits."""
     fn, make = PROGRAMS[name]
     seen, standalone = _spy_verification(monkeypatch)
     cold = assert_matches_eager(fn, make, cache_dir=str(tmp_path), runs=1, capture="trace")
     assert len(seen) == 1
-    observed, reference, meta = seen[0]
-    assert observed is not None and observed == reference == meta
-    assert standalone["fake"] == 0 and standalone["meta"] == 1
+    observed, fake, meta, key_text = seen[0]
+    assert observed is not None and observed == fake == meta == key_text
+    assert standalone == {"fake": 0, "meta": 0}
     warm = assert_matches_eager(fn, make, cache_dir=str(tmp_path), runs=1, capture="trace")
+    assert standalone == {"fake": 0, "meta": 1}
     assert "cache_load" not in aotc.inspect(cold)[0].stage_seconds
     assert "cache_load" in aotc.inspect(warm)[0].stage_seconds
 
@@ -262,9 +278,9 @@ def test_cold_compile_verifies_models_on_its_own_fake_run(name, tmp_path, monkey
     torch.manual_seed(0)
     model = aotc.compile(make_model(), cache_dir=str(tmp_path), capture="trace")
     model(*batch()).float().sum().backward()
-    ((observed, reference, meta),) = seen
-    assert observed is not None and observed == reference == meta
-    assert standalone["fake"] == 0
+    ((observed, fake, meta, key_text),) = seen
+    assert observed is not None and observed == fake == meta == key_text
+    assert standalone == {"fake": 0, "meta": 0}
 
 
 def test_observer_leaves_functional_and_symbolic_runs_alone():
@@ -288,3 +304,103 @@ def test_observer_leaves_functional_and_symbolic_runs_alone():
     assert observer.text is not None and "aten.mul.Tensor" in observer.text
     assert observer.text.count("aten.mul.Tensor") == 1
     assert len(calls) == 3
+
+
+def _count_key_traces(monkeypatch):
+    counts = {"fake": 0, "meta": 0}
+    real = keytrace.trace_text
+
+    def trace_text(program, leaves, grad_enabled, tracer, facts=None):
+        counts[tracer] += 1
+        return real(program, leaves, grad_enabled, tracer, facts)
+
+    monkeypatch.setattr(keytrace, "trace_text", trace_text)
+    return counts
+
+
+def _entries(d):
+    return sorted(n for n in os.listdir(d) if n.endswith(".json"))
+
+
+def _families(d):
+    folder = os.path.join(d, "families")
+    return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+
+
+def _hit(compiled):
+    return "cache_load" in aotc.inspect(compiled)[0].stage_seconds
+
+
+_ARGS = lambda: (torch.randn(5, 4, requires_grad=True), torch.randn(4, 3))
+
+
+def test_cold_compile_of_a_family_never_stored_traces_no_key(tmp_path, monkeypatch):
+    """Note [Keys of programs never stored]: the first compile runs no key trace, stores under
+    the meta key of its own fake run and marks the family; a compile in this process hits
+    before the deferred store ran, and one in a new process (the family read from disk) hits
+    after one meta key trace."""
+    d = str(tmp_path)
+    counts = _count_key_traces(monkeypatch)
+    fn = lambda a, b: (a @ b).tanh() * 2
+    cold = assert_matches_eager(fn, _ARGS, cache_dir=d, capture="trace")
+    assert counts == {"fake": 0, "meta": 0} and not _hit(cold)
+    same_process = assert_matches_eager(fn, _ARGS, cache_dir=d, capture="trace")
+    assert _hit(same_process) and counts == {"fake": 0, "meta": 1}
+    aotc.cache_flush()
+    assert len(_entries(d)) == 1 and len(_families(d)) == 1
+    monkeypatch.setattr(persist, "_FAMILIES", set())  # as a new process starts
+    new_process = assert_matches_eager(fn, _ARGS, cache_dir=d, capture="trace")
+    assert _hit(new_process) and counts == {"fake": 0, "meta": 2}
+
+
+def test_a_marked_family_traces_the_key_of_another_program(tmp_path, monkeypatch):
+    """Two programs of one input signature share a family: the second compile traces its key,
+    misses (its ops differ), compiles and stores its own entry; each then hits its own."""
+    d = str(tmp_path)
+    counts = _count_key_traces(monkeypatch)
+    first = lambda a, b: (a @ b).tanh()
+    second = lambda a, b: (a @ b).sigmoid()
+    assert not _hit(assert_matches_eager(first, _ARGS, cache_dir=d, capture="trace"))
+    assert counts["meta"] == 0
+    assert not _hit(assert_matches_eager(second, _ARGS, cache_dir=d, capture="trace"))
+    assert counts["meta"] == 1
+    aotc.cache_flush()
+    assert len(_entries(d)) == 2 and len(_families(d)) == 1
+    assert _hit(assert_matches_eager(first, _ARGS, cache_dir=d, capture="trace"))
+    assert _hit(assert_matches_eager(second, _ARGS, cache_dir=d, capture="trace"))
+
+
+def test_unkeyable_program_of_a_family_never_stored_is_not_stored(tmp_path, monkeypatch):
+    """A deferred key whose fake run the key text cannot hold (a custom Function) is not
+    stored, as a traced key would not have been, and marks no family."""
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    d = str(tmp_path)
+    counts = _count_key_traces(monkeypatch)
+    fn = lambda a, b: Double.apply(a @ b).sum()
+    assert_matches_eager(fn, _ARGS, cache_dir=d, capture="trace")
+    aotc.cache_flush()
+    assert counts == {"fake": 0, "meta": 0}
+    assert _entries(d) == [] and _families(d) == []
+
+
+def test_deferred_key_without_an_observed_run_is_traced_after_compiling(tmp_path, monkeypatch):
+    """Where the compile made no plain fake run the observer could write, the skipped key trace
+    runs after compiling and is verified as a traced key is; the next compile hits."""
+    d = str(tmp_path)
+    monkeypatch.setattr(keytrace.FakeRunObserver, "observe", lambda self, program: program)
+    counts = _count_key_traces(monkeypatch)
+    fn = lambda a, b: (a @ b).relu() - 1
+    assert not _hit(assert_matches_eager(fn, _ARGS, cache_dir=d, capture="trace"))
+    assert counts == {"fake": 1, "meta": 1}
+    aotc.cache_flush()
+    assert len(_entries(d)) == 1 and len(_families(d)) == 1
+    assert _hit(assert_matches_eager(fn, _ARGS, cache_dir=d, capture="trace"))
