@@ -617,6 +617,12 @@ def _strict_fallback(gm: torch.fx.GraphModule, opts: CompileOptions, name: str) 
     back to Dynamo), and aotc's own guards key its entries, aliasing patterns and sizes included
     (symbolic entries have no synthetic bases)."""
     strict = dataclasses.replace(opts, capture=Capture.TRACE, dynamic=False)
+    # A lazy graph module (Dynamo's) writes its code on its first call, which a strict trace
+    # would see as state the program creates (Note [State created on the first call] in
+    # aotc/recording.py): the code is written here, before anything traces the graph.
+    realize = getattr(gm, "real_recompile", None)
+    if callable(realize):
+        realize()
     return CompiledFunction(gm.forward, strict, find_free_tensors(gm.forward), name)
 
 
