@@ -3,9 +3,12 @@
 A cold compile is what a user pays the first time a program runs: aotc's whole-program tracer
 (`capture="trace"`, like AOTAutograd's `aot_function` a trace of the whole program without
 Dynamo; the default capture adds Dynamo's own tracing, see bench/capture.py) with its default
-options, so the persistent cache is on and empty (a fresh cache directory per repetition: the cache key's
-trace, its verification and the store of the entry are on the clock), and, for reference, aotc
-with `cache=False`. AOTAutograd runs with no-op compilers (`fw_compiler=bw_compiler=nop`), so
+options, so the persistent cache is on and empty (a fresh cache directory per repetition: the
+lookup, whose key family is not stored so it runs no key trace, and the store of the entry are
+on the clock, Note [Keys of programs never stored] in aotc/cachekey.py); `aotc_key_traced`, the
+same with the family marked as stored (a directory holding another program of the same input
+signature and options, e.g. this one before an edit), so the key trace and its verification run
+as they did before that Note; and, for reference, aotc with `cache=False`. AOTAutograd runs with no-op compilers (`fw_compiler=bw_compiler=nop`), so
 both sides measure tracing + partitioning + wrapper construction, not code generation.
 
 Workloads: the three of earlier runs (an MLP function, a GPT block module, a 10-op pointwise
@@ -54,12 +57,13 @@ from common import (  # noqa: E402
 from torch._functorch.aot_autograd import aot_function, aot_module  # noqa: E402
 
 import aotc  # noqa: E402
+from aotc import persist  # noqa: E402
 
 GOAL = (
     "cold compile (first call + first backward, cache on and empty) "
     "aotc/aot_autograd <= 1.0 per workload"
 )
-SYSTEMS = ("aotc", "aotc_no_cache", "aot_autograd")
+SYSTEMS = ("aotc", "aotc_key_traced", "aotc_no_cache", "aot_autograd")
 
 
 # --------------------------------------------------------------------------- workloads
@@ -133,7 +137,7 @@ class Workload:
 
     def build(self, system: str, cache_dir: str | None) -> Callable[..., torch.Tensor]:
         target = self.fn()
-        if system == "aotc":
+        if system in ("aotc", "aotc_key_traced"):
             return aotc.compile(target, capture="trace", cache_dir=cache_dir)
         if system == "aotc_no_cache":
             return aotc.compile(target, capture="trace", cache=False)
@@ -185,7 +189,14 @@ def _zero_grads(wl: Workload, inputs: tuple[Any, ...]) -> None:
 def measure_once(wl: Workload, system: str) -> tuple[float, dict[str, float]]:
     """Seconds of the first call + backward of a fresh compile, and aotc's stage times."""
     inputs = wl.inputs()
-    cache_dir = tempfile.mkdtemp(prefix="aotc-bench-cold-") if system == "aotc" else None
+    cached = system in ("aotc", "aotc_key_traced")
+    cache_dir = tempfile.mkdtemp(prefix="aotc-bench-cold-") if cached else None
+    # aotc_key_traced: the cache directory holds an entry of the program's key family (another
+    # program of the same input signature and options, e.g. this one before an edit), so the
+    # lookup runs the key trace (Note [Keys of programs never stored] in aotc/cachekey.py).
+    stored = persist._family_stored
+    if system == "aotc_key_traced":
+        persist._family_stored = lambda options, family: True  # type: ignore[assignment]
     try:
         reset_state()
         gc.collect()
@@ -194,7 +205,8 @@ def measure_once(wl: Workload, system: str) -> tuple[float, dict[str, float]]:
         loss = compiled(*inputs)
         loss.backward()
         dt = time.perf_counter() - t0
-        if system == "aotc":
+        persist._family_stored = stored  # type: ignore[assignment]
+        if cached:
             aotc.cache_flush()  # the entry's deferred store, outside the timed window
         stages: dict[str, float] = {}
         if system.startswith("aotc"):
@@ -203,6 +215,7 @@ def measure_once(wl: Workload, system: str) -> tuple[float, dict[str, float]]:
         _zero_grads(wl, inputs)
         return dt, stages
     finally:
+        persist._family_stored = stored  # type: ignore[assignment]
         if cache_dir is not None:
             shutil.rmtree(cache_dir, ignore_errors=True)
 
@@ -217,6 +230,7 @@ def worker(reps: int, only: list[str] | None) -> dict[str, Any]:
             measure_once(wl, system)
         times: dict[str, list[float]] = {s: [] for s in SYSTEMS}
         stages: list[dict[str, float]] = []
+        traced: list[dict[str, float]] = []
         for r in range(reps):
             order = SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]
             for system in order:
@@ -224,13 +238,16 @@ def worker(reps: int, only: list[str] | None) -> dict[str, Any]:
                 times[system].append(dt)
                 if system == "aotc":
                     stages.append(st)
-        out[wl.name] = {"times": times, "stages": stages}
+                elif system == "aotc_key_traced":
+                    traced.append(st)
+        out[wl.name] = {"times": times, "stages": stages, "traced_stages": traced}
     return out
 
 
 def run(procs: int, reps: int, only: list[str] | None, verbose: bool = True) -> dict[str, Any]:
     samples: dict[str, dict[str, list[float]]] = {}
     stage_samples: dict[str, list[dict[str, float]]] = {}
+    traced_samples: dict[str, list[dict[str, float]]] = {}
     per_proc: dict[str, list[dict[str, float]]] = {}
     for p in range(procs):
         cmd = [sys.executable, __file__, "--worker", "--reps", str(reps)]
@@ -245,6 +262,7 @@ def run(procs: int, reps: int, only: list[str] | None, verbose: bool = True) -> 
             for system, ts in r["times"].items():
                 samples.setdefault(name, {}).setdefault(system, []).extend(ts)
             stage_samples.setdefault(name, []).extend(r["stages"])
+            traced_samples.setdefault(name, []).extend(r["traced_stages"])
             per_proc.setdefault(name, []).append(
                 {s: median(ts) * 1e3 for s, ts in r["times"].items()}
             )
@@ -253,11 +271,10 @@ def run(procs: int, reps: int, only: list[str] | None, verbose: bool = True) -> 
     results: dict[str, Any] = {}
     for name, by_system in samples.items():
         med = {s: median(ts) * 1e3 for s, ts in by_system.items()}
-        stages = stage_samples[name]
-        stage_med = {
-            k: median([st.get(k, 0.0) for st in stages]) * 1e3
-            for k in (stages[0] if stages else {})
-        }
+        stage_med, traced_med = (
+            {k: median([st.get(k, 0.0) for st in runs]) * 1e3 for k in (runs[0] if runs else {})}
+            for runs in (stage_samples[name], traced_samples[name])
+        )
         results[name] = {
             "median_ms": med,
             "samples_ms": {s: [round(t * 1e3, 3) for t in ts] for s, ts in by_system.items()},
@@ -265,15 +282,18 @@ def run(procs: int, reps: int, only: list[str] | None, verbose: bool = True) -> 
             "ratio": {
                 "aotc/aot_autograd": ratio(med["aotc"], med["aot_autograd"]),
                 "aotc_no_cache/aot_autograd": ratio(med["aotc_no_cache"], med["aot_autograd"]),
+                "aotc_key_traced/aot_autograd": ratio(med["aotc_key_traced"], med["aot_autograd"]),
                 "aotc/aotc_no_cache": ratio(med["aotc"], med["aotc_no_cache"]),
             },
             "aotc_stage_median_ms": stage_med,
+            "aotc_key_traced_stage_median_ms": traced_med,
             "reps": len(by_system["aotc"]),
             "meets_goal": med["aotc"] <= med["aot_autograd"],
         }
         if verbose:
             print(
-                f"  {name:24s} aotc {med['aotc']:8.2f} ms  (no cache {med['aotc_no_cache']:8.2f})"
+                f"  {name:24s} aotc {med['aotc']:8.2f} ms  (key traced "
+                f"{med['aotc_key_traced']:8.2f}, no cache {med['aotc_no_cache']:8.2f})"
                 f"  aot_autograd {med['aot_autograd']:8.2f} ms  ratio "
                 f"{med['aotc'] / med['aot_autograd']:.3f}",
                 flush=True,
@@ -289,6 +309,7 @@ def table(results: dict[str, Any]) -> str:
             [
                 name,
                 m["aotc"],
+                m["aotc_key_traced"],
                 m["aotc_no_cache"],
                 m["aot_autograd"],
                 r["ratio"]["aotc/aot_autograd"],
@@ -300,6 +321,7 @@ def table(results: dict[str, Any]) -> str:
         [
             "cold compile (1st call+bwd)",
             "aotc ms",
+            "key traced ms",
             "no cache ms",
             "aot_autograd ms",
             "aotc/aot",
@@ -333,7 +355,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "once per system untimed first; then wall time of first call + first backward of a "
             "fresh compiled object, systems interleaved; aotc with the cache on and a fresh "
             "empty cache directory per rep (its entry is written on a background thread, "
-            "flushed after the timed window; aotc_no_cache: cache=False); AOTAutograd with "
+            "flushed after the timed window; aotc_key_traced: the same, with the key family "
+            "marked as stored, so the key trace runs; aotc_no_cache: cache=False); "
+            "AOTAutograd with "
             "boxed no-op fw/bw compilers; median over all reps of all processes"
         ),
     )
