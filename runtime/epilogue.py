@@ -304,6 +304,23 @@ def apply_mutations(
         _set_versions(tuple(t for t, _ in versions), tuple(v for _, v in versions))
 
 
+def write_buffers(
+    targets: tuple[torch.Tensor, ...],
+    values: tuple[torch.Tensor, ...],
+    bumped: tuple[torch.Tensor, ...],
+    bumps: tuple[int, ...],
+) -> None:
+    """`apply_mutations` for a plan whose writes are all copies under no_grad into the inputs
+    themselves (`runtime.fastpath.writes_buffers`: a BatchNorm's running statistics), with its
+    targets, new values and version steps already picked out by the generated call."""
+    versions = [(t, t._version + n) for t, n in zip(bumped, bumps) if not t.is_inference()]
+    with torch.no_grad():
+        for target, value in zip(targets, values):
+            _copy_back(target, value)
+    if versions:
+        _set_versions(tuple(t for t, _ in versions), tuple(v for _, v in versions))
+
+
 def _copy_back(target: torch.Tensor, value: torch.Tensor) -> None:
     """`target.copy_(value)`, also where `target` is an expanded view (a stride-0 dimension: an
     intermediate Dynamo passes to the graph after a break, `x.expand(2, -1).masked_fill_(...)`).

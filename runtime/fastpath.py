@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from aotc.runtime.epilogue import StepKind
+from aotc.runtime.epilogue import StepKind, write_buffers
 from aotc.runtime.schema import OutputKind
 
 _DIRECT_OUTPUTS = (OutputKind.FRESH, OutputKind.NOT_TENSOR, OutputKind.IS_INPUT)
@@ -95,6 +95,31 @@ def eager_replayable(plan: Any) -> bool:
     return all(m.kind is StepKind.COPY and m.no_grad and not m.via_view for m in epi.mutations)
 
 
+def writes_buffers(plan: Any) -> bool:
+    """Whether `plan` is direct but for writes into inputs that need no grad without autograd
+    history (copies under no_grad into the inputs themselves: a BatchNorm's running statistics
+    and step counter, with eager's version steps), so that a replaying call can be generated
+    with those writes inlined (Note [Generated buffer writes])."""
+    epi = plan.epilogue
+    return (
+        bool(epi.mutations or epi.versions)
+        and eager_replayable(plan)
+        and _plain(plan, _DIRECT_OUTPUTS)
+    )
+
+
+# Note [Generated buffer writes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A replaying entry that writes buffers (a conv net's BatchNorm) went through `general`: the
+# convention, `apply_mutations` (a grad-mode context per write, a dict of view targets) and
+# `build_outputs`, ~30 us of a conv net step whose eager forward's own Python overhead is ~60 us.
+# For plans whose only fix-ups are such writes (`writes_buffers`), the generated call runs the
+# forward, then `epilogue.write_buffers` with the targets, values and version steps picked out by
+# index, all under MUTATION_LOCK as `general` would hold it (Note [Concurrent mutations] in
+# runtime/wrappers.py); the writes are the same copies in the same order, and the versions
+# are set as `apply_mutations` sets them.
+
+
 def make_fast_call(
     plan: Any,
     fwd: Callable[..., Any],
@@ -102,11 +127,14 @@ def make_fast_call(
     general: Callable[[list[object]], object],
     fills_holder: bool = True,
     replay: Callable[..., Any] | None = None,
+    lock: Any = None,
 ) -> Callable[[list[object]], object] | None:
     """`replay`: the forward of an entry whose calls let eager's autograd record the backward
     (Note [Eager autograd on the ATen path] in aotc/eagerautograd.py); it is then called in
-    place of `apply`, with grad on (the entry is a training entry: calls run it with grad on)."""
-    if not is_direct(plan, replaying=replay is not None):
+    place of `apply`, with grad on (the entry is a training entry: calls run it with grad on).
+    `lock`: held around the call and its buffer writes, for plans `writes_buffers` accepts."""
+    writes = replay is not None and lock is not None and writes_buffers(plan)
+    if not writes and not is_direct(plan, replaying=replay is not None):
         return None
     conv, epi = plan.convention, plan.epilogue
     namespace: dict[str, Any] = {
@@ -123,6 +151,18 @@ def make_fast_call(
         namespace["fwd"] = replay if replay is not None else fwd
         check = "any_autocast() or functorch_active()" if replay is not None else "any_autocast()"
         lines = [f"    if {check}:", "        return general(leaves)", f"    d = fwd({args})"]
+        if writes:  # See Note [Generated buffer writes]
+            namespace["lock"], namespace["write_buffers"] = lock, write_buffers
+            src = conv.graph_sources
+            targets = "".join(f"leaves[{src[m.target]}], " for m in epi.mutations)
+            values = "".join(f"d[{m.new_value}], " for m in epi.mutations)
+            bumped = "".join(f"leaves[{a}], " for a, _ in epi.versions)
+            bumps = "".join(f"{n}, " for _, n in epi.versions)
+            lines[2:] = [
+                "    with lock:",
+                f"        d = fwd({args})",
+                f"        write_buffers(({targets}), ({values}), ({bumped}), ({bumps}))",
+            ]
 
         def fwd_out(k: int) -> str:
             return f"d[{k}]"

@@ -173,7 +173,12 @@ class CompiledEntry:
         self._unflatten = _unflattener(plan.out_spec)
         self.call: Callable[[list[object]], object]
         if self._mutates:
-            self.call = self._call_locked
+            fast = None
+            if replay is not None:  # Note [Generated buffer writes] in runtime/fastpath.py
+                fast = make_fast_call(
+                    plan, fwd, self._apply, self._call_locked, replay=replay, lock=MUTATION_LOCK
+                )
+            self.call = fast or self._call_locked
         elif self._segments is not None:
             self.call = self._call_general
         else:

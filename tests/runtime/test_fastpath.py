@@ -65,9 +65,33 @@ def test_direct_plans_take_fast_path_and_match_eager(fn, make_args):
     assert is_fast(compiled) == [True, True]
 
 
-@pytest.mark.parametrize("fn", [returns_view, mutates])
-def test_plans_with_fixups_take_general_path(fn):
-    compiled = assert_matches_eager(fn, make, runs=2, backward=fn is returns_view, capture="trace")
+def test_plans_with_fixups_take_general_path():
+    compiled = assert_matches_eager(returns_view, make, runs=2, capture="trace")
+    assert is_fast(compiled) == [False]
+
+
+def test_buffer_writes_of_a_replaying_entry_are_generated():
+    """Note [Generated buffer writes]: a replaying entry whose only fix-up is a write into an
+    input that needs no grad gets a generated call; the write, the version and the gradients
+    are eager's."""
+    compiled = assert_matches_eager(mutates, make, runs=3, capture="trace")
+    assert is_fast(compiled) == [True]
+    assert "write_buffers" in compiled._dispatch.entries[0].call.__aotc_source__
+    x, w = make()
+    x_ref, w_ref = x.clone(), w.detach().clone().requires_grad_()
+    out, ref = compiled(x, w), mutates(x_ref, w_ref)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(x, x_ref)
+    assert x._version == x_ref._version == 1
+    out.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(w.grad, w_ref.grad)
+
+
+def test_buffer_writes_keep_the_general_path_with_the_pair(pair):
+    compiled = assert_matches_eager(
+        mutates, make, runs=2, backward=False, capture="trace", cache=False
+    )
     assert is_fast(compiled) == [False]
 
 
