@@ -40,6 +40,18 @@ atexit.register(shutil.rmtree, _SESSION_CONFIG, True)
 import aotc
 
 
+class Double(torch.autograd.Function):
+    """A custom autograd.Function: its backward is Python the key text cannot see."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g * 2
+
+
 def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 

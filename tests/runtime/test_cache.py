@@ -17,7 +17,7 @@ import aotc
 from aotc import persist
 from aotc.options import CompileOptions
 from aotc.runtime import cache as store
-from tests.conftest import assert_matches_eager, assert_module_matches_eager
+from tests.conftest import Double, assert_matches_eager, assert_module_matches_eager
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -161,15 +161,6 @@ def test_key_changes_with_no_grad_region_inside():
 
 
 def test_custom_autograd_function_is_not_cached(tmp_path):
-    class Double(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 2
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * 2
-
     x = torch.randn(3, requires_grad=True)
     program = lambda leaves: ([Double.apply(leaves[0])], None)
     result = persist.cache_key(program, [x], ["x"], CompileOptions(cache_dir="/unused"), True)

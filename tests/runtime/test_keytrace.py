@@ -12,7 +12,7 @@ import torch
 import aotc
 from aotc import keytrace, persist, structured
 from aotc.options import CompileOptions
-from tests.conftest import assert_matches_eager, assert_module_matches_eager
+from tests.conftest import Double, assert_matches_eager, assert_module_matches_eager
 from tests.e2e import models
 
 
@@ -373,15 +373,6 @@ def test_a_marked_family_traces_the_key_of_another_program(tmp_path, monkeypatch
 def test_unkeyable_program_of_a_family_never_stored_is_not_stored(tmp_path, monkeypatch):
     """A deferred key whose fake run the key text cannot hold (a custom Function) is not
     stored, as a traced key would not have been, and marks no family."""
-
-    class Double(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 2
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * 2
 
     d = str(tmp_path)
     counts = _count_key_traces(monkeypatch)
