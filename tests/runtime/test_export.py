@@ -151,9 +151,14 @@ def _train_and_compare(eager, bound, loaded, steps=3, train=True, batches=()):
         if train:
             want.sum().backward()
             got.sum().backward()
+        # A gradient BatchNorm makes zero in exact arithmetic (the bias before it) is float32
+        # cancellation noise of the step's other gradient terms: at a batch of 2 it is ~2e-4
+        # in eager itself, so the absolute tolerance scales with the step's largest gradient.
+        scale = max((p.grad.abs().max().item() for p in eager.parameters() if train), default=1)
         for (name, pw), (_, pg) in zip(eager.named_parameters(), bound.named_parameters()):
             if train:
-                torch.testing.assert_close(pg.grad, pw.grad, rtol=1e-4, atol=1e-5, msg=name)
+                atol = max(1e-5, 1e-4 * scale)
+                torch.testing.assert_close(pg.grad, pw.grad, rtol=1e-4, atol=atol, msg=name)
                 with torch.no_grad():
                     pw -= 0.1 * pw.grad
                     pg -= 0.1 * pg.grad

@@ -5,6 +5,7 @@ that runs it first still picks the right entry, and a call that changes any prop
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 
@@ -323,3 +324,46 @@ def test_plain_probe_rechecks_state_and_grad_mode():
         out = compiled(x, w)
     assert not out.requires_grad
     torch.testing.assert_close(out, (x * w * 2.0).sum())
+
+
+def test_c_tensor_check_takes_parameter_leaves():
+    """A module's lifted weights are Parameters: the probe checks them in the same C call (Note
+    [Tensor checks in C]), by exact type, and still runs the entry exactly when the key matches
+    (a plain tensor where the probe saw a Parameter misses, and the key path decides)."""
+    w = torch.nn.Parameter(torch.randn(3, 2))
+    b = torch.nn.Parameter(torch.randn(2))
+    x = torch.randn(4, 3)
+    sig = signature_key([x, w, b, 2])
+    entry = _Entry()
+    probe = make_probe(sig, entry, None, 1, [x, w, b, 2])
+    assert "tensor_check(l0, l1, l2, )" in probe.__aotc_source__
+    calls = {
+        "same": [x, w, b, 2],
+        "new parameters": [torch.randn(4, 3), torch.nn.Parameter(torch.randn(3, 2)), b, 2],
+        "plain tensor for a parameter": [x, w.detach().requires_grad_(), b, 2],
+        "shape": [x, torch.nn.Parameter(torch.randn(3, 3)), b, 2],
+        "requires_grad": [x, torch.nn.Parameter(torch.randn(3, 2), requires_grad=False), b, 2],
+        "non-leaf": [x, w * 1, b, 2],
+        "shared storage": [x, w, w.detach()[0], 2],
+        "constant": [x, w, b, 3],
+    }
+    for name, leaves in calls.items():
+        want = signature_key(leaves) == sig and all(
+            type(t) is type(s) for t, s in zip(leaves, [x, w, b, 2])
+        )
+        assert (probe(leaves) is not MISS) == want, name
+    assert probe(calls["same"]) is not MISS and probe(calls["plain tensor for a parameter"]) is MISS
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    twin = copy.deepcopy(model)
+    compiled = aotc.compile(twin, capture="trace")
+    for _ in range(4):
+        x = torch.randn(5, 3)
+        want, got = model(x), compiled(x)
+        torch.testing.assert_close(got, want)
+        want.sum().backward()
+        got.sum().backward()
+        for p, q in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(q.grad, p.grad)
+        for p, q in zip(model.buffers(), twin.buffers()):
+            torch.testing.assert_close(q, p)
