@@ -213,10 +213,11 @@ def _signature_conditions(
 # adds, which the check compares): such calls take the key path, as any probe miss does. On the
 # conv net of bench/partition.py (12 tensor leaves) the check is 1.2 us against 6.5 us for the
 # Python conditions, and more in a training step, where the kernels between two calls leave the
-# caches cold. The check is built only in a call with no dispatch mode
-# or functorch transform active (it keeps the thread's dispatch keys of the call that built it),
-# and only if it passes on the leaves that made the probe and rejects a changed copy of them;
-# otherwise (or if this torch has no such class) the Python conditions stay.
+# caches cold. Tensor leaves of other types (subclasses) keep their Python conditions. The
+# check is built only in a call with no dispatch mode or functorch transform active (it keeps
+# the thread's dispatch keys of the call that built it), and only if it passes on the leaves
+# that made the probe and rejects a changed copy of them; otherwise (or if this torch has no
+# such class) the Python conditions stay.
 # tests/runtime/test_guard_check.py compares the probe with key equality over many changes.
 
 
@@ -225,16 +226,22 @@ def _tensor_check(
 ) -> tuple[Callable[..., bool], tuple[int, ...]] | None:
     """A C check of the tensor leaves of `leaves` (a call with key part `signature`), see Note
     [Tensor checks in C]: (the check, the positions of the leaves it takes), or None where it
-    cannot be built or does not behave. The first `exact` leaves must be plain tensors."""
+    cannot be built or does not behave. The first `exact` leaves must be plain tensors; of the
+    others, plain tensors and Parameters are checked."""
     if TensorGuards is None or len(leaves) != len(signature[0]):
         return None
     if torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active():
         return None  # the check would keep this call's dispatch keys: build it in a plain call
     parts = signature[0]
-    at = tuple(i for i, p in enumerate(parts) if len(p) == 6 and isinstance(p[0], torch.dtype))
-    if not at or any(type(leaves[i]) not in _C_CHECKED for i in at):
-        return None
     if any(type(leaves[i]) is not Tensor for i in range(exact)):
+        return None
+    # Tensor leaves of other types (subclasses) keep their Python conditions.
+    at = tuple(
+        i
+        for i, p in enumerate(parts)
+        if len(p) == 6 and isinstance(p[0], torch.dtype) and type(leaves[i]) in _C_CHECKED
+    )
+    if not at:
         return None
     tensors = [cast(Tensor, leaves[i]) for i in at]
     try:

@@ -367,3 +367,21 @@ def test_c_tensor_check_takes_parameter_leaves():
             torch.testing.assert_close(q.grad, p.grad)
         for p, q in zip(model.buffers(), twin.buffers()):
             torch.testing.assert_close(q, p)
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def test_c_tensor_check_leaves_subclass_leaves_to_python():
+    """A tensor subclass among the leaves keeps its Python conditions; the plain tensors and
+    Parameters beside it are still checked in C, and the probe matches key equality."""
+    x, w = torch.randn(4, 3), torch.nn.Parameter(torch.randn(3, 2))
+    s = torch.randn(2).as_subclass(_Sub)
+    sig = signature_key([x, s, w])
+    probe = make_probe(sig, _Entry(), None, 1, [x, s, w])
+    assert "tensor_check(l0, l2, )" in probe.__aotc_source__
+    assert "isinstance(l1, Tensor)" in probe.__aotc_source__
+    for leaves in ([x, s, w], [x, torch.randn(3).as_subclass(_Sub), w], [x, s, w.detach()]):
+        want = signature_key(leaves) == sig and type(leaves[2]) is torch.nn.Parameter
+        assert (probe(leaves) is not MISS) == want
