@@ -2,7 +2,7 @@
 
 Stages: `autograd_shape(roots, leaves)`, during the joint trace, records the autograd graph the
 traced program built (aotc/tracer.py keeps it in the joint module's meta under `SHAPE_KEY`);
-`replays_eagerly(shape, forward, n_fwd, diff_outs, requires_grad, saved_bytes)`, once per cold
+`replays_eagerly(shape, forward, graph, diff_outs, requires_grad, saved_bytes)`, once per cold
 compile of a training entry whose graphs run as ATen calls and whose plan allows it (direct,
 Note [Direct plans] in runtime/fastpath.py, or `eager_replayable`), says whether its calls may run
 the forward graph with grad on and let eager's autograd record the backward (see the Note).
@@ -50,20 +50,24 @@ The replay needs autograd's nodes and the geometry of what they save, never valu
 static it runs on meta tensors, and below autograd `_RecordedResults` answers each node's op with
 meta tensors of the results the trace recorded for it, so no meta kernel runs (those of decomposed
 ops are Python, batch norm's above all: on bench/compile_time.py's conv net the check took 3.5 ms
-with them and takes 0.9 ms without). Views and in-place ops still run their (C++) meta kernels,
-since autograd and the byte count see which storage their results share. The results are the
+with them and takes 0.9 ms without). Views and in-place ops that return what they write still
+run their (C++) meta kernels, since autograd and the byte count see which storage their results
+share; an op that writes arguments it does not return (batch norm run in place on its running
+statistics, Note [Buffers written in place] in runtime/replay.py) is answered too. The results are the
 trace's own, so the saved bytes are those of the layouts the trace saw (eager's, Note [Eager's
 layouts of normalization kernels] in aotc/eagerlayouts.py), where a decomposition's meta kernel
 could give another; tests/e2e/test_eager_autograd.py checks that both decide alike.
 
 Writes into inputs that need no grad, made without autograd history (a BatchNorm's running
-statistics, a step counter), stay with the epilogue (runtime/fastpath.py `eager_replayable`):
-the forward graph reads such an input only for values from before the write, so where eager's
-autograd saved the input it saved it before eager's write too; the epilogue then writes it and
-sets its version to eager's (`EpiloguePlan.versions`). Where eager's write bumped the version
-(`w.add_(1)` after `x * w`), the saved input's version check fails in the backward as eager's
-does; where it did not (the BatchNorm kernel updates its running statistics without a bump), it
-passes as eager's does, and the backward reads the same buffer eager's reads.
+statistics, a step counter; runtime/fastpath.py `eager_replayable`), are done in place by the
+replayed forward where its op has an in-place variant (Note [Buffers written in place] in
+runtime/replay.py), else by the epilogue after the forward; either way the epilogue sets the
+input's version to eager's (`EpiloguePlan.versions`). The forward graph reads such an input
+only for values from before the write, so where eager's autograd saved the input it saved it
+before eager's write too. Where eager's write bumped the version (`w.add_(1)` after `x * w`),
+the saved input's version check fails in the backward as eager's does; where it did not (the
+BatchNorm kernel updates its running statistics without a bump), it passes as eager's does, and
+the backward reads the same buffer eager's reads.
 
 Calls under autocast or a functorch transform, and entries whose plans need more than that
 (writes with history, aliased outputs, synthetic bases, ...), keep the compiled pair.
@@ -81,8 +85,6 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from aotc.runtime.replay import fwd_only
 
 SHAPE_KEY = "aotc_autograd_shape"
 
@@ -147,7 +149,7 @@ def autograd_shape(
 def replays_eagerly(
     shape: Shape | None,
     forward: fx.GraphModule,
-    n_fwd: int,
+    graph: fx.Graph,
     diff_outs: Sequence[int],
     requires_grad: Sequence[bool],
     saved_bytes: int,
@@ -160,7 +162,6 @@ def replays_eagerly(
     vals = [n.meta.get("val") for n in forward.graph.nodes if n.op == "placeholder"]
     if len(vals) != len(requires_grad):
         return False
-    graph = fwd_only(forward, n_fwd)
     static = all(
         isinstance(v, torch.Tensor) and not _symbolic(v) for v in vals if not isinstance(v, int)
     )
@@ -284,8 +285,13 @@ class _RecordedResults(TorchDispatchMode):
 
 
 def _aliases(func: Any) -> bool:
+    """Whether a result of `func` may alias an argument. An op that only writes arguments it
+    does not return (`_native_batch_norm_legit` on the running statistics, Note [Buffers
+    written in place] in runtime/replay.py) does not: its results are fresh tensors."""
     schema = func._schema
-    return any(a.alias_info is not None for a in (*schema.arguments, *schema.returns))
+    if any(r.alias_info is not None for r in schema.returns):
+        return True
+    return any(a.alias_info is not None and not a.alias_info.is_write for a in schema.arguments)
 
 
 def _empty_like(val: object, func: Any) -> object:

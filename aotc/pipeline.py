@@ -22,6 +22,7 @@ share `_assemble` (Note [One compiled program] in runtime/artifact.py).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -81,6 +82,7 @@ from aotc.runtime.kernels import CompiledGraph, KernelSource, KernelStep
 from aotc.runtime.launch import make_callable
 from aotc.runtime.lazy import Deferred
 from aotc.runtime.outspec import keep_sizes
+from aotc.runtime.replay import fwd_only, writable_in_place
 from aotc.runtime.schema import (
     CallingConvention,
     FwdOut,
@@ -675,15 +677,23 @@ def _eager_autograd(
     requires_grad = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
     if any(requires_grad[m.target] for m in plan.epilogue.mutations):
         return plan
-    replays = replays_eagerly(
-        joint.module.meta.get(SHAPE_KEY),
-        part.forward.module,
-        auto.num_fwd_outs,
-        auto.diff_outs,
-        requires_grad,
-        part.saved_bytes,
-    )
-    return dataclasses.replace(plan, eager_autograd=True) if replays else plan
+    # Note [Buffers written in place] in runtime/replay.py
+    targets = collections.Counter(m.target for m in plan.epilogue.mutations)
+    fwd, n_fwd = part.forward.module, auto.num_fwd_outs
+    candidates = [
+        (m.target, m.new_value)
+        for m in plan.epilogue.mutations
+        if targets[m.target] == 1 and m.new_value is not None
+    ]
+    in_place, graph = writable_in_place(fwd, n_fwd, candidates)
+    shape, diff, nbytes = joint.module.meta.get(SHAPE_KEY), auto.diff_outs, part.saved_bytes
+    replays = replays_eagerly(shape, fwd, graph, diff, requires_grad, nbytes)
+    if not replays and in_place:
+        in_place = ()
+        replays = replays_eagerly(shape, fwd, fwd_only(fwd, n_fwd), diff, requires_grad, nbytes)
+    if not replays:
+        return plan
+    return dataclasses.replace(plan, eager_autograd=True, writes_in_place=in_place)
 
 
 def _segment_programs(

@@ -68,7 +68,7 @@ from aotc.runtime.autograd import HigherOrder
 from aotc.runtime.errors import AotcError, GuardError
 from aotc.runtime.guards import signature_check, signature_key
 from aotc.runtime.kernels import CompiledGraph
-from aotc.runtime.launch import make_callable
+from aotc.runtime.launch import LazyCallable, make_callable
 from aotc.runtime.replay import replay_forward
 from aotc.runtime.segments import SegmentProgram
 from aotc.runtime.steps import GraphProgram
@@ -141,10 +141,19 @@ def assemble(
     `higher`: its differentiable backward, built by the compiler (None: a loaded artifact, whose
     create_graph=True backward raises; see runtime/autograd.py)."""
     fwd, bwd = lowerings
-    forward = fwd.callable if fwd is not None else make_callable(program.forward)
+    replay, whole = _replay(program) if fwd is None else (None, False)
+    # A replaying entry's compiled pair runs only under autocast or a functorch transform.
+    pair = LazyCallable if replay is not None else make_callable
+    forward: Callable[..., Any]
+    if fwd is not None:
+        forward = fwd.callable
+    elif replay is not None and whole:
+        forward = replay
+    else:
+        forward = pair(program.forward)
     backward = None
     if program.backward is not None:
-        backward = bwd.callable if bwd is not None else make_callable(program.backward)
+        backward = bwd.callable if bwd is not None else pair(program.backward)
     return CompiledEntry(
         program.plan,
         forward,
@@ -155,18 +164,17 @@ def assemble(
         program.segments,
         segment_highers,
         tuple(c.callable if c is not None else None for c in segment_lowerings),
-        _replay(program, forward if fwd is None else None),
+        replay,
     )
 
 
-def _replay(
-    program: CompiledProgram, launched: Callable[..., Any] | None
-) -> Callable[..., Any] | None:
-    """The forward eager's autograd records (Note [Eager autograd on the ATen path])."""
+def _replay(program: CompiledProgram) -> tuple[Callable[..., Any] | None, bool]:
+    """The forward eager's autograd records (Note [Eager autograd on the ATen path]), and
+    whether it is the forward graph's own function (it runs the whole graph as it is)."""
     plan = program.plan
     if not plan.eager_autograd or plan.autograd is None:
-        return None
-    return replay_forward(program.forward, plan.autograd.num_fwd_outs, launched)
+        return None, False
+    return replay_forward(program.forward, plan.autograd.num_fwd_outs, plan.writes_in_place)
 
 
 @dataclass(frozen=True, slots=True)

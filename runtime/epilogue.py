@@ -275,12 +275,14 @@ def apply_mutations(
     leaves: list[object],
     graph_args: list[torch.Tensor],
     fwd_outs: Sequence[torch.Tensor],
+    in_place: frozenset[tuple[int, int]] = frozenset(),
+    versions: tuple[tuple[torch.Tensor, ...], tuple[int, ...]] | None = None,
 ) -> None:
-    versions = [
-        (t, t._version + n)
-        for t, n in ((cast(torch.Tensor, leaves[a]), n) for a, n in plan.versions)
-        if not t.is_inference()
-    ]
+    """`in_place`: the writes (graph arg, fwd output) the forward did itself (Note [Buffers
+    written in place] in runtime/replay.py), skipped here; `versions`: eager's versions of the
+    written inputs, read before such a forward ran (`read_versions`)."""
+    if versions is None:
+        versions = read_versions(plan, leaves)
     dest = {
         m.target: graph_args[m.target].as_strided(
             graph_args[m.target].shape,
@@ -291,6 +293,8 @@ def apply_mutations(
         if m.via_view
     }
     for m in plan.mutations:
+        if (m.target, m.new_value) in in_place:
+            continue
         with torch.set_grad_enabled(not m.no_grad):
             if m.kind is StepKind.COPY:
                 target = dest.get(m.target, graph_args[m.target])
@@ -300,25 +304,44 @@ def apply_mutations(
                 g = m.geometry
                 assert isinstance(leaf, torch.Tensor) and g is not None
                 leaf.as_strided_(g.size, g.stride, leaf.storage_offset() + g.offset)
-    if versions:
-        _set_versions(tuple(t for t, _ in versions), tuple(v for _, v in versions))
+    if versions[0]:
+        _set_versions(*versions)
+
+
+def read_versions(
+    plan: EpiloguePlan, leaves: list[object]
+) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+    """The written inputs (inference tensors have no version) and the versions eager leaves
+    them at: what they are now, before the call's writes, plus eager's count."""
+    return buffer_versions(
+        tuple(cast(torch.Tensor, leaves[a]) for a, _ in plan.versions),
+        tuple(n for _, n in plan.versions),
+    )
+
+
+def buffer_versions(
+    bumped: tuple[torch.Tensor, ...], bumps: tuple[int, ...]
+) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+    """`read_versions` with the inputs and counts picked out by the generated call."""
+    keep = [(t, t._version + n) for t, n in zip(bumped, bumps) if not t.is_inference()]
+    return tuple(t for t, _ in keep), tuple(v for _, v in keep)
 
 
 def write_buffers(
     targets: tuple[torch.Tensor, ...],
     values: tuple[torch.Tensor, ...],
-    bumped: tuple[torch.Tensor, ...],
-    bumps: tuple[int, ...],
+    versions: tuple[tuple[torch.Tensor, ...], tuple[int, ...]],
 ) -> None:
     """`apply_mutations` for a plan whose writes are all copies under no_grad into the inputs
     themselves (`runtime.fastpath.writes_buffers`: a BatchNorm's running statistics), with its
-    targets, new values and version steps already picked out by the generated call."""
-    versions = [(t, t._version + n) for t, n in zip(bumped, bumps) if not t.is_inference()]
-    with torch.no_grad():
-        for target, value in zip(targets, values):
-            _copy_back(target, value)
-    if versions:
-        _set_versions(tuple(t for t, _ in versions), tuple(v for _, v in versions))
+    targets, new values and versions (`buffer_versions`, read before the call) already picked
+    out by the generated call; the writes the forward did in place are not among them."""
+    if targets:
+        with torch.no_grad():
+            for target, value in zip(targets, values):
+                _copy_back(target, value)
+    if versions[0]:
+        _set_versions(*versions)
 
 
 def _copy_back(target: torch.Tensor, value: torch.Tensor) -> None:

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from aotc.runtime.epilogue import StepKind, write_buffers
+from aotc.runtime.epilogue import StepKind, buffer_versions, write_buffers
 from aotc.runtime.schema import OutputKind
 
 _DIRECT_OUTPUTS = (OutputKind.FRESH, OutputKind.NOT_TENSOR, OutputKind.IS_INPUT)
@@ -117,7 +117,8 @@ def writes_buffers(plan: Any) -> bool:
 # forward, then `epilogue.write_buffers` with the targets, values and version steps picked out by
 # index, all under MUTATION_LOCK as `general` would hold it (Note [Concurrent mutations] in
 # runtime/wrappers.py); the writes are the same copies in the same order, and the versions
-# are set as `apply_mutations` sets them.
+# are set as `apply_mutations` sets them, from the versions read before the forward (which
+# may do some writes itself: Note [Buffers written in place] in runtime/replay.py).
 
 
 def make_fast_call(
@@ -153,15 +154,20 @@ def make_fast_call(
         lines = [f"    if {check}:", "        return general(leaves)", f"    d = fwd({args})"]
         if writes:  # See Note [Generated buffer writes]
             namespace["lock"], namespace["write_buffers"] = lock, write_buffers
+            namespace["buffer_versions"] = buffer_versions
             src = conv.graph_sources
-            targets = "".join(f"leaves[{src[m.target]}], " for m in epi.mutations)
-            values = "".join(f"d[{m.new_value}], " for m in epi.mutations)
+            # Note [Buffers written in place] in runtime/replay.py: the forward did these.
+            done = frozenset(plan.writes_in_place)
+            copies = [m for m in epi.mutations if (m.target, m.new_value) not in done]
+            targets = "".join(f"leaves[{src[m.target]}], " for m in copies)
+            values = "".join(f"d[{m.new_value}], " for m in copies)
             bumped = "".join(f"leaves[{a}], " for a, _ in epi.versions)
             bumps = "".join(f"{n}, " for _, n in epi.versions)
             lines[2:] = [
                 "    with lock:",
+                f"        vs = buffer_versions(({bumped}), ({bumps}))",
                 f"        d = fwd({args})",
-                f"        write_buffers(({targets}), ({values}), ({bumped}), ({bumps}))",
+                f"        write_buffers(({targets}), ({values}), vs)",
             ]
 
         def fwd_out(k: int) -> str:

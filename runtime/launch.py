@@ -163,6 +163,32 @@ def make_callable(module: fx.GraphModule, graph: fx.Graph | None = None) -> Call
     return fn  # type: ignore[no-any-return]
 
 
+class LazyCallable:
+    """`make_callable(module)`, generated at its first call: the compiled pair of an entry whose
+    calls let eager's autograd record the backward runs only under autocast or a functorch
+    transform (Note [Eager autograd on the ATen path] in aotc/eagerautograd.py), so its graphs
+    are not generated at assembly (~1-2 ms each on a conv net). Two threads calling first may
+    both generate it; either function is the graph's."""
+
+    __slots__ = ("_module", "_fn")
+
+    def __init__(self, module: fx.GraphModule) -> None:
+        self._module = module
+        self._fn: Callable[..., Any] | None = None
+
+    def _get(self) -> Callable[..., Any]:
+        fn = self._fn
+        if fn is None:
+            fn = self._fn = make_callable(self._module)
+        return fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self._get()(*args)
+
+    def boxed(self, args: list[Any]) -> Any:
+        return self._get().boxed(args)  # type: ignore[attr-defined]
+
+
 _AS_STRIDED_SCATTER = torch.ops.aten.as_strided_scatter.default
 
 

@@ -36,6 +36,7 @@ from aotc.runtime.epilogue import (
     StepKind,
     apply_mutations,
     build_outputs,
+    read_versions,
     regenerated_view,
     stale_input_views,
 )
@@ -76,6 +77,10 @@ class RuntimePlan:
     # The fast path runs the forward graph under eager's own autograd instead of the compiled
     # pair: Note [Eager autograd on the ATen path] in aotc/eagerautograd.py.
     eager_autograd: bool = False
+    # With eager_autograd: the input writes (graph arg, fwd output) the replayed forward does in
+    # place, so the epilogue only sets their versions (Note [Buffers written in place] in
+    # runtime/replay.py).
+    writes_in_place: tuple[tuple[int, int], ...] = ()
 
 
 class CompiledEntry:
@@ -103,6 +108,7 @@ class CompiledEntry:
         "_enable_grad",
         "_segments",
         "_replay",
+        "_in_place",
     )
 
     def __init__(
@@ -170,6 +176,7 @@ class CompiledEntry:
         self._watch_outputs = plan.autograd.watch_outputs if plan.autograd is not None else ()
         self._enable_grad = plan.enable_grad
         self._replay = replay  # None unless the plan says eager_autograd (never segmented)
+        self._in_place = frozenset(plan.writes_in_place)  # done by `replay`, not the epilogue
         self._unflatten = _unflattener(plan.out_spec)
         self.call: Callable[[list[object]], object]
         if self._mutates:
@@ -227,7 +234,11 @@ class CompiledEntry:
             return self._run_segments(leaves, args)
         diff: Any = None
         fwd_outs: Sequence[torch.Tensor]
+        in_place: frozenset[tuple[int, int]] = frozenset()
+        versions = None
         if replay is not None:
+            if self._in_place:  # Note [Buffers written in place] in runtime/replay.py
+                in_place, versions = self._in_place, read_versions(plan.epilogue, leaves)
             fwd_outs = replay(*args)
         elif self._fn is not None:
             if self._detach:
@@ -253,7 +264,7 @@ class CompiledEntry:
         if self._mutates:
             early = stale_input_views(plan.epilogue, leaves)
             graph_args = apply_convention(plan.convention, leaves)
-            apply_mutations(plan.epilogue, leaves, graph_args, fwd_outs)
+            apply_mutations(plan.epilogue, leaves, graph_args, fwd_outs, in_place, versions)
             if self._watch and diff is not None:
                 refresh_watched(diff)
         result = build_outputs(plan.epilogue, leaves, fwd_outs, early)
