@@ -140,6 +140,56 @@ def _entries(comp: Any) -> list[Any]:
     return [o for o in gc.get_objects() if type(o) is CompiledEntry and id(o.plan) in plans]
 
 
+class Stats(torch.nn.Module):
+    """Buffers a program updates itself, without history."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6)
+        self.kind = kind
+        self.register_buffer("ema", torch.zeros(6))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "counter":
+            y = self.lin(x)
+            self.count.add_(1)
+        elif self.kind == "read_then_write":  # the old ema is read before the writes
+            y = self.lin(x + self.ema)
+            self.ema.add_(0.5)
+            self.count.add_(1)
+        else:  # "write_then_read": the new ema is read, so its copy stays
+            self.ema.mul_(0.9).add_(1)
+            y = self.lin(x) * self.ema
+        return y.sum()
+
+
+@pytest.mark.parametrize("mode", ("trace", "default"))
+@pytest.mark.parametrize(
+    ("kind", "n_in_place"), [("counter", 1), ("read_then_write", 2), ("write_then_read", 0)]
+)
+def test_buffers_a_program_updates(mode: str, kind: str, n_in_place: int) -> None:
+    torch.manual_seed(0)
+    net = Stats(kind)
+    torch._dynamo.reset()
+    comp = aotc.compile(net, capture={"trace": "trace", "default": "dynamo"}[mode], cache=False)
+    ref = copy.deepcopy(net)
+    start = [b._version - c._version for b, c in zip(net.buffers(), ref.buffers())]
+    for _ in range(3):
+        x = torch.randn(4, 6)
+        got, want = comp(x), ref(x)
+        torch.testing.assert_close(got, want)
+        got.backward()
+        want.backward()
+        for p, q in zip(net.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        for b, c, v in zip(net.buffers(), ref.buffers(), start):
+            torch.testing.assert_close(b, c, rtol=0, atol=0)
+            assert b._version - v == c._version
+    (plan,) = _plans(comp)
+    assert plan.eager_autograd and len(plan.writes_in_place) == n_in_place
+
+
 # The rule itself, on hand-made forward graphs (fake tensors in the placeholders' vals).
 
 
