@@ -104,7 +104,14 @@ def _write_in_place(
             done |= _functional_in_place(graph, value.args[0], new_value, order)  # type: ignore[arg-type]
         elif _pointwise_in_place(graph, x, value, order):
             done.add(x)
-    return tuple((t, o) for t, o in writes if placeholders[t] in done)
+    return tuple(
+        (t, o)
+        for t, o in writes
+        if t < len(placeholders)
+        and o < len(outs)
+        and placeholders[t] in done
+        and new_value[placeholders[t]] is outs[o]
+    )
 
 
 def _plain_write(x: fx.Node, value: fx.Node, outs: list[object]) -> bool:
@@ -154,6 +161,8 @@ def _functional_in_place(
     results: dict[int, fx.Node] = {}
     for user in node.users:
         if user.target is not operator.getitem:
+            return set()
+        if user.args[1] in results:  # type: ignore[index]
             return set()
         results[user.args[1]] = user  # type: ignore[index]
     for j, x in enumerate(inputs):
