@@ -162,7 +162,7 @@ def _functional_in_place(
     for user in node.users:
         if user.target is not operator.getitem:
             return set()
-        if user.args[1] in results:  # type: ignore[index]
+        if user.args[1] in results:
             return set()
         results[user.args[1]] = user  # type: ignore[index]
     for j, x in enumerate(inputs):
