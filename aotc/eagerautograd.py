@@ -86,6 +86,8 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from aotc.runtime.replay import symbolic_geometry
+
 SHAPE_KEY = "aotc_autograd_shape"
 
 # Nodes a shape looks through: their backward only gives the gradient its input's geometry back,
@@ -163,7 +165,9 @@ def replays_eagerly(
     if len(vals) != len(requires_grad):
         return False
     static = all(
-        isinstance(v, torch.Tensor) and not _symbolic(v) for v in vals if not isinstance(v, int)
+        isinstance(v, torch.Tensor) and not symbolic_geometry(v)
+        for v in vals
+        if not isinstance(v, int)
     )
     modes: list[FakeTensorMode | None] = [None] if static else []
     fake_mode = detect_fake_mode(vals)
@@ -314,13 +318,9 @@ def _empty_like(val: object, func: Any) -> object:
 
 
 def _meta_of(val: object) -> torch.Tensor | None:
-    if not isinstance(val, torch.Tensor) or _symbolic(val):
+    if not isinstance(val, torch.Tensor) or symbolic_geometry(val):
         return None
     return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
-
-
-def _symbolic(t: torch.Tensor) -> bool:
-    return any(isinstance(x, torch.SymInt) for x in (*t.shape, *t.stride(), t.storage_offset()))
 
 
 def _edges(fn: object) -> tuple[tuple[object, int], ...]:

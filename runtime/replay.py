@@ -118,7 +118,7 @@ def _plain_write(x: fx.Node, value: fx.Node, outs: list[object]) -> bool:
     xv, vv = x.meta.get("val"), value.meta.get("val")
     if not isinstance(xv, torch.Tensor) or not isinstance(vv, torch.Tensor):
         return False
-    if _symbolic(xv) or _symbolic(vv) or not xv.is_contiguous():
+    if symbolic_geometry(xv) or symbolic_geometry(vv) or not xv.is_contiguous():
         return False
     if xv.dtype != vv.dtype or xv.shape != vv.shape or xv.device != vv.device:
         return False
@@ -194,11 +194,10 @@ def _mutable_variant(target: object) -> torch._ops.OpOverload | None:
     if not isinstance(target, torch._ops.OpOverload):
         return None
     name = target._schema.name
-    if not name.startswith("aten::") or not name.endswith("_functional"):
+    if not name.endswith("_functional"):
         return None
-    packet = getattr(torch.ops.aten, name[len("aten::") : -len("_functional")], None)
-    mutable = getattr(packet, target._overloadname, None)
-    if not isinstance(mutable, torch._ops.OpOverload):
+    mutable = _aten_overload(name.removesuffix("_functional"), target._overloadname)
+    if mutable is None:
         return None
     fun, mut = target._schema, mutable._schema
     if len(fun.arguments) != len(mut.arguments):
@@ -228,12 +227,8 @@ def _pointwise_in_place(
         return False
     if any(isinstance(a, fx.Node) for a in (*value.args[1:], *value.kwargs.values())):
         return False
-    name = op._schema.name
-    if not name.startswith("aten::"):
-        return False
-    packet = getattr(torch.ops.aten, name[len("aten::") :] + "_", None)
-    inplace = getattr(packet, op._overloadname, None)
-    if not isinstance(inplace, torch._ops.OpOverload):
+    inplace = _aten_overload(op._schema.name + "_", op._overloadname)
+    if inplace is None:
         return False
     fun, inp = op._schema, inplace._schema
     if len(fun.arguments) != len(inp.arguments) or not inp.arguments:
@@ -253,7 +248,17 @@ def _pointwise_in_place(
     return True
 
 
-def _symbolic(t: torch.Tensor) -> bool:
+def _aten_overload(name: str, overload: str) -> torch._ops.OpOverload | None:
+    """The ATen overload `overload` of the op named `name` ("aten::x"), if there is one."""
+    if not name.startswith("aten::"):
+        return None
+    packet = getattr(torch.ops.aten, name.removeprefix("aten::"), None)
+    op = getattr(packet, overload, None)
+    return op if isinstance(op, torch._ops.OpOverload) else None
+
+
+def symbolic_geometry(t: torch.Tensor) -> bool:
+    """Whether `t`'s sizes, strides or offset are symbolic."""
     return any(isinstance(s, torch.SymInt) for s in (*t.shape, *t.stride(), t.storage_offset()))
 
 
