@@ -45,7 +45,7 @@ class Outcome:
 
 
 class _Differs(Exception):
-    pass
+    """A compiled run that differs from eager's (caught where the comparison reports it)."""
 
 
 def _compiled(f: Callable[..., Any], mode: str) -> Callable[..., Any]:
