@@ -724,7 +724,7 @@ def saved_listing(r: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=5, help="compilations per system (partition time)")
-    p.add_argument("--rounds", type=int, default=9, help="interleaved step-time rounds")
+    p.add_argument("--rounds", type=int, default=21, help="interleaved step-time rounds")
     p.add_argument("--procs", type=int, default=3, help="fresh processes for step times")
     p.add_argument("--out", default="partition", help="results file name under bench/results")
     p.add_argument("--step-worker", help=argparse.SUPPRESS)

@@ -146,3 +146,83 @@ def test_verdicts_reach_the_next_process_through_the_cache_dir(tmp_path, monkeyp
     monkeypatch.setattr(persist, "_VERDICTS_READ", set())
     persist.load_verdicts(CompileOptions.from_env(cache_dir=d))
     assert launch._PROVEN == {}
+
+
+def _nll(x, t):
+    out, total = aten.nll_loss_forward.default(
+        aten._log_softmax.default(x, 1, False), t, None, 1, -100
+    )
+    return (out,)
+
+
+def _ce_inputs():
+    return torch.randn(6, 5, requires_grad=True), torch.randint(0, 5, (6,))
+
+
+def test_one_result_of_a_loss_runs_through_eagers_composite(monkeypatch):
+    """Note [Bindings of one result]: `nll_loss_forward` read only through its first result runs
+    as `torch._C._nn.nll_loss`, with no tuple and no getitem; values, the autograd node a call
+    with grad on records, and gradients are `_op`'s."""
+    _forget(monkeypatch)
+    monkeypatch.setattr(launch, "_PARTS", {})
+    x, t = _ce_inputs()
+    module = _graph(_nll, x.detach(), t)
+    fn = make_callable(module)
+    assert "nll_loss(" in fn.__aotc_source__ and "getitem(" not in fn.__aotc_source__
+    assert any(k.endswith("|part 0") and v == 0 for k, v in launch._PROVEN.items())
+    (got,) = fn(x, t)
+    (want,) = _nll(x, t)
+    assert (
+        type(got.grad_fn) is type(want.grad_fn) and type(got.grad_fn).__name__ == "NllLossBackward0"
+    )
+    torch.testing.assert_close(got, want)
+    (gx,) = torch.autograd.grad(got, x)
+    (wx,) = torch.autograd.grad(want, x)
+    torch.testing.assert_close(gx, wx)
+
+
+def test_both_results_read_keep_op(monkeypatch):
+    _forget(monkeypatch)
+    monkeypatch.setattr(launch, "_PARTS", {})
+
+    def f(x, t):
+        out, total = aten.nll_loss_forward.default(x, t, None, 1, -100)
+        return out, total
+
+    x, t = _ce_inputs()
+    module = _graph(f, x.detach(), t)
+    fn = make_callable(module)
+    assert "nll_loss(" not in fn.__aotc_source__
+    for got, want in zip(fn(x, t), f(x, t)):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_composite_that_is_not_that_result_is_refused(monkeypatch):
+    """The dry run refuses a table entry whose binding returns another result (the identity
+    check) or sends another op (the dispatch check): `_op` and getitem stay."""
+    x, t = _ce_inputs()
+    module = _graph(_nll, x.detach(), t)
+    wrong = {
+        ("aten::nll_loss_forward", "default", 0): ("_VariableFunctions", "neg"),
+        ("aten::nll_loss_forward", "default", 1): ("_nn", "nll_loss"),
+    }
+
+    def g(x, t):
+        out, total = aten.nll_loss_forward.default(
+            aten._log_softmax.default(x, 1, False), t, None, 1, -100
+        )
+        return (total,)
+
+    module_total = _graph(g, x.detach(), t)
+    for key, where in wrong.items():
+        _forget(monkeypatch)
+        monkeypatch.setattr(launch, "_PARTS", {})
+        monkeypatch.setattr(launch, "_PART_CANDIDATES", {key: where})
+        m = module if key[2] == 0 else module_total
+        node = _node(m, aten.nll_loss_forward.default)
+        assert launch.part_binding(node, key[2]) is None
+        fn = make_callable(m)
+        assert "getitem(" in fn.__aotc_source__
+        assert any(k.endswith(f"|part {key[2]}") and v == -1 for k, v in launch._PROVEN.items())
+        for got, want in zip(fn(x, t), (_nll if m is module else g)(x, t)):
+            torch.testing.assert_close(got, want)
