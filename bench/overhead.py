@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--procs", type=int, default=5, help="fresh processes")
     p.add_argument("--iters", type=int, default=1000, help="calls per round")
-    p.add_argument("--rounds", type=int, default=9, help="interleaved rounds per process")
+    p.add_argument("--rounds", type=int, default=21, help="interleaved rounds per process")
     p.add_argument("--instructions", action="store_true", help="add callgrind counts (slow)")
     p.add_argument("--out", default="overhead", help="results file name under bench/results")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import gc
 import inspect
+import types
 import warnings
 import weakref
 from typing import Any
@@ -779,6 +780,42 @@ def test_guard_hit_remembers_several_entries():
     assert hits.hits >= 8, hits.hits
     assert len(caller._recent) == 4  # each entry remembered once, the last one hit first
     assert caller._recent[0].manager.cache_entry is not None
+
+
+def test_guard_hit_first_entry_generated_and_general_path_agree():
+    # Note [The first remembered entry]: a plain code's call is generated; a closure's is not.
+    def f(x, w):  # type: ignore[no-untyped-def]
+        return (x * w).cos()
+
+    scale = torch.tensor(3.0)
+
+    def g(x):  # type: ignore[no-untyped-def]
+        return x * scale
+
+    compiled, closed = aotc.compile(f), aotc.compile(g)
+    caller = compiled._hit
+    assert caller.call.__code__.co_filename.startswith("<aotc guard hit")
+    assert closed._hit.call == closed._hit._call
+    a = (torch.randn(3, requires_grad=True), torch.randn(3))
+    b = (torch.randn(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64))
+    for x, w in (a, b):  # compiles an entry for each
+        torch.testing.assert_close(compiled(x, w), f(x, w))
+    for _ in range(3):
+        for x, w in (a, b, a):  # the first remembered entry fails every other call
+            fast, general = caller.call((x, w), {}), caller._call((x, w), {})
+            assert fast is not MISS and general is not MISS
+            torch.testing.assert_close(fast, f(x, w))
+            torch.testing.assert_close(general, f(x, w))
+        assert caller.call((a[0],), {}) is MISS  # another count: the general path's answer
+        assert caller.call((), {"x": a[0], "w": a[1]}) is MISS  # keywords bind in the frame
+        torch.testing.assert_close(compiled(x=a[0], w=a[1]), f(*a))
+        torch.testing.assert_close(closed(a[1]), g(a[1]))
+    # Dynamo's module globals in the unwrapped code are plain namespaces of what it reads
+    (entry,) = [h for h in caller._recent if h.check({"x": a[0], "w": a[1]})]
+    modules = [v for k, v in entry.plain.__globals__.items() if k.startswith("__import_")]
+    assert all(isinstance(m, types.SimpleNamespace) for m in modules), modules
+    with torch.no_grad():  # grad mode is guarded: not the remembered entries
+        torch.testing.assert_close(compiled(*a), f(*a))
 
 
 class _Block(nn.Module):
