@@ -274,6 +274,17 @@ def _part_calls(
     return found, covered
 
 
+def _remembered(key: str, verdict: Callable[[], int | None]) -> int | None:
+    """The verdict stored under `key` in `_PROVEN`, or `verdict()`, stored unless it is None
+    (not decided: asked again for the next node of these kinds)."""
+    index = _PROVEN.get(key)
+    if index is None:
+        index = verdict()
+        if index is not None:
+            _PROVEN[key] = index
+    return index
+
+
 def part_binding(node: fx.Node, k: int) -> Callable[..., Any] | None:
     """The binding of Note [Bindings of one result] that runs `node`'s op for its result `k`,
     or None."""
@@ -290,12 +301,13 @@ def part_binding(node: fx.Node, k: int) -> Callable[..., Any] | None:
     except _NoExample:
         return None
     if kinds not in _PARTS:
-        key = f"{target}|{kinds[2]!r}|{kinds[3]!r}|part {k}"
-        index = _PROVEN.get(key)
-        if index is None:
-            index = 0 if _verified_part(target, node, k, candidate) else -1
-            if index == 0 or _decidable(node):
-                _PROVEN[key] = index
+
+        def verdict() -> int | None:  # None: not decided from this node's examples
+            if _verified_part(target, node, k, candidate):
+                return 0
+            return -1 if _decidable(node) else None
+
+        index = _remembered(f"{target}|{kinds[2]!r}|{kinds[3]!r}|part {k}", verdict)
         _PARTS[kinds] = candidate if index == 0 else None
     return _PARTS[kinds]
 
@@ -369,12 +381,9 @@ def fast_binding(node: fx.Node) -> Callable[..., Any] | None:
     except _NoExample:
         return None
     if kinds not in _BINDINGS:
-        key = f"{target}|{kinds[1]!r}|{kinds[2]!r}"
-        index = _PROVEN.get(key)
-        if index is None:
-            index = _verified_binding(target, node)
-            if index is not None:
-                _PROVEN[key] = index
+        index = _remembered(
+            f"{target}|{kinds[1]!r}|{kinds[2]!r}", lambda: _verified_binding(target, node)
+        )
         candidates = _candidates(target)
         _BINDINGS[kinds] = candidates[index] if index is not None and index >= 0 else None
     return _BINDINGS[kinds]
