@@ -810,6 +810,17 @@ def test_guard_hit_first_entry_generated_and_general_path_agree():
         assert caller.call((), {"x": a[0], "w": a[1]}) is MISS  # keywords bind in the frame
         torch.testing.assert_close(compiled(x=a[0], w=a[1]), f(*a))
         torch.testing.assert_close(closed(a[1]), g(a[1]))
+    # alternating two entries: each remembered entry's guards run at most once per call (a call
+    # of the first entry checks one, of the second two: never the failed first again)
+    assert len(caller._recent) == 2
+    checks = [0]
+    for h in caller._recent:
+        h.check = (lambda check: lambda loc: (checks.__setitem__(0, checks[0] + 1), check(loc))[1])(
+            h.check
+        )
+    for x, w in (a, b, a, b):
+        torch.testing.assert_close(compiled(x, w), f(x, w))
+    assert checks[0] == 1 + 2 + 1 + 2, checks[0]
     # Dynamo's module globals in the unwrapped code are plain namespaces of what it reads
     (entry,) = [h for h in caller._recent if h.check({"x": a[0], "w": a[1]})]
     modules = [v for k, v in entry.plain.__globals__.items() if k.startswith("__import_")]
